@@ -1,0 +1,89 @@
+"""Make megatron-core run on a CPU-only machine (gloo, no CUDA).
+
+megatron-core 0.19 assumes CUDA in a handful of places that every CPU run hits:
+
+- ``torch.cuda.current_device()`` is used as an allocation device (RoPE, dist-checkpoint
+  finalize, the global memory buffer) -> it resolves to ``"cpu"``.
+- ``torch.cuda.synchronize()`` is called by dist-checkpoint save -> no-op.
+- The CUDA RNG tracker (``model_parallel_cuda_manual_seed`` and ``fork()`` around dropout and
+  weight init) reads and writes CUDA generator state -> a tracker over the CPU generator.
+
+This is the only module that patches megatron-core or torch. ``install()`` is a no-op when CUDA is
+available, so GPU runs execute megatron-core unmodified.
+"""
+
+import contextlib
+
+import torch
+
+_installed = False
+
+
+def install() -> bool:
+    """Install the CPU adaptations once per process. Returns True if they are active."""
+    global _installed
+    if torch.cuda.is_available():
+        return False
+    if _installed:
+        return True
+
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda device=None: None
+
+    # The "CUDA" generator of a CPU process is the CPU generator. Checkpointed recompute
+    # (CheckpointFunction) saves and restores it through these two module-level functions.
+    mcore_random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: (
+        torch.get_rng_state()
+    )
+    mcore_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: (
+        torch.set_rng_state(new_state)
+    )
+    mcore_random._CUDA_RNG_STATE_TRACKER = _cpu_tracker_class(mcore_random.CudaRNGStatesTracker)()
+    mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    # model_parallel_cuda_manual_seed() would call torch.cuda.manual_seed, which queues a lazy
+    # CUDA call that fails later; seed the CPU generator instead.
+    torch.cuda.manual_seed = lambda seed: None
+    _installed = True
+    return True
+
+
+def _cpu_tracker_class(cuda_tracker_class):
+    """Subclass megatron's tracker so its isinstance checks (RNG state in checkpoints) still hold."""
+
+    class CpuRNGStatesTracker(_CpuRNGStreams, cuda_tracker_class):
+        pass
+
+    return CpuRNGStatesTracker
+
+
+class _CpuRNGStreams:
+    """Named RNG streams over the CPU generator, with megatron's tracker interface.
+
+    megatron forks into the 'model-parallel-rng' stream around weight init and dropout inside
+    tensor-parallel regions, so that each TP rank draws different values there while data-parallel
+    replicas draw the same ones. On a CPU the forked stream replaces the CPU generator's state for
+    the duration of the block, then the caller's state is restored.
+    """
+
+    def add(self, name: str, seed: int):
+        if seed in self.seeds_:
+            raise ValueError(f"RNG seed {seed} already exists")
+        if name in self.states_:
+            raise ValueError(f"RNG state {name!r} already exists")
+        self._is_initialized = True
+        self.seeds_.add(seed)
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng"):
+        if name not in self.states_:
+            raise KeyError(f"RNG state {name!r} was not added")
+        outer = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outer)

@@ -1,0 +1,82 @@
+"""Transformer config with the head-wise attention output gate (Step-3.5-Flash ``g_proj``)."""
+
+from dataclasses import dataclass
+
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+# Per-partition GEMM output dims that FP8 / FP4 kernels accept.
+_QUANT_ALIGNMENT = {"fp8": 16, "fp4": 32}
+
+
+@dataclass
+class GatedTransformerConfig(TransformerConfig):
+    """``TransformerConfig`` plus a learned sigmoid gate per attention head.
+
+    With ``head_wise_attn_gate`` on, ``linear_qkv`` gets ``num_attention_heads`` extra output
+    rows and every head's attention output is scaled by ``sigmoid(x @ w_gate_h + b_gate_h)``
+    before ``linear_proj``. With it off, this config behaves exactly like ``TransformerConfig``.
+    Field names match upstream Megatron-LM's dev branch.
+    """
+
+    head_wise_attn_gate: bool = False
+    """Gate each attention head's output with one learned sigmoid scalar (fused into linear_qkv)."""
+
+    head_wise_attn_gate_init_weight_scale: float = 0.1
+    """Gate weight rows are scaled by this after init, so gate logits start small."""
+
+    head_wise_attn_gate_init_bias: float = 2.0
+    """Gate bias rows start at this value (sigmoid(2.0) ~ 0.88); needs a linear_qkv bias."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.head_wise_attn_gate:
+            self._validate_head_wise_attn_gate()
+
+    def _validate_head_wise_attn_gate(self):
+        tp = self.tensor_model_parallel_size
+        heads, groups, head_dim = self.num_attention_heads, self.num_query_groups, self.kv_channels
+
+        if self.attention_output_gate:
+            raise ValueError(
+                "head_wise_attn_gate=True and attention_output_gate=True are mutually exclusive: "
+                "choose the per-head scalar gate or the full head_dim gate"
+            )
+        for field in ("multi_latent_attention", "fused_single_qkv_rope", "qk_clip", "flash_decode"):
+            if getattr(self, field):
+                raise NotImplementedError(f"head_wise_attn_gate=True does not support {field}=True")
+
+        if heads % tp:
+            raise ValueError(
+                f"head_wise_attn_gate=True needs num_attention_heads ({heads}) divisible by "
+                f"tensor_model_parallel_size ({tp}): each rank owns the gates of its query heads"
+            )
+        if groups >= tp and groups % tp:
+            raise ValueError(
+                f"num_query_groups ({groups}) must be divisible by tensor_model_parallel_size ({tp})"
+            )
+        if groups < tp and tp % groups:
+            raise ValueError(
+                f"num_query_groups ({groups}) < tensor_model_parallel_size ({tp}) needs "
+                f"tensor_model_parallel_size divisible by num_query_groups"
+            )
+        qkv_rows = (heads + 2 * groups) * head_dim
+        if qkv_rows % tp:
+            raise ValueError(
+                f"head_wise_attn_gate=True needs the {qkv_rows} QKV rows of linear_qkv "
+                f"((num_attention_heads {heads} + 2 * num_query_groups {groups}) * kv_channels "
+                f"{head_dim}) divisible by tensor_model_parallel_size ({tp})"
+            )
+        rows_per_rank = (qkv_rows + heads) // tp
+        for recipe, alignment in _QUANT_ALIGNMENT.items():
+            if getattr(self, recipe) and rows_per_rank % alignment:
+                raise ValueError(
+                    f"{recipe}={getattr(self, recipe)!r} needs the per-partition linear_qkv output "
+                    f"dim to be a multiple of {alignment}, but with head_wise_attn_gate=True it is "
+                    f"{rows_per_rank} ((QKV rows {qkv_rows} + gate rows {heads}) / "
+                    f"tensor_model_parallel_size {tp})"
+                )
+
+    @property
+    def head_wise_gate_rows(self) -> int:
+        """Extra linear_qkv output rows added by the gate (0 when it is off)."""
+        return self.num_attention_heads if self.head_wise_attn_gate else 0

@@ -1,0 +1,112 @@
+"""Process-level set-up shared by the launcher, the tests and user scripts.
+
+``init_parallel`` takes a process started by torchrun (or any process whose default process group
+is already initialized) to a state where megatron-core models can be built: torch.distributed,
+megatron's parallel groups, and seeded RNG streams. On a machine without CUDA it installs the CPU
+adaptations from ``_cpu_compat`` and uses gloo.
+"""
+
+import datetime
+import os
+import random
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+
+from mcore_ext import _cpu_compat
+
+# True when init_parallel created the default process group, so destroy_parallel owns it.
+_owns_default_group = False
+
+
+def device() -> torch.device:
+    """The device this process computes on: its local GPU, or the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def init_parallel(
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    context_parallel_size: int = 1,
+    seed: int = 1234,
+    timeout_minutes: int = 10,
+    **model_parallel_kwargs,
+) -> None:
+    """Initialize torch.distributed, megatron's parallel state and the RNG.
+
+    Reads RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT from the environment (torchrun
+    sets them) unless a default process group already exists. Uses NCCL when CUDA is available,
+    gloo otherwise. Extra keyword arguments go to
+    ``megatron.core.parallel_state.initialize_model_parallel``.
+    """
+    global _owns_default_group
+    on_gpu = torch.cuda.is_available()
+    if on_gpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    else:
+        _cpu_compat.install()
+
+    if not dist.is_initialized():
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        dist.init_process_group(
+            backend="nccl" if on_gpu else "gloo",
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+        )
+        _owns_default_group = True
+
+    world_size = dist.get_world_size()
+    model_parallel = tensor_model_parallel_size * pipeline_model_parallel_size * context_parallel_size
+    if world_size % model_parallel:
+        raise ValueError(
+            f"world size {world_size} is not divisible by tensor_model_parallel_size "
+            f"({tensor_model_parallel_size}) x pipeline_model_parallel_size "
+            f"({pipeline_model_parallel_size}) x context_parallel_size ({context_parallel_size})"
+        )
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        context_parallel_size=context_parallel_size,
+        **model_parallel_kwargs,
+    )
+    set_seed(seed)
+
+
+def set_seed(seed: int) -> None:
+    """Seed Python, NumPy and torch, and reset megatron's tensor-parallel RNG streams.
+
+    Pipeline stages get different default streams (as in Megatron-LM) so that layers on different
+    stages are not initialized identically.
+    """
+    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_parallel() -> None:
+    """Tear down megatron's parallel state (and the default group if init_parallel created it).
+
+    Afterwards the process may call ``init_parallel`` again, with other parallel sizes.
+    """
+    global _owns_default_group
+    parallel_state.destroy_model_parallel()
+    if _owns_default_group and dist.is_initialized():
+        dist.destroy_process_group()
+        _owns_default_group = False
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

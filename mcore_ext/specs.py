@@ -1,0 +1,120 @@
+"""GPT layer specs with the head-wise gated attention, for every attention backend.
+
+Each spec is megatron-core's own (``get_gpt_layer_local_spec`` or
+``get_gpt_layer_with_transformer_engine_spec``) with only the slots that change swapped:
+``self_attention.module`` when the gate is on, ``core_attention`` for the SDPA backend.
+"""
+
+import dataclasses
+import enum
+import importlib.util
+
+import torch
+from megatron.core.models.gpt import gpt_layer_specs
+from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from mcore_ext.attention.gated import HeadWiseGatedSelfAttention
+from mcore_ext.attention.sdpa import SDPAttention
+from mcore_ext.norm import TorchNorm
+
+
+class AttentionBackend(str, enum.Enum):
+    """Where core attention and the linear layers come from."""
+
+    AUTO = "auto"  # Transformer Engine on a GPU when installed, otherwise SDPA
+    SDPA = "sdpa"  # torch scaled_dot_product_attention + megatron's local linears (CPU and GPU)
+    LOCAL = "local"  # megatron's own DotProductAttention + local linears (GPU)
+    TE = "te"  # Transformer Engine
+
+
+def transformer_engine_available() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def resolve_backend(backend: str | AttentionBackend = "auto") -> AttentionBackend:
+    """Turn a user's backend choice into a concrete backend, with a clear error for a bad one."""
+    try:
+        backend = AttentionBackend(backend)
+    except ValueError:
+        choices = ", ".join(repr(b.value) for b in AttentionBackend)
+        raise ValueError(f"backend={backend!r} is not one of {choices}") from None
+    if backend is AttentionBackend.AUTO:
+        on_gpu_with_te = torch.cuda.is_available() and transformer_engine_available()
+        return AttentionBackend.TE if on_gpu_with_te else AttentionBackend.SDPA
+    if backend is AttentionBackend.TE and not transformer_engine_available():
+        raise ImportError(
+            "backend='te' needs Transformer Engine: pip install 'mcore_ext[te]', "
+            "or use backend='sdpa'"
+        )
+    return backend
+
+
+def get_gpt_layer_spec(config: TransformerConfig, backend: str = "auto") -> ModuleSpec:
+    """The transformer layer spec for ``config`` on ``backend`` ("auto", "sdpa", "local", "te").
+
+    With ``config.head_wise_attn_gate`` on, self-attention is ``HeadWiseGatedSelfAttention``;
+    otherwise the spec is megatron-core's unchanged (plus SDPA core attention for "sdpa").
+    """
+    backend = resolve_backend(backend)
+    options = dict(
+        num_experts=config.num_moe_experts,
+        moe_grouped_gemm=config.moe_grouped_gemm,
+        qk_layernorm=config.qk_layernorm,
+        multi_latent_attention=config.multi_latent_attention,
+        qk_l2_norm=config.qk_l2_norm,
+    )
+    if backend is AttentionBackend.TE:
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**options)
+    else:
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=config.normalization, **options)
+
+    layer = spec.submodules
+    attention = layer.self_attention
+    if getattr(config, "head_wise_attn_gate", False):
+        attention = dataclasses.replace(attention, module=HeadWiseGatedSelfAttention)
+    if backend is AttentionBackend.SDPA:
+        attention = dataclasses.replace(
+            attention,
+            submodules=dataclasses.replace(
+                attention.submodules,
+                core_attention=SDPAttention,
+                **_sdpa_qk_norms(attention.submodules),
+            ),
+        )
+        layer = dataclasses.replace(layer, input_layernorm=TorchNorm, pre_mlp_layernorm=TorchNorm)
+    return dataclasses.replace(spec, submodules=dataclasses.replace(layer, self_attention=attention))
+
+
+def get_gpt_block_spec(
+    config: TransformerConfig, backend: str = "auto", vp_stage: int | None = None
+) -> TransformerBlockSubmodules:
+    """The decoder block spec for ``GPTModel(transformer_layer_spec=...)``.
+
+    Same layers as ``get_gpt_layer_spec`` on this pipeline stage, plus the final norm of the
+    backend (megatron's default final norm cannot be used with sequence parallelism on "sdpa").
+    """
+    backend = resolve_backend(backend)
+    layer = get_gpt_layer_spec(config, backend)
+    final_norm = {
+        AttentionBackend.SDPA: TorchNorm,
+        AttentionBackend.LOCAL: gpt_layer_specs.LNImpl,
+        AttentionBackend.TE: gpt_layer_specs.TENorm,
+    }[backend]
+    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=final_norm)
+
+
+def _sdpa_qk_norms(submodules) -> dict:
+    """QK layernorm slots that hold a norm class get TorchNorm (IdentityOp / L2Norm stay)."""
+    return {
+        slot: TorchNorm
+        for slot in ("q_layernorm", "k_layernorm")
+        if getattr(submodules, slot) in (WrappedTorchNorm, FusedLayerNorm)
+    }
