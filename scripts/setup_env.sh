@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Create or reuse the project's virtual environment and install mcore_ext into it.
+# Sourced by scripts/pretrain.sh and scripts/test.sh; sets $PY to the venv's python.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${MCORE_EXT_VENV:-$ROOT/.venv}"
+TORCH_VERSION="${MCORE_EXT_TORCH:-2.13.0}"
+
+supports_312() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 12))' >/dev/null 2>&1; }
+
+find_python() {
+    # PATH first. A pyenv shim for a version that is not selected fails here and is skipped.
+    local candidate
+    for candidate in python3.14 python3.13 python3.12 python3 python; do
+        if command -v "$candidate" >/dev/null && supports_312 "$(command -v "$candidate")"; then
+            command -v "$candidate"
+            return
+        fi
+    done
+    # Then every Python >= 3.12 that pyenv has installed, newest first.
+    if command -v pyenv >/dev/null; then
+        for candidate in $(ls -d "$(pyenv root)"/versions/3.*/bin/python3 2>/dev/null | sort -Vr); do
+            if supports_312 "$candidate"; then
+                echo "$candidate"
+                return
+            fi
+        done
+    fi
+    return 1
+}
+
+stamp="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup_env.sh" | sha256sum | cut -c1-16)-$TORCH_VERSION"
+if [[ ! -x "$VENV/bin/python" ]] || [[ "$(cat "$VENV/.mcore_ext_stamp" 2>/dev/null)" != "$stamp" ]]; then
+    if ! BASE_PY="$(find_python)"; then
+        echo "error: mcore_ext needs Python >= 3.12 (megatron-core >= 0.17 requires it), and none" \
+             "was found on PATH or under pyenv. Install one, or put it on PATH." >&2
+        exit 1
+    fi
+    echo "[setup] creating $VENV with $BASE_PY ($("$BASE_PY" --version))" >&2
+    "$BASE_PY" -m venv "$VENV"
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check "torch==$TORCH_VERSION"
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$ROOT[test]"
+    echo "$stamp" > "$VENV/.mcore_ext_stamp"
+fi
+PY="$VENV/bin/python"

@@ -1,0 +1,29 @@
+import pytest
+
+from tests.distributed import WorkerPool
+
+DEFAULT_TIMEOUT_S = 300
+
+
+@pytest.fixture(scope="session")
+def _worker_pools():
+    pools: dict[int, WorkerPool] = {}
+    yield pools
+    for pool in pools.values():
+        pool.close()
+
+
+@pytest.fixture
+def run_distributed(_worker_pools):
+    """``run_distributed(fn, *args, world_size=N, timeout=..., **kwargs)`` -> per-rank results.
+
+    ``fn`` must be a module-level function; it runs on N gloo ranks (workers reused across tests).
+    """
+
+    def run(fn, *args, world_size: int, timeout: float = DEFAULT_TIMEOUT_S, **kwargs):
+        pool = _worker_pools.get(world_size)
+        if pool is None or not pool.alive:
+            pool = _worker_pools[world_size] = WorkerPool(world_size)
+        return pool.run(fn, *args, timeout=timeout, **kwargs)
+
+    return run
