@@ -31,8 +31,11 @@ def causal(sq, sk):
 
 
 def gated_attention(x_SBH, w_q, w_k, w_v, w_gate, w_o, num_heads, num_groups,
-                    b_q=None, b_k=None, b_v=None, b_gate=None, q_norm=None, k_norm=None):
-    """Causal self-attention with a head-wise sigmoid output gate, no positional embedding.
+                    b_q=None, b_k=None, b_v=None, b_gate=None, q_norm=None, k_norm=None,
+                    allowed=None):
+    """Self-attention with a head-wise sigmoid output gate, no positional embedding.
+
+    ``allowed`` [s, s] defaults to causal; a packed batch passes its block-diagonal causal mask.
 
     out = W_o [ sigmoid(x w_gate_h + b_gate_h) * attention_h(x) ]_h   (w_o has no bias here)
     w_q [n*d, h], w_k / w_v [g*d, h], w_gate [n, h], w_o [h, n*d].
@@ -48,7 +51,7 @@ def gated_attention(x_SBH, w_q, w_k, w_v, w_gate, w_o, num_heads, num_groups,
     v = project(w_v, b_v, num_groups)
     if q_norm is not None:
         q, k = q_norm(q), k_norm(k)
-    attn_SBND = attention(q, k, v, causal(s, s)).view(s, b, num_heads, -1)
+    attn_SBND = attention(q, k, v, causal(s, s) if allowed is None else allowed).view(s, b, num_heads, -1)
     gate_SBN = x_SBH @ w_gate.T + (b_gate if b_gate is not None else 0)
     gated = attn_SBND * torch.sigmoid(gate_SBN).unsqueeze(-1)
     return gated.reshape(s, b, -1) @ w_o.T

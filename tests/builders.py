@@ -1,0 +1,71 @@
+"""Builders shared by tests: configs, modules, and megatron's fused QKV row layout.
+
+Functions here run inside worker ranks, after ``mcore_ext.init_parallel``.
+"""
+
+import torch
+
+
+def gated_config(**overrides):
+    from mcore_ext import GatedTransformerConfig
+
+    fields = dict(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        head_wise_attn_gate=True,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+    )
+    fields.update(overrides)
+    return GatedTransformerConfig(**fields)
+
+
+def build_self_attention(config, backend="sdpa"):
+    """The self-attention module that ``get_gpt_layer_spec`` puts in layer 1."""
+    from megatron.core.transformer.spec_utils import build_module
+
+    import mcore_ext
+
+    spec = mcore_ext.get_gpt_layer_spec(config, backend).submodules.self_attention
+    return build_module(spec, config=config, layer_number=1)
+
+
+def build_gpt(config, vocab_size=64, seq_length=16, backend="sdpa", **kwargs):
+    from megatron.core.models.gpt import GPTModel
+
+    import mcore_ext
+
+    return GPTModel(
+        config,
+        mcore_ext.get_gpt_block_spec(config, backend),
+        vocab_size=vocab_size,
+        max_sequence_length=seq_length,
+        position_embedding_type="rope",
+        **kwargs,
+    )
+
+
+def interleave_qkv(w_q, w_k, w_v, heads, groups):
+    """Megatron's fused QKV rows: per query group, its query heads, then its key, then its value."""
+    per_group = heads // groups
+    q = w_q.view(groups, per_group * (w_q.size(0) // heads), *w_q.shape[1:])
+    k = w_k.view(groups, -1, *w_k.shape[1:])
+    v = w_v.view(groups, -1, *w_v.shape[1:])
+    return torch.cat([q, k, v], dim=1).reshape(-1, *w_q.shape[1:])
+
+
+def rank_rows(tensor, rank, world_size):
+    """Rank ``rank``'s contiguous block of rows, as ColumnParallelLinear splits them."""
+    return tensor.chunk(world_size, dim=0)[rank]
+
+
+def tp_rank_and_size():
+    from megatron.core import parallel_state
+
+    return (
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_tensor_model_parallel_world_size(),
+    )

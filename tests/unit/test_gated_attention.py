@@ -1,0 +1,314 @@
+"""HeadWiseGatedSelfAttention: numerics against a plain-PyTorch gated attention, init, gates.
+
+Every rank builds the same global weights from one seed, loads its TP slice into the megatron
+layer ([QKV_r ; Gate_r] rows of linear_qkv, its columns of linear_proj), and compares outputs and
+gradients with ``tests.reference.gated_attention`` computed on the full weights.
+Tolerances (fp32): outputs and gradients max abs diff <= 2e-5.
+"""
+
+import pytest
+import torch
+
+from tests import builders, reference
+
+TOL = 2e-5
+
+# name -> config overrides (hidden 32 = 4 heads x 8; 8 heads use kv_channels 8 -> hidden 32 still)
+CASES = {
+    "mha_bias": dict(num_attention_heads=4, num_query_groups=4, add_qkv_bias=True),
+    "mha_nobias": dict(num_attention_heads=4, num_query_groups=4),
+    "gqa_bias": dict(num_attention_heads=8, num_query_groups=2, kv_channels=8, add_qkv_bias=True),
+    "gqa_one_group": dict(num_attention_heads=8, num_query_groups=1, kv_channels=8),
+    "qk_layernorm": dict(num_attention_heads=4, num_query_groups=2, qk_layernorm=True),
+    "recompute": dict(num_attention_heads=4, num_query_groups=2, add_qkv_bias=True,
+                      recompute_granularity="selective", recompute_modules=["core_attn"]),
+}
+
+
+def _compare_with_reference(tp, cases, sequence_parallel, packed=False):
+    import mcore_ext
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    mcore_ext.init_parallel(tensor_model_parallel_size=tp)
+    rank, _ = builders.tp_rank_and_size()
+    results = {}
+    for name in cases:
+        overrides = CASES[name]
+        config = builders.gated_config(tensor_model_parallel_size=tp,
+                                       sequence_parallel=sequence_parallel and tp > 1, **overrides)
+        attn = builders.build_self_attention(config)
+        heads, groups, hn, h = (config.num_attention_heads, config.num_query_groups,
+                                config.kv_channels, config.hidden_size)
+
+        g = torch.Generator().manual_seed(1)
+        w = dict(q=torch.randn(heads * hn, h, generator=g) * 0.2,
+                 k=torch.randn(groups * hn, h, generator=g) * 0.2,
+                 v=torch.randn(groups * hn, h, generator=g) * 0.2,
+                 gate=torch.randn(heads, h, generator=g) * 0.3,
+                 o=torch.randn(h, heads * hn, generator=g) * 0.2)
+        b = dict(q=torch.randn(heads * hn, generator=g) * 0.1,
+                 k=torch.randn(groups * hn, generator=g) * 0.1,
+                 v=torch.randn(groups * hn, generator=g) * 0.1,
+                 gate=torch.randn(heads, generator=g))
+        has_bias = config.add_qkv_bias
+        s, batch = (12, 1) if packed else (8, 2)
+        x = torch.randn(s, batch, h, generator=g)
+        upstream = torch.randn(s, batch, h, generator=g)
+
+        # Megatron side: this rank's rows [QKV_r ; Gate_r] and linear_proj columns.
+        qkv_w = builders.interleave_qkv(w["q"], w["k"], w["v"], heads, groups)
+        qkv_b = builders.interleave_qkv(b["q"], b["k"], b["v"], heads, groups)
+        with torch.no_grad():
+            attn.linear_qkv.weight.copy_(torch.cat([builders.rank_rows(qkv_w, rank, tp),
+                                                    builders.rank_rows(w["gate"], rank, tp)]))
+            if has_bias:
+                attn.linear_qkv.bias.copy_(torch.cat([builders.rank_rows(qkv_b, rank, tp),
+                                                      builders.rank_rows(b["gate"], rank, tp)]))
+            attn.linear_proj.weight.copy_(w["o"].chunk(tp, dim=1)[rank])
+
+        seq_rows = slice(rank * s // tp, (rank + 1) * s // tp) if config.sequence_parallel else slice(None)
+        x_local = x[seq_rows].clone().requires_grad_(True)
+        params = None
+        allowed = None
+        if packed:
+            cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+            params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                     max_seqlen_q=7, max_seqlen_kv=7)
+            allowed = torch.block_diag(reference.causal(5, 5), reference.causal(7, 7))
+        attn.train()
+        out, _ = attn(x_local, attention_mask=None, packed_seq_params=params)
+        (out * upstream[seq_rows]).sum().backward()
+
+        # Reference side: the formula on the full weights.
+        ref_w = {k: v.clone().requires_grad_(True) for k, v in w.items()}
+        x_ref = x.clone().requires_grad_(True)
+        norm = (lambda t: torch.nn.functional.layer_norm(t, (hn,), eps=config.layernorm_epsilon)) \
+            if config.qk_layernorm else None
+        ref_out = reference.gated_attention(
+            x_ref, ref_w["q"], ref_w["k"], ref_w["v"], ref_w["gate"], ref_w["o"], heads, groups,
+            *(b[k] for k in ("q", "k", "v", "gate")) if has_bias else (None,) * 4,
+            q_norm=norm, k_norm=norm, allowed=allowed)
+        (ref_out * upstream).sum().backward()
+
+        ref_qkv_grad = builders.interleave_qkv(ref_w["q"].grad, ref_w["k"].grad, ref_w["v"].grad,
+                                               heads, groups)
+        qkv_rows = attn.qkv_rows_per_partition
+        local_grad = attn.linear_qkv.weight.grad
+        results[name] = dict(
+            output=(out - ref_out[seq_rows]).abs().max().item(),
+            input_grad=(x_local.grad - x_ref.grad[seq_rows]).abs().max().item(),
+            gate_grad=(local_grad[qkv_rows:] - builders.rank_rows(ref_w["gate"].grad, rank, tp)).abs().max().item(),
+            qkv_grad=(local_grad[:qkv_rows] - builders.rank_rows(ref_qkv_grad, rank, tp)).abs().max().item(),
+            gate_grad_norm=local_grad[qkv_rows:].norm().item(),
+        )
+    return results
+
+
+def _assert_close(per_rank):
+    for rank, results in enumerate(per_rank):
+        for name, diffs in results.items():
+            assert diffs["gate_grad_norm"] > 0, (rank, name)  # the gate rows do receive gradient
+            for quantity in ("output", "input_grad", "gate_grad", "qkv_grad"):
+                assert diffs[quantity] <= TOL, (rank, name, quantity, diffs)
+
+
+def test_matches_reference_tp1(run_distributed):
+    _assert_close(run_distributed(_compare_with_reference, 1, list(CASES), False, world_size=2))
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_matches_reference_tp2(run_distributed, sequence_parallel):
+    cases = ["mha_bias", "mha_nobias", "gqa_bias", "gqa_one_group", "qk_layernorm", "recompute"]
+    _assert_close(run_distributed(_compare_with_reference, 2, cases, sequence_parallel, world_size=2))
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_matches_reference_tp4_including_fewer_groups_than_ranks(run_distributed, sequence_parallel):
+    # gqa_bias: 2 groups < TP 4; gqa_one_group: 1 group < TP 4.
+    cases = ["mha_bias", "gqa_bias", "gqa_one_group"]
+    _assert_close(run_distributed(_compare_with_reference, 4, cases, sequence_parallel, world_size=4))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_packed_thd_matches_reference(run_distributed, tp):
+    _assert_close(run_distributed(_compare_with_reference, tp, ["mha_bias", "gqa_bias"], False,
+                                  packed=True, world_size=2))
+
+
+# ------------------------------------------------------------------------------------------ init
+
+
+def _init_statistics(tp, use_cpu_initialization):
+    import mcore_ext
+    from mcore_ext.attention import gated
+
+    mcore_ext.init_parallel(tensor_model_parallel_size=tp)
+    config = builders.gated_config(hidden_size=256, num_attention_heads=8, num_query_groups=4,
+                                   add_qkv_bias=True, init_method_std=0.02,
+                                   tensor_model_parallel_size=tp,
+                                   use_cpu_initialization=use_cpu_initialization)
+    attn = builders.build_self_attention(config)
+    weight, bias = attn.linear_qkv.weight.detach(), attn.linear_qkv.bias.detach()
+    qkv_rows = attn.qkv_rows_per_partition
+
+    # Output at init against the same layer without gate (identical QKV and projection weights).
+    plain = builders.build_self_attention(builders.gated_config(
+        hidden_size=256, num_attention_heads=8, num_query_groups=4, add_qkv_bias=True,
+        tensor_model_parallel_size=tp, head_wise_attn_gate=False))
+    with torch.no_grad():
+        plain.linear_qkv.weight.copy_(weight[:qkv_rows])
+        plain.linear_qkv.bias.copy_(bias[:qkv_rows])
+        plain.linear_proj.weight.copy_(attn.linear_proj.weight)
+    x = torch.randn(8, 2, 256, generator=torch.Generator().manual_seed(0))
+    gated_out, plain_out = attn(x, None)[0], plain(x, None)[0]
+
+    gated._warned.clear()
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            builders.build_self_attention(builders.gated_config(
+                hidden_size=256, num_attention_heads=8, tensor_model_parallel_size=tp))
+    bias_warnings = [str(w.message) for w in caught if "gates start near sigmoid(0)" in str(w.message)]
+    return dict(
+        rows=weight.shape[0], qkv_rows=qkv_rows, cols=weight.shape[1],
+        std_ratio=(weight[qkv_rows:].std() / weight[:qkv_rows].std()).item(),
+        gate_bias=bias[qkv_rows:].tolist(), qkv_bias_max=bias[:qkv_rows].abs().max().item(),
+        init_output_rel_err=((gated_out - torch.sigmoid(torch.tensor(2.0)) * plain_out).abs().max()
+                             / plain_out.abs().max()).item(),
+        bias_warnings=bias_warnings,
+    )
+
+
+@pytest.mark.parametrize("use_cpu_initialization", [True, False])
+def test_init_surgery_on_every_rank(run_distributed, use_cpu_initialization):
+    tp = 2
+    for stats in run_distributed(_init_statistics, tp, use_cpu_initialization, world_size=2):
+        # linear_qkv out dim = QKV + one row per head, split evenly over TP.
+        assert stats["rows"] == ((8 + 2 * 4) * 32 + 8) // tp and stats["cols"] == 256
+        assert stats["qkv_rows"] == (8 + 2 * 4) * 32 // tp
+        # Gate rows are scaled by 0.1 (std ratio 0.1; +-30% for 1024 samples per rank).
+        assert 0.07 < stats["std_ratio"] < 0.13, stats["std_ratio"]
+        assert stats["gate_bias"] == [2.0] * (8 // tp) and stats["qkv_bias_max"] == 0.0
+        # Gates start near sigmoid(2): output ~= 0.88 x the ungated layer (2% relative).
+        assert stats["init_output_rel_err"] < 0.02, stats["init_output_rel_err"]
+        assert len(stats["bias_warnings"]) == 1, stats["bias_warnings"]
+
+
+def _meta_device_build():
+    import mcore_ext
+
+    mcore_ext.init_parallel(tensor_model_parallel_size=2)
+    with torch.device("meta"):
+        attn = builders.build_self_attention(builders.gated_config(
+            tensor_model_parallel_size=2, init_model_with_meta_device=True, perform_initialization=False))
+    return attn.linear_qkv.weight.device.type, tuple(attn.linear_qkv.weight.shape)
+
+
+def test_meta_device_skips_surgery(run_distributed):
+    # (QKV (4 + 2 * 4) * 8 + 4 gate rows) / TP 2 = 50 rows per rank, nothing materialized.
+    assert run_distributed(_meta_device_build, world_size=2) == [("meta", (50, 32))] * 2
+
+
+# ------------------------------------------------------------------------- gates and flag off
+
+
+def _gated_and_plain_pair(tp, **overrides):
+    """A gated layer and an ungated SelfAttention sharing every QKV and projection weight."""
+    fields = dict(tensor_model_parallel_size=tp, add_qkv_bias=True, num_query_groups=2,
+                  init_method_std=0.2, **overrides)
+    gated = builders.build_self_attention(builders.gated_config(**fields))
+    plain = builders.build_self_attention(builders.gated_config(head_wise_attn_gate=False, **fields))
+    rows = gated.qkv_rows_per_partition
+    with torch.no_grad():
+        plain.linear_qkv.weight.copy_(gated.linear_qkv.weight[:rows])
+        plain.linear_qkv.bias.copy_(gated.linear_qkv.bias[:rows])
+        plain.linear_proj.weight.copy_(gated.linear_proj.weight)
+    return gated, plain
+
+
+def _saturated_gates(tp):
+    import mcore_ext
+
+    mcore_ext.init_parallel(tensor_model_parallel_size=tp)
+    gated, plain = _gated_and_plain_pair(tp)
+    rows = gated.qkv_rows_per_partition
+    x = torch.randn(8, 2, 32, generator=torch.Generator().manual_seed(0))
+    plain_out = plain(x, None)[0]
+    diffs = {}
+    for gate_bias, expected in [(1e4, plain_out), (-1e4, torch.zeros_like(plain_out)), (0.0, plain_out / 2)]:
+        with torch.no_grad():
+            gated.linear_qkv.weight[rows:].zero_()
+            gated.linear_qkv.bias[rows:].fill_(gate_bias)
+        diffs[gate_bias] = (gated(x, None)[0] - expected).abs().max().item()
+    return diffs, plain_out.abs().max().item()
+
+
+def test_saturated_gates_open_close_and_halve(run_distributed):
+    for diffs, scale in run_distributed(_saturated_gates, 2, world_size=2):
+        assert scale > 0.1  # the ungated output is not trivially zero
+        assert diffs[1e4] <= 1e-5  # gate open: the ungated layer
+        assert diffs[-1e4] <= 1e-5  # gate closed: zero output
+        assert diffs[0.0] <= 1e-5  # sigmoid(0) = 1/2: half of it
+
+
+def _flag_off_is_plain_self_attention():
+    import mcore_ext
+    from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+    mcore_ext.init_parallel(tensor_model_parallel_size=2)
+    config = builders.gated_config(head_wise_attn_gate=False, tensor_model_parallel_size=2,
+                                   add_qkv_bias=True)
+    spec = mcore_ext.get_gpt_layer_spec(config, "sdpa").submodules.self_attention
+    ours = build_module(ModuleSpec(mcore_ext.HeadWiseGatedSelfAttention, params=spec.params,
+                                   submodules=spec.submodules), config=config, layer_number=1)
+    theirs = build_module(spec, config=config, layer_number=1)
+    theirs.load_state_dict(ours.state_dict())
+    x = torch.randn(8, 2, 32, generator=torch.Generator().manual_seed(0))
+    shapes = lambda m: {k: getattr(v, "shape", None) for k, v in m.state_dict().items()}
+    sharded_keys = lambda m: sorted(m.sharded_state_dict(metadata={"dp_cp_group": None}).keys())
+    return dict(
+        spec_module=spec.module is SelfAttention,
+        same_shapes=shapes(ours) == shapes(theirs),
+        same_sharded_keys=sharded_keys(ours) == sharded_keys(theirs),
+        output_diff=(ours(x, None)[0] - theirs(x, None)[0]).abs().max().item(),
+    )
+
+
+def test_flag_off_changes_nothing(run_distributed):
+    for result in run_distributed(_flag_off_is_plain_self_attention, world_size=2):
+        assert result == dict(spec_module=True, same_shapes=True, same_sharded_keys=True,
+                              output_diff=0.0)
+
+
+# --------------------------------------------------------------------------------- inference
+
+
+def _kv_cache_decode_matches_full_forward(tp):
+    import mcore_ext
+    from megatron.core.inference.contexts import StaticInferenceContext
+
+    mcore_ext.init_parallel(tensor_model_parallel_size=tp)
+    gated, plain = _gated_and_plain_pair(tp)
+    gated.eval(), plain.eval()
+    x = torch.randn(8, 2, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = gated(x, None)[0]
+        context = StaticInferenceContext(max_batch_size=2, max_sequence_length=8)
+        prefill = gated(x[:7], None, inference_context=context)[0]
+        context.sequence_len_offset = 7
+        decode = gated(x[7:], None, inference_context=context)[0]
+        plain_last = plain(x, None)[0][7:]
+    return dict(
+        prefill=(prefill - full[:7]).abs().max().item(),
+        decode=(decode - full[7:]).abs().max().item(),
+        gate_effect=(decode - plain_last).abs().max().item(),
+    )
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_static_kv_cache_decoding_applies_the_gate(run_distributed, tp):
+    for result in run_distributed(_kv_cache_decode_matches_full_forward, tp, world_size=2):
+        assert result["prefill"] <= 1e-5 and result["decode"] <= 1e-5, result
+        assert result["gate_effect"] > 1e-3, result  # the decoded token is gated

@@ -1,0 +1,78 @@
+"""GatedTransformerConfig validation: every rule with a failing and a passing case."""
+
+import pytest
+
+from mcore_ext import GatedTransformerConfig
+
+
+def make(**overrides):
+    fields = dict(num_layers=1, hidden_size=64, num_attention_heads=8, head_wise_attn_gate=True)
+    fields.update(overrides)
+    return GatedTransformerConfig(**fields)
+
+
+def test_flag_off_by_default_and_adds_no_rows():
+    config = GatedTransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=8)
+    assert config.head_wise_attn_gate is False
+    assert config.head_wise_gate_rows == 0
+    assert (config.head_wise_attn_gate_init_weight_scale, config.head_wise_attn_gate_init_bias) == (0.1, 2.0)
+
+
+def test_flag_off_accepts_what_the_gate_rejects():
+    # Rules of the gate do not apply to ungated models (6 QKV rows over 4 ranks, see below).
+    make(head_wise_attn_gate=False, hidden_size=4, num_attention_heads=4, num_query_groups=1,
+         tensor_model_parallel_size=4)
+
+
+def test_output_gate_is_mutually_exclusive():
+    with pytest.raises(ValueError, match="attention_output_gate=True are mutually exclusive"):
+        make(attention_output_gate=True)
+    assert make(attention_output_gate=False).head_wise_gate_rows == 8
+
+
+# Heads and groups vs TP are megatron's own rules; they must still hold with the gate on.
+def test_heads_must_divide_by_tp():
+    with pytest.raises(ValueError, match=r"num_attention_heads \(6\).*tensor_model_parallel_size \(4\)"):
+        make(hidden_size=48, num_attention_heads=6, num_query_groups=6, tensor_model_parallel_size=4)
+    make(hidden_size=48, num_attention_heads=6, num_query_groups=6, tensor_model_parallel_size=2)
+
+
+def test_groups_at_least_tp_must_divide_by_tp():
+    with pytest.raises(ValueError, match=r"num_query_groups \(6\).*tensor_model_parallel_size \(4\)"):
+        make(hidden_size=96, num_attention_heads=12, num_query_groups=6, tensor_model_parallel_size=4)
+    make(hidden_size=96, num_attention_heads=12, num_query_groups=4, tensor_model_parallel_size=4)
+
+
+def test_groups_below_tp_must_divide_tp():
+    with pytest.raises(ValueError, match=r"num_query_groups \(3\).*tensor_model_parallel_size \(4\)"):
+        make(hidden_size=96, num_attention_heads=12, num_query_groups=3, tensor_model_parallel_size=4)
+    make(num_query_groups=2, tensor_model_parallel_size=4)  # supported (upstream rejects it)
+
+
+def test_qkv_rows_must_split_evenly():
+    # (4 heads + 2 * 1 group) * kv_channels 1 = 6 QKV rows do not split over 4 ranks.
+    with pytest.raises(ValueError, match=r"the 6 QKV rows of linear_qkv"):
+        make(hidden_size=4, num_attention_heads=4, num_query_groups=1, tensor_model_parallel_size=4)
+    make(hidden_size=8, num_attention_heads=4, num_query_groups=1, tensor_model_parallel_size=4)
+
+
+@pytest.mark.parametrize("recipe, value, alignment", [("fp8", "e4m3", 16), ("fp4", "e2m1", 32)])
+def test_quantized_gemm_alignment(recipe, value, alignment):
+    # 8 heads, hn 8: QKV 192 rows + 8 gate rows = 200 per rank at TP=1: not a multiple of 16 or 32.
+    with pytest.raises(ValueError, match=rf"{recipe}='{value}' needs .* multiple of {alignment}.* 200"):
+        make(**{recipe: value})
+    # 32 heads, kv_channels 15: (32 + 2 * 32) * 15 + 32 = 1472 rows, a multiple of 16 and 32.
+    aligned = dict(hidden_size=256, num_attention_heads=32, kv_channels=15)
+    try:
+        make(**aligned, **{recipe: value})
+    except ValueError as error:  # megatron's own checks (e.g. TE missing) may still apply
+        assert "per-partition linear_qkv output dim" not in str(error)
+    except (ImportError, AssertionError, NotImplementedError) as error:
+        assert "per-partition linear_qkv output dim" not in str(error)
+
+
+@pytest.mark.parametrize("field", ["multi_latent_attention", "fused_single_qkv_rope", "qk_clip", "flash_decode"])
+def test_unsupported_combinations_are_rejected(field):
+    with pytest.raises(NotImplementedError, match=f"does not support {field}=True"):
+        make(**{field: True})
+    make(**{field: False})
