@@ -1,9 +1,27 @@
 """mcore_ext: a head-wise attention output gate (Step-3.5-Flash ``g_proj``) for megatron-core."""
 
-from mcore_ext.attention import HeadWiseGatedSelfAttention, SDPAttention
-from mcore_ext.config import GatedTransformerConfig
-from mcore_ext.runtime import destroy_parallel, device, init_parallel
-from mcore_ext.specs import AttentionBackend, get_gpt_block_spec, get_gpt_layer_spec, resolve_backend
+import logging
+import warnings
+
+# megatron-core warns at import time about every optional accelerator library it does not find
+# (Apex, Transformer Engine, absl), and torch logs that no CUDA runtime exists on a CPU machine.
+# mcore_ext picks its backend explicitly (see specs.resolve_backend), so silence that noise once.
+_cpp_extension_log = logging.getLogger("torch.utils.cpp_extension")
+_previous_level = _cpp_extension_log.level
+_cpp_extension_log.setLevel(logging.ERROR)
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed")
+    warnings.filterwarnings("ignore", message=r"absl\.logging is not installed")
+    from mcore_ext.attention import HeadWiseGatedSelfAttention, SDPAttention
+    from mcore_ext.config import GatedTransformerConfig
+    from mcore_ext.runtime import destroy_parallel, device, init_parallel
+    from mcore_ext.specs import (
+        AttentionBackend,
+        get_gpt_block_spec,
+        get_gpt_layer_spec,
+        resolve_backend,
+    )
+_cpp_extension_log.setLevel(_previous_level)
 
 __all__ = [
     "AttentionBackend",

@@ -8,6 +8,7 @@ Each spec is megatron-core's own (``get_gpt_layer_local_spec`` or
 import dataclasses
 import enum
 import importlib.util
+import logging
 
 import torch
 from megatron.core.models.gpt import gpt_layer_specs
@@ -23,6 +24,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from mcore_ext.attention.gated import HeadWiseGatedSelfAttention
 from mcore_ext.attention.sdpa import SDPAttention
 from mcore_ext.norm import TorchNorm
+
+logger = logging.getLogger(__name__)
 
 
 class AttentionBackend(str, enum.Enum):
@@ -47,7 +50,9 @@ def resolve_backend(backend: str | AttentionBackend = "auto") -> AttentionBacken
         raise ValueError(f"backend={backend!r} is not one of {choices}") from None
     if backend is AttentionBackend.AUTO:
         on_gpu_with_te = torch.cuda.is_available() and transformer_engine_available()
-        return AttentionBackend.TE if on_gpu_with_te else AttentionBackend.SDPA
+        backend = AttentionBackend.TE if on_gpu_with_te else AttentionBackend.SDPA
+        logger.info("attention backend 'auto' resolved to %r", backend.value)
+        return backend
     if backend is AttentionBackend.TE and not transformer_engine_available():
         raise ImportError(
             "backend='te' needs Transformer Engine: pip install 'mcore_ext[te]', "

@@ -10,6 +10,7 @@ collective, or any rank runs past the timeout, the pool is killed (and restarted
 test): a hang fails the test, never the whole run.
 """
 
+import atexit
 import importlib
 import multiprocessing as mp
 import os
@@ -42,12 +43,15 @@ class WorkerPool:
             ctx.Process(
                 target=_worker_main,
                 args=(rank, world_size, port, self.tasks[rank], self.results, self.log_dir),
-                daemon=True,
+                # Not daemonic: dist-checkpoint saving starts a process of its own. Orphans are
+                # prevented by close() at exit and by workers watching their parent.
+                daemon=False,
             )
             for rank in range(world_size)
         ]
         for process in self.processes:
             process.start()
+        atexit.register(self.close)
 
     def run(self, fn, *args, timeout: float, **kwargs) -> list:
         for task_queue in self.tasks:
@@ -127,7 +131,16 @@ def _worker_main(rank, world_size, port, tasks, results, log_dir):
 
     import mcore_ext
 
-    while (task := tasks.get()) is not None:
+    parent = os.getppid()
+    while True:
+        try:
+            task = tasks.get(timeout=5)
+        except queue.Empty:
+            if os.getppid() != parent:  # the test session died: do not linger
+                break
+            continue
+        if task is None:
+            break
         module_name, qualname, args, kwargs = task
         try:
             fn = importlib.import_module(module_name)
@@ -139,7 +152,7 @@ def _worker_main(rank, world_size, port, tasks, results, log_dir):
         finally:
             if parallel_state.model_parallel_is_initialized():
                 mcore_ext.destroy_parallel()
-    dist.destroy_process_group()
+    os._exit(0)  # skip interpreter teardown: peers may already be gone
 
 
 def _free_port() -> int:

@@ -21,6 +21,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.utils import get_pg_rank
 from megatron.core.tensor_parallel.mappings import all_gather_last_dim_from_tensor_parallel_region
 
+from mcore_ext.checkpoint.sharding import qkv_gate_factory
 from mcore_ext.config import GatedTransformerConfig
 
 
@@ -139,6 +140,20 @@ class HeadWiseGatedSelfAttention(SelfAttention):
         per_head = core_attn_out.unflatten(-1, (gate.size(-1), -1))
         gated = per_head * torch.sigmoid(gate.float()).unsqueeze(-1)
         return gated.to(core_attn_out.dtype).flatten(-2)
+
+    # ------------------------------------------------------------------------------ checkpoint
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """Save linear_qkv's QKV and gate rows as separate global tensors (TP-reshardable)."""
+        sharded = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        if self.head_wise_attn_gate:
+            for name in ("weight", "bias"):
+                key = f"{prefix}linear_qkv.{name}"
+                if key in sharded:
+                    sharded[key] = qkv_gate_factory(
+                        sharded[key], self.qkv_rows_per_partition, sharded_offsets
+                    )
+        return sharded
 
     # ------------------------------------------------------------------------------------ init
 

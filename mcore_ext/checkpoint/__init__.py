@@ -1,0 +1,97 @@
+"""Distributed checkpoints for models with the head-wise attention gate.
+
+``save`` and ``load`` are megatron's ``dist_checkpointing.save/load`` plus a check that the
+checkpoint and the model agree on the gate: loading an ungated checkpoint into a gated model (or
+the reverse) fails with an error naming the gate tensors, before anything is read. The option
+``init_missing_gates=True`` starts the gates of a gated model from their init when its checkpoint
+has none (QKV rows load as usual).
+"""
+
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+from mcore_ext.checkpoint.sharding import GATE_SUFFIX, QKV_SUFFIX, QkvGateFactory, qkv_gate_factory
+
+__all__ = [
+    "GATE_SUFFIX",
+    "GateLayoutMismatch",
+    "QKV_SUFFIX",
+    "load",
+    "qkv_gate_factory",
+    "save",
+]
+
+
+class GateLayoutMismatch(ValueError):
+    """The checkpoint and the model disagree on whether linear_qkv carries gate rows."""
+
+
+def save(sharded_state_dict, checkpoint_dir: str, **kwargs):
+    """``dist_checkpointing.save`` (torch_dist format); kwargs go to it."""
+    return dist_checkpointing.save(sharded_state_dict, checkpoint_dir, **kwargs)
+
+
+def load(sharded_state_dict, checkpoint_dir: str, *, init_missing_gates: bool = False, **kwargs):
+    """``dist_checkpointing.load`` after checking the gate layout of model and checkpoint.
+
+    Raises ``GateLayoutMismatch`` naming the gate tensors that are missing from (or unexpected in)
+    the checkpoint. With ``init_missing_gates=True`` a gated model loads an ungated checkpoint:
+    its QKV rows come from the checkpoint and its gate rows keep their current (init) values.
+    Nothing is loaded into the model here: the caller applies the returned state dict, so a
+    failed load leaves the model untouched.
+    """
+    saved = set(dist_checkpointing.load_tensors_metadata(checkpoint_dir))
+    missing_gates, converted = [], 0
+    for path, factory in _gate_factories(sharded_state_dict):
+        if factory.key + GATE_SUFFIX in saved:
+            continue
+        if init_missing_gates and factory.key in saved:
+            _set_path(sharded_state_dict, path, factory.from_ungated_checkpoint())
+            converted += 1
+        else:
+            missing_gates.append(factory.key + GATE_SUFFIX)
+    if missing_gates:
+        hint = (
+            " It was saved without head_wise_attn_gate: pass init_missing_gates=True "
+            "(checkpoint.init_missing_gates: true in the launcher) to start the gates from init."
+            if all(key[: -len(GATE_SUFFIX)] in saved for key in missing_gates)
+            else ""
+        )
+        raise GateLayoutMismatch(
+            f"the model has head_wise_attn_gate=True but checkpoint {checkpoint_dir} has no gate "
+            f"tensors {_preview(missing_gates)}.{hint}"
+        )
+
+    requested = {t.key for t in nested_values(sharded_state_dict) if isinstance(t, ShardedTensor)}
+    unexpected = sorted(
+        key for key in saved if key.endswith(GATE_SUFFIX) and key[: -len(GATE_SUFFIX)] in requested
+    )
+    if unexpected:
+        raise GateLayoutMismatch(
+            f"checkpoint {checkpoint_dir} holds head-wise gate tensors {_preview(unexpected)} but "
+            f"the model has head_wise_attn_gate=False: enable the gate to load it"
+        )
+    return dist_checkpointing.load(sharded_state_dict, checkpoint_dir, **kwargs)
+
+
+def _gate_factories(tree, path=()):
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else ()
+    for key, value in items:
+        if isinstance(value, QkvGateFactory):
+            yield path + (key,), value
+        elif isinstance(value, (dict, list)):
+            yield from _gate_factories(value, path + (key,))
+
+
+def _set_path(tree, path, value):
+    for key in path[:-1]:
+        tree = tree[key]
+    tree[path[-1]] = value
+
+
+def _preview(keys, limit=3):
+    keys = sorted(keys)
+    more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
+    return ", ".join(keys[:limit]) + more
+
