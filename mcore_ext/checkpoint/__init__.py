@@ -7,13 +7,18 @@ the reverse) fails with an error naming the gate tensors, before anything is rea
 has none (QKV rows load as usual).
 """
 
+import dataclasses
+
+import torch
 from megatron.core import dist_checkpointing
-from megatron.core.dist_checkpointing.mapping import ShardedTensor
-from megatron.core.dist_checkpointing.dict_utils import nested_values
+from torch.distributed.checkpoint.api import CheckpointException
+from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
 from mcore_ext.checkpoint.sharding import GATE_SUFFIX, QKV_SUFFIX, QkvGateFactory, qkv_gate_factory
 
 __all__ = [
+    "CheckpointLoadError",
     "GATE_SUFFIX",
     "GateLayoutMismatch",
     "QKV_SUFFIX",
@@ -21,6 +26,10 @@ __all__ = [
     "qkv_gate_factory",
     "save",
 ]
+
+
+class CheckpointLoadError(RuntimeError):
+    """Reading the checkpoint failed (corrupt or truncated files, shapes that do not match)."""
 
 
 class GateLayoutMismatch(ValueError):
@@ -32,14 +41,26 @@ def save(sharded_state_dict, checkpoint_dir: str, **kwargs):
     return dist_checkpointing.save(sharded_state_dict, checkpoint_dir, **kwargs)
 
 
-def load(sharded_state_dict, checkpoint_dir: str, *, init_missing_gates: bool = False, **kwargs):
+def load(
+    sharded_state_dict,
+    checkpoint_dir: str,
+    *,
+    init_missing_gates: bool = False,
+    in_place: bool = False,
+    **kwargs,
+):
     """``dist_checkpointing.load`` after checking the gate layout of model and checkpoint.
 
     Raises ``GateLayoutMismatch`` naming the gate tensors that are missing from (or unexpected in)
-    the checkpoint. With ``init_missing_gates=True`` a gated model loads an ungated checkpoint:
-    its QKV rows come from the checkpoint and its gate rows keep their current (init) values.
-    Nothing is loaded into the model here: the caller applies the returned state dict, so a
-    failed load leaves the model untouched.
+    the checkpoint, and ``CheckpointLoadError`` when reading fails (truncated or corrupt files,
+    mismatched shapes). With ``init_missing_gates=True`` a gated model loads an ungated
+    checkpoint: its QKV rows come from the checkpoint and its gate rows keep their current (init)
+    values.
+
+    megatron loads into the tensors of ``sharded_state_dict``, i.e. into the live parameters, so a
+    failure half way would leave the model partly overwritten. Unless ``in_place=True`` (which
+    saves one copy of the parameters' memory), tensors are read into scratch buffers and the
+    caller applies the returned state dict (``model.load_state_dict``) only once all succeeded.
     """
     saved = set(dist_checkpointing.load_tensors_metadata(checkpoint_dir))
     missing_gates, converted = [], 0
@@ -72,7 +93,20 @@ def load(sharded_state_dict, checkpoint_dir: str, *, init_missing_gates: bool = 
             f"checkpoint {checkpoint_dir} holds head-wise gate tensors {_preview(unexpected)} but "
             f"the model has head_wise_attn_gate=False: enable the gate to load it"
         )
-    return dist_checkpointing.load(sharded_state_dict, checkpoint_dir, **kwargs)
+    if not in_place:
+        dict_list_map_inplace(_with_scratch_data, sharded_state_dict)
+    try:
+        return dist_checkpointing.load(sharded_state_dict, checkpoint_dir, **kwargs)
+    except CheckpointException as error:
+        # torch.distributed.checkpoint raises a BaseException subclass, which `except Exception`
+        # in a caller's recovery code would not see; re-raise it as an ordinary error.
+        raise CheckpointLoadError(f"cannot load checkpoint {checkpoint_dir}: {error}") from error
+
+
+def _with_scratch_data(value):
+    if isinstance(value, (ShardedTensor, ShardedTensorFactory)) and torch.is_tensor(value.data):
+        return dataclasses.replace(value, data=torch.empty_like(value.data))
+    return value
 
 
 def _gate_factories(tree, path=()):

@@ -1,0 +1,239 @@
+"""Checkpoint interchange with upstream's key layout, gate mismatches, corruption, inspect CLI."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests import builders
+
+
+def _mkdir(path):
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        os.makedirs(path, exist_ok=True)
+    dist.barrier()
+    return path
+
+
+def _config(tp, gate=True, **overrides):
+    fields = dict(hidden_size=64, num_attention_heads=8, num_query_groups=2, kv_channels=8,
+                  add_qkv_bias=True, tensor_model_parallel_size=tp, head_wise_attn_gate=gate)
+    fields.update(overrides)
+    return builders.gated_config(**fields)
+
+
+def _params(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
+
+
+def _unchanged(model, before):
+    return all(torch.equal(v, before[k]) for k, v in _params(model).items())
+
+
+# --------------------------------------------------------------------------------- interchange
+
+
+def _save_hand_built(root):
+    """At TP=1, write <key>._qkv / <key>._gate from known global blocks, not via the factory."""
+    import mcore_ext
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from mcore_ext import checkpoint
+    from mcore_ext.checkpoint.sharding import QkvGateFactory
+
+    mcore_ext.init_parallel(tensor_model_parallel_size=1)
+    model = builders.build_gpt(_config(1))
+    sharded = model.sharded_state_dict()
+    layers = 2
+    qkv_w = torch.arange(layers * 96 * 64, dtype=torch.float32).view(layers, 96, 64)
+    gate_w = -1 - torch.arange(layers * 8 * 64, dtype=torch.float32).view(layers, 8, 64)
+    qkv_b = torch.arange(layers * 96, dtype=torch.float32).view(layers, 96) / 7
+    gate_b = -torch.arange(layers * 8, dtype=torch.float32).view(layers, 8) / 7
+    blocks = {"weight": (qkv_w, gate_w), "bias": (qkv_b, gate_b)}
+    for key, factory in list(sharded.items()):
+        if not isinstance(factory, QkvGateFactory):
+            continue
+        qkv, gate = blocks[key.rsplit(".", 1)[-1]]
+        offsets = factory.layout.sharded_offsets  # ((layer axis, layer index, layers),)
+        layer = offsets[0][1]
+        sharded[key] = {
+            suffix: ShardedTensor.from_rank_offsets(
+                factory.key + suffix, block[layer].clone(), *offsets,
+                replica_id=factory.replica_id, prepend_axis_num=len(offsets))
+            for suffix, block in ((checkpoint.QKV_SUFFIX, qkv), (checkpoint.GATE_SUFFIX, gate))
+        }
+    checkpoint.save(sharded, _mkdir(root))
+    return blocks
+
+
+def _load_hand_built(tp, root, blocks):
+    import mcore_ext
+
+    from mcore_ext import checkpoint
+
+    mcore_ext.init_parallel(tensor_model_parallel_size=tp)
+    rank, _ = builders.tp_rank_and_size()
+    model = builders.build_gpt(_config(tp))
+    model.load_state_dict(checkpoint.load(model.sharded_state_dict(), root))
+    ok = []
+    for layer_index, layer in enumerate(model.decoder.layers):
+        linear = layer.self_attention.linear_qkv
+        for name in ("weight", "bias"):
+            qkv, gate = blocks[name]
+            expected = torch.cat([builders.rank_rows(qkv[layer_index], rank, tp),
+                                  builders.rank_rows(gate[layer_index], rank, tp)])
+            ok.append(torch.equal(getattr(linear, name).detach(), expected))
+    return ok
+
+
+def test_hand_built_upstream_layout_loads_into_the_right_rows(run_distributed, tmp_path):
+    root = str(tmp_path / "hand_built")
+    blocks = run_distributed(_save_hand_built, root, world_size=2)[0]
+    for tp, world_size in ((2, 2), (4, 4)):
+        for ok in run_distributed(_load_hand_built, tp, root, blocks, world_size=world_size):
+            assert ok == [True] * 4, (tp, ok)
+
+
+# ---------------------------------------------------------------------------- gate mismatches
+
+
+def _mismatches(root):
+    import mcore_ext
+
+    from mcore_ext import checkpoint
+
+    mcore_ext.init_parallel(tensor_model_parallel_size=2)
+    plain = builders.build_gpt(_config(2, gate=False), parallel_output=False)
+    gated = builders.build_gpt(_config(2, gate=True), parallel_output=False)
+    checkpoint.save(plain.sharded_state_dict(), _mkdir(f"{root}/plain"))
+    checkpoint.save(gated.sharded_state_dict(), _mkdir(f"{root}/gated"))
+    errors = {}
+
+    fresh_gated = builders.build_gpt(_config(2, gate=True), parallel_output=False)
+    before = _params(fresh_gated)
+    try:
+        checkpoint.load(fresh_gated.sharded_state_dict(), f"{root}/plain")
+    except checkpoint.GateLayoutMismatch as error:
+        errors["plain_into_gated"] = str(error)
+    errors["plain_into_gated_untouched"] = _unchanged(fresh_gated, before)
+
+    fresh_plain = builders.build_gpt(_config(2, gate=False), parallel_output=False)
+    try:
+        checkpoint.load(fresh_plain.sharded_state_dict(), f"{root}/gated")
+    except checkpoint.GateLayoutMismatch as error:
+        errors["gated_into_plain"] = str(error)
+
+    # The explicit conversion: QKV rows from the ungated checkpoint, gates from init. Opening
+    # every gate (weight 0, bias +1e4) must then reproduce the ungated model exactly.
+    gate_init = [l.self_attention.linear_qkv.weight[l.self_attention.qkv_rows_per_partition:].clone()
+                 for l in fresh_gated.decoder.layers]
+    fresh_gated.load_state_dict(checkpoint.load(fresh_gated.sharded_state_dict(), f"{root}/plain",
+                                                init_missing_gates=True))
+    kept_gate_init = all(
+        torch.equal(l.self_attention.linear_qkv.weight[l.self_attention.qkv_rows_per_partition:], g)
+        for l, g in zip(fresh_gated.decoder.layers, gate_init))
+    with torch.no_grad():
+        for layer in fresh_gated.decoder.layers:
+            rows = layer.self_attention.qkv_rows_per_partition
+            layer.self_attention.linear_qkv.weight[rows:] = 0
+            layer.self_attention.linear_qkv.bias[rows:] = 1e4
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(16).expand_as(tokens)
+    with torch.no_grad():
+        converted_diff = (fresh_gated(tokens, positions, None) - plain(tokens, positions, None)).abs().max().item()
+    return errors, kept_gate_init, converted_diff
+
+
+def test_gate_mismatch_errors_and_explicit_conversion(run_distributed, tmp_path):
+    for errors, kept_gate_init, converted_diff in run_distributed(_mismatches, str(tmp_path), world_size=2):
+        assert "has head_wise_attn_gate=True but checkpoint" in errors["plain_into_gated"]
+        assert "decoder.layers.self_attention.linear_qkv.weight._gate" in errors["plain_into_gated"]
+        assert "init_missing_gates=True" in errors["plain_into_gated"]
+        assert errors["plain_into_gated_untouched"]
+        assert "head-wise gate tensors" in errors["gated_into_plain"]
+        assert "linear_qkv.bias._gate" in errors["gated_into_plain"]
+        assert kept_gate_init
+        assert converted_diff <= 1e-5
+
+
+# ------------------------------------------------------------------------------- corruption
+
+
+def _corrupted_loads(root):
+    import glob
+
+    import mcore_ext
+    import torch.distributed as dist
+
+    from mcore_ext import checkpoint
+
+    mcore_ext.init_parallel(tensor_model_parallel_size=2)
+    checkpoint.save(builders.build_gpt(_config(2)).sharded_state_dict(), _mkdir(f"{root}/good"))
+    # Same architecture except 16 heads: its gate block has 16 rows, not 8.
+    other = builders.build_gpt(_config(2, hidden_size=128, num_attention_heads=16, kv_channels=8,
+                                       ffn_hidden_size=256))
+    checkpoint.save(other.sharded_state_dict(), _mkdir(f"{root}/other_heads"))
+
+    outcomes = {}
+    model = builders.build_gpt(_config(2))
+    before = _params(model)
+    try:
+        checkpoint.load(model.sharded_state_dict(), f"{root}/other_heads")
+        outcomes["wrong_shape"] = "loaded"
+    except Exception as error:  # noqa: BLE001
+        outcomes["wrong_shape"] = f"{type(error).__name__}: {error}"
+
+    if dist.get_rank() == 0:  # truncate every data file of the good checkpoint
+        for path in glob.glob(f"{root}/good/*.distcp"):
+            with open(path, "r+b") as f:
+                f.truncate(os.path.getsize(path) // 2)
+    dist.barrier()
+    try:
+        checkpoint.load(model.sharded_state_dict(), f"{root}/good")
+        outcomes["truncated"] = "loaded"
+    except Exception as error:  # noqa: BLE001
+        outcomes["truncated"] = f"{type(error).__name__}: {error}"
+    outcomes["untouched"] = _unchanged(model, before)
+    return outcomes
+
+
+def test_corrupted_or_mismatched_gate_block_fails_loudly(run_distributed, tmp_path):
+    for outcome in run_distributed(_corrupted_loads, str(tmp_path), world_size=2):
+        assert outcome["wrong_shape"] != "loaded"
+        assert "_gate" in outcome["wrong_shape"] or "shape" in outcome["wrong_shape"].lower(), outcome
+        assert outcome["truncated"] != "loaded"
+        assert outcome["untouched"], outcome  # nothing was loaded partially
+
+
+# ---------------------------------------------------------------------------------- inspect
+
+
+def _save_for_inspect(root, tp):
+    import mcore_ext
+
+    from mcore_ext import checkpoint
+
+    mcore_ext.init_parallel(tensor_model_parallel_size=tp)
+    checkpoint.save(builders.build_gpt(_config(tp)).sharded_state_dict(), _mkdir(root))
+
+
+def test_inspect_reports_layout_without_the_saving_layout(run_distributed, tmp_path):
+    root = str(tmp_path / "ckpt")
+    run_distributed(_save_for_inspect, root, 2, world_size=2)
+    result = subprocess.run([sys.executable, "-m", "mcore_ext.checkpoint", "inspect", root],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    # Global shapes, whatever the saving TP: [layers, rows, hidden].
+    assert re.search(r"linear_qkv\.weight\._gate\s+\[2, 8, 64\]", result.stdout), result.stdout
+    assert re.search(r"linear_qkv\.weight\._qkv\s+\[2, 96, 64\]", result.stdout), result.stdout
+    assert ("2 layers, hidden 64, 8 heads, 2 query groups, head dim 8, head-wise gate: yes"
+            in result.stdout)
+
+    missing = subprocess.run([sys.executable, "-m", "mcore_ext.checkpoint", "inspect",
+                              str(tmp_path / "nope")], capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 1 and "cannot read checkpoint" in missing.stderr
