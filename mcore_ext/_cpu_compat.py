@@ -8,13 +8,21 @@ megatron-core 0.19 assumes CUDA in a handful of places that every CPU run hits:
 - The CUDA RNG tracker (``model_parallel_cuda_manual_seed`` and ``fork()`` around dropout and
   weight init) reads and writes CUDA generator state -> a tracker over the CPU generator.
 
-This is the only module that patches megatron-core or torch. ``install()`` is a no-op when CUDA is
-available, so GPU runs execute megatron-core unmodified.
+The training path (optimizers, grad clipping, pipeline schedules, DDP) adds about twenty places
+that allocate with a literal ``device="cuda"``, call ``.cuda()``, wait on CUDA streams, or accept a
+parameter only if ``param.type()`` names a CUDA tensor type. Rather than patch each one,
+``cuda_to_cpu()`` is a context (a torch function mode) in which a CUDA device argument means the
+CPU, ``.cuda()`` is the identity, a CPU tensor's ``type()`` answers with its CUDA name, and the
+current CUDA stream is one whose waits do nothing. Wrap training steps in it.
+
+This is the only module that patches megatron-core or torch. ``install()`` and ``cuda_to_cpu()``
+are no-ops when CUDA is available, so GPU runs execute megatron-core unmodified.
 """
 
 import contextlib
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 _installed = False
 
@@ -87,3 +95,57 @@ class _CpuRNGStreams:
         finally:
             self.states_[name] = torch.get_rng_state()
             torch.set_rng_state(outer)
+
+
+@contextlib.contextmanager
+def cuda_to_cpu():
+    """A context in which CUDA device arguments mean the CPU (a no-op context when CUDA exists)."""
+    if torch.cuda.is_available():
+        yield
+        return
+    current_stream = torch.cuda.current_stream
+    torch.cuda.current_stream = lambda device=None: _NullStream()
+    try:
+        with _CudaToCpu():
+            yield
+    finally:
+        torch.cuda.current_stream = current_stream
+
+
+_CPU = torch.device("cpu")
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.split(":")[0] == "cuda"
+    return False
+
+
+class _CudaToCpu(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)  # torch.FloatTensor -> torch.cuda.FloatTensor
+            return name.replace("torch.", "torch.cuda.", 1) if args[0].device.type == "cpu" else name
+        if _is_cuda(kwargs.get("device")):
+            kwargs = {**kwargs, "device": _CPU}
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], _CPU, *args[2:])
+        return func(*args, **kwargs)
+
+
+class _NullStream:
+    """megatron's DDP waits on the current stream for CUDA-graph events a CPU run never has."""
+
+    def wait_event(self, event):
+        pass
+
+    def wait_stream(self, stream):
+        pass
+
+    def synchronize(self):
+        pass

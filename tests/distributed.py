@@ -152,7 +152,11 @@ def _worker_main(rank, world_size, port, tasks, results, log_dir):
         finally:
             if parallel_state.model_parallel_is_initialized():
                 mcore_ext.destroy_parallel()
-    os._exit(0)  # skip interpreter teardown: peers may already be gone
+    # Skip interpreter teardown (peers may already be gone), but first stop our own children:
+    # dist-checkpoint saving leaves a multiprocessing Manager running.
+    for child in mp.active_children():
+        child.terminate()
+    os._exit(0)
 
 
 def _free_port() -> int:

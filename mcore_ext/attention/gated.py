@@ -92,10 +92,12 @@ class HeadWiseGatedSelfAttention(SelfAttention):
         # [sq, b, qkv_r + np_r]: one GEMM for Q, K, V and the gates.
         mixed, _ = self.linear_qkv(hidden_states)
         # Split this rank's gate columns off before any all-gather or reshape of the QKV part.
+        # The QKV part stays a strided view (its last dim is contiguous, so the per-group view
+        # below needs no copy); only the all-gather for fewer groups than ranks copies it.
         mixed_qkv, gate = mixed.split(
             [self.qkv_rows_per_partition, self.gate_rows_per_partition], dim=-1
         )
-        query, key, value = self._split_query_key_value(mixed_qkv.contiguous())
+        query, key, value = self._split_query_key_value(mixed_qkv)
 
         if self.q_layernorm is not None:
             query = self.q_layernorm(query)
@@ -113,7 +115,7 @@ class HeadWiseGatedSelfAttention(SelfAttention):
             # group. Rank r then computes query heads [r * H/tp, (r+1) * H/tp), the same heads
             # as its local gate rows.
             mixed_qkv = all_gather_last_dim_from_tensor_parallel_region(
-                mixed_qkv, group=self.pg_collection.tp
+                mixed_qkv.contiguous(), group=self.pg_collection.tp
             )
             group = get_pg_rank(self.pg_collection.tp) // (tp // groups)
             width = mixed_qkv.size(-1) // groups

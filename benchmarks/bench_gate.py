@@ -1,0 +1,503 @@
+#!/usr/bin/env python
+"""Cost of the head-wise attention output gate: time and memory of forward + backward.
+
+Three variants are built side by side in one process and measured interleaved (round r runs every
+variant once, in an order rotated each round), so that machine noise hits them alike:
+
+    none       no output gate
+    head-wise  mcore_ext's head-wise gate    (GatedTransformerConfig.head_wise_attn_gate=True)
+    full       megatron's head_dim-wise gate (TransformerConfig.attention_output_gate=True)
+
+at two scopes:
+
+    layer      the ``self_attention`` module of one TransformerLayer built from
+               ``mcore_ext.get_gpt_layer_spec``; input [s, b, h]
+    block      a TransformerBlock of ``--layers`` layers built from ``mcore_ext.get_gpt_block_spec``
+
+Time is the median over rounds of one forward + backward (input gradient and all weight gradients).
+Memory is measured once per variant:
+
+    GPU  peak allocator bytes of one forward + backward
+         (torch.cuda.max_memory_allocated after reset_peak_memory_stats, minus what was allocated
+         before the step) plus the module's parameter bytes and the input's bytes.
+    CPU  there is no allocator peak counter, so the bytes the step *holds* are counted:
+         parameters + gradients + every tensor saved for backward (saved_tensors_hooks, each
+         distinct storage once, parameters not again) + the output.
+
+Run ``python benchmarks/bench_gate.py --help``; see benchmarks/README.md.
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+
+# megatron's own gate (attention_output_gate) is torch.compile'd. Compile in this process rather
+# than in a pool of worker processes that would linger and steal CPU from the first timed rounds.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+import torch  # noqa: E402
+
+# Targets for head-wise / none, per preset: (time ratio, peak-memory ratio).
+TARGETS = {"cpu": (1.02, 1.03), "gpu": (1.01, 1.01)}
+
+PRESETS = {
+    # batch None on GPU: 2 if it fits, else 1 (decided at run time).
+    "cpu": dict(hidden=1024, heads=16, seq=512, batch=2, dtype="fp32"),
+    "gpu": dict(hidden=4096, heads=32, seq=4096, batch=None, dtype="bf16"),
+    "quick": dict(hidden=128, heads=4, seq=64, batch=2, layers=2, rounds=5, block_rounds=3, warmup=1),
+}
+
+VARIANTS = ("none", "head-wise", "full")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# ------------------------------------------------------------------------------------ options
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--preset", choices=("cpu", "gpu"),
+                   help="cpu: fp32, hidden 1024, 16 heads, seq 512, batch 2; gpu: bf16, hidden 4096, "
+                        "32 heads, seq 4096, batch 2 if it fits else 1 (default: the machine's)")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny shapes and few rounds: a smoke test that finishes in ~20 s on a CPU")
+    p.add_argument("--hidden", type=int)
+    p.add_argument("--heads", type=int)
+    p.add_argument("--groups", type=int, help="query groups (GQA); default: --heads (MHA)")
+    p.add_argument("--seq", type=int)
+    p.add_argument("--batch", type=int)
+    p.add_argument("--layers", type=int, help="layers of the block (default 4)")
+    p.add_argument("--rounds", type=int, help="measured rounds for the layer (default 15 CPU, 30 GPU)")
+    p.add_argument("--block-rounds", type=int,
+                   help="measured rounds for the block (default 5 CPU, 20 GPU)")
+    p.add_argument("--warmup", type=int, help="unmeasured rounds first (default 2 CPU, 3 GPU)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="default fp32 on CPU, bf16 on GPU")
+    p.add_argument("--backend", default="auto", choices=("auto", "sdpa", "local", "te"),
+                   help="attention backend of mcore_ext.get_gpt_layer_spec (default auto)")
+    p.add_argument("--scope", choices=("layer", "block", "both"), default="both")
+    p.add_argument("--clock", choices=("wall", "cpu"),
+                   help="CPU runs only: time a step by wall clock or by this process's CPU time "
+                        "(default cpu; GPU runs always use wall clock with synchronize)")
+    p.add_argument("--threads", type=int,
+                   help="CPU runs only: torch.set_num_threads (default 1: on a shared machine the "
+                        "CPU time of one thread is the stable measure; several threads wait on "
+                        "each other whenever one is descheduled)")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile one layer step of 'none' and 'head-wise' and print the ops "
+                        "whose self time differs most (torch.profiler)")
+    p.add_argument("--json", metavar="PATH", help="write every figure to PATH")
+    return p.parse_args(argv)
+
+
+def resolve_options(args, on_gpu):
+    preset = args.preset or ("gpu" if on_gpu else "cpu")
+    opts = dict(PRESETS[preset])
+    opts.update(groups=None, layers=4,
+                rounds=30 if on_gpu else 15, block_rounds=20 if on_gpu else 5,
+                warmup=3 if on_gpu else 2)
+    if args.quick:
+        opts.update({k: v for k, v in PRESETS["quick"].items()})
+    for key in ("hidden", "heads", "groups", "seq", "batch", "layers", "rounds", "block_rounds",
+                "warmup", "dtype"):
+        value = getattr(args, key)
+        if value is not None:
+            opts[key] = value
+    opts["dtype"] = opts.get("dtype") or ("bf16" if on_gpu else "fp32")
+    opts["clock"] = "wall" if on_gpu else (args.clock or "cpu")
+    opts["threads"] = None if on_gpu else (args.threads or 1)
+    opts["groups"] = opts["groups"] or opts["heads"]
+    opts["preset"] = "quick" if args.quick else preset
+    # The targets hold for a preset run on its own kind of machine, at the preset's shapes.
+    shapes = ("hidden", "heads", "seq", "dtype")
+    opts["at_preset"] = (
+        not args.quick
+        and preset == ("gpu" if on_gpu else "cpu")
+        and all(opts[k] == PRESETS[preset][k] for k in shapes)
+        and PRESETS[preset]["batch"] in (None, opts["batch"])
+        and opts["groups"] == opts["heads"]
+    )
+    return opts
+
+
+# ------------------------------------------------------------------------------------- models
+
+
+def make_config(opts, variant, dtype):
+    import mcore_ext
+
+    return mcore_ext.GatedTransformerConfig(
+        num_layers=opts["layers"],
+        hidden_size=opts["hidden"],
+        num_attention_heads=opts["heads"],
+        num_query_groups=opts["groups"],
+        ffn_hidden_size=4 * opts["hidden"],
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype is torch.bfloat16,
+        fp16=dtype is torch.float16,
+        head_wise_attn_gate=variant == "head-wise",
+        attention_output_gate=variant == "full",
+    )
+
+
+def build(opts, variant, scope, dtype, backend):
+    import mcore_ext
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    config = make_config(opts, variant, dtype)
+    if scope == "layer":
+        layer = build_module(mcore_ext.get_gpt_layer_spec(config, backend), config=config,
+                             layer_number=1)
+        module = layer.self_attention
+        del layer  # only the attention module is kept (and measured)
+    else:
+        module = TransformerBlock(config, mcore_ext.get_gpt_block_spec(config, backend))
+    return module.to(device=mcore_ext.device()).train()
+
+
+def forward(module, scope, x):
+    if scope == "layer":
+        out, bias = module(x, attention_mask=None)
+        return out if bias is None else out + bias
+    return module(x, attention_mask=None)
+
+
+class Case:
+    """One variant at one scope, with its own input and output gradient."""
+
+    def __init__(self, opts, variant, scope, dtype, backend, device):
+        self.variant, self.scope = variant, scope
+        torch.manual_seed(0)
+        self.module = build(opts, variant, scope, dtype, backend)
+        shape = (opts["seq"], opts["batch"], opts["hidden"])
+        gen = torch.Generator(device="cpu").manual_seed(1)
+        self.x = torch.randn(shape, generator=gen).to(device=device, dtype=dtype).requires_grad_()
+        self.dy = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self.param_bytes = sum(p.numel() * p.element_size() for p in self.params)
+        self.times = []  # seconds per step on the chosen clock
+        self.times_wall, self.times_cpu = [], []
+
+    def step(self):
+        """One forward + backward; returns the output (still referenced)."""
+        for p in self.params:
+            p.grad = None
+        self.x.grad = None
+        out = forward(self.module, self.scope, self.x)
+        out.backward(self.dy)
+        return out
+
+    def release(self):
+        for p in self.params:
+            p.grad = None
+        self.x.grad = None
+
+
+# ------------------------------------------------------------------------------------ measure
+
+
+def sync(on_gpu):
+    if on_gpu:
+        torch.cuda.synchronize()
+
+
+def timed_step(case, on_gpu):
+    """(wall seconds, CPU seconds of this process) of one step."""
+    sync(on_gpu)
+    start, start_cpu = time.perf_counter(), time.process_time()
+    case.step()
+    sync(on_gpu)
+    return time.perf_counter() - start, time.process_time() - start_cpu
+
+
+def run_rounds(cases, rounds, warmup, on_gpu, log, clock="wall"):
+    """Interleaved rounds: every case once per round, the order rotated each round."""
+    n = len(cases)
+    for r in range(warmup + rounds):
+        measured = r >= warmup
+        step_times = {}
+        for case in [cases[(r + i) % n] for i in range(n)]:
+            wall, cpu = timed_step(case, on_gpu)
+            step_times[case.variant] = wall if clock == "wall" else cpu
+            if measured:
+                case.times_wall.append(wall)
+                case.times_cpu.append(cpu)
+                case.times.append(step_times[case.variant])
+        label = f"round {r + 1 - warmup:>2}" if measured else f"warmup {r + 1}"
+        log(f"    {label:>9}: " + "  ".join(
+            f"{c.variant} {1e3 * step_times[c.variant]:8.1f} ms" for c in cases))
+    for case in cases:
+        case.release()
+
+
+def memory_gpu(case):
+    case.release()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = case.step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    del out
+    case.release()
+    inp = case.x.numel() * case.x.element_size()
+    return dict(
+        measure="cuda_peak",
+        peak_delta_bytes=peak,
+        param_bytes=case.param_bytes,
+        input_bytes=inp,
+        total_bytes=peak + case.param_bytes + inp,
+    )
+
+
+def memory_cpu(case):
+    """Bytes the step holds: params + grads + distinct saved storages + output."""
+    case.release()
+    param_ptrs = {p.untyped_storage().data_ptr() for p in case.params}
+    saved = {}
+
+    def pack(t):
+        try:
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr and ptr not in param_ptrs:
+                saved[ptr] = storage.nbytes()
+        except (NotImplementedError, RuntimeError):  # tensor subclasses without a storage
+            pass
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = case.step()
+    grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in case.params if p.grad is not None)
+    out_storage = out.untyped_storage()
+    out_bytes = 0 if out_storage.data_ptr() in saved else out_storage.nbytes()
+    saved_bytes = sum(saved.values())
+    del out
+    case.release()
+    return dict(
+        measure="cpu_held",
+        param_bytes=case.param_bytes,
+        grad_bytes=grad_bytes,
+        saved_bytes=saved_bytes,
+        saved_storages=len(saved),
+        output_bytes=out_bytes,
+        total_bytes=case.param_bytes + grad_bytes + saved_bytes + out_bytes,
+    )
+
+
+def profile_layer(cases, log, steps=8, rows=14):
+    """Self time per op of 'none' and 'head-wise' layer steps (interleaved), largest differences."""
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    attr = "self_device_time_total" if on_gpu else "self_cpu_time_total"
+    pair = [c for c in cases if c.variant in ("none", "head-wise")]
+    per_variant = {c.variant: {} for c in pair}
+    for i in range(steps):
+        for case in pair if i % 2 else pair[::-1]:
+            with profile(activities=activities, record_shapes=True) as prof:
+                case.step()
+                sync(on_gpu)
+            acc = per_variant[case.variant]
+            for e in prof.key_averages(group_by_input_shape=True):
+                key = f"{e.key} {e.input_shapes}" if e.input_shapes else e.key
+                t, n = acc.get(key, (0.0, 0))
+                acc[key] = (t + getattr(e, attr) / steps, n + e.count / steps)
+    for case in pair:
+        case.release()
+    a, b = per_variant["none"], per_variant["head-wise"]
+    diff = sorted(set(a) | set(b), key=lambda k: abs(b.get(k, (0, 0))[0] - a.get(k, (0, 0))[0]),
+                  reverse=True)
+    total_a, total_b = sum(v[0] for v in a.values()), sum(v[0] for v in b.values())
+    log(f"\nprofile, one layer step, self {'device' if on_gpu else 'CPU'} time per op (us), mean of "
+        f"{steps} interleaved steps; sum: none {total_a / 1e3:.1f} ms, head-wise {total_b / 1e3:.1f} ms")
+    log(f"  {'op [input shapes]':<72} {'none':>8} {'head-w':>8} {'diff':>8} {'calls':>9}")
+    result = []
+    for k in diff[:rows]:
+        ta, ca = a.get(k, (0.0, 0))
+        tb, cb = b.get(k, (0.0, 0))
+        log(f"  {k[:72]:<72} {ta:8.0f} {tb:8.0f} {tb - ta:+8.0f} {ca:4.0f}/{cb:<4.0f}")
+        result.append(dict(op=k, none_us=ta, head_wise_us=tb, none_calls=ca, head_wise_calls=cb))
+    return result
+
+
+# ------------------------------------------------------------------------------------- report
+
+
+def summarize(cases, mem):
+    base_t = statistics.median(cases[0].times)
+    base_m = mem[cases[0].variant]["total_bytes"]
+    rows = {}
+    for case in cases:
+        t = statistics.median(case.times)
+        # Per-round ratio against the same round's no-gate time: a second, noise-robust estimate.
+        paired = statistics.median(x / y for x, y in zip(case.times, cases[0].times))
+        rows[case.variant] = dict(
+            time_s_median=t,
+            time_s_min=min(case.times),
+            time_s_all=case.times,
+            time_s_wall_all=case.times_wall,
+            time_s_cpu_all=case.times_cpu,
+            time_ratio=t / base_t,
+            time_ratio_paired_median=paired,
+            # Fastest round against fastest round: the least disturbed estimate on a busy machine.
+            time_ratio_min=min(case.times) / min(cases[0].times),
+            memory=mem[case.variant],
+            memory_ratio=mem[case.variant]["total_bytes"] / base_m,
+        )
+    return rows
+
+
+def print_table(scope, rows, on_gpu, log):
+    mem_name = "peak mem" if on_gpu else "held mem"
+    head = f"  {'variant':<10} {'time ratio':>10} {'paired':>8} {'min':>8} {mem_name + ' ratio':>15}"
+    if on_gpu:
+        head += f" {'time ms':>9} {'peak MiB':>9}"
+    log(head)
+    for variant, r in rows.items():
+        line = (f"  {variant:<10} {r['time_ratio']:10.4f} {r['time_ratio_paired_median']:8.4f} "
+                f"{r['time_ratio_min']:8.4f} {r['memory_ratio']:15.4f}")
+        if on_gpu:
+            line += f" {1e3 * r['time_s_median']:9.2f} {r['memory']['total_bytes'] / 2**20:9.1f}"
+        log(line)
+
+
+def check_targets(results, opts, on_gpu, log):
+    kind = "gpu" if on_gpu else "cpu"
+    t_max, m_max = TARGETS[kind]
+    note = "" if opts["at_preset"] else (
+        f"  (targets are defined for --preset {kind} on a {kind.upper()}; this run is "
+        f"{'--quick' if opts['preset'] == 'quick' else 'at other settings'}, so PASS/MISS is only indicative)"
+    )
+    log(f"\ntargets on {kind.upper()} (--preset {kind}): head-wise / none time ratio <= {t_max}, "
+        f"memory ratio <= {m_max}{note}")
+    checks = []
+    for scope, rows in results.items():
+        r = rows["head-wise"]
+        for what, value, limit in (("time", r["time_ratio"], t_max),
+                                   ("memory", r["memory_ratio"], m_max)):
+            ok = value <= limit
+            checks.append(dict(scope=scope, what=what, ratio=value, target=limit, passed=ok))
+            log(f"  {'PASS' if ok else 'MISS'}  {scope:<5} {what:<6} {value:.4f} <= {limit}")
+    return checks
+
+
+# --------------------------------------------------------------------------------------- main
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    on_gpu = torch.cuda.is_available()
+    opts = resolve_options(args, on_gpu)
+    if opts["threads"]:
+        torch.set_num_threads(opts["threads"])
+    dtype = DTYPES[opts["dtype"]]
+    log = lambda s="": print(s, flush=True)  # noqa: E731
+
+    warnings.filterwarnings("ignore")
+    import mcore_ext
+
+    backend = mcore_ext.resolve_backend(args.backend).value
+    mcore_ext.init_parallel(tensor_model_parallel_size=1)
+    device = mcore_ext.device()
+    try:
+        if opts["batch"] is None:  # the gpu preset: 2 if it fits
+            opts["batch"] = pick_gpu_batch(opts, dtype, backend, device, log) if on_gpu else 1
+        scopes = ("layer", "block") if args.scope == "both" else (args.scope,)
+        log(f"bench_gate: device {device_name(device)}, torch {torch.__version__}, "
+            f"threads {torch.get_num_threads()}, backend {backend}, dtype {opts['dtype']}")
+        log(f"  preset {opts['preset']}: hidden {opts['hidden']}, heads {opts['heads']}, groups "
+            f"{opts['groups']}, seq {opts['seq']}, batch {opts['batch']}, block layers "
+            f"{opts['layers']}; rounds layer {opts['rounds']} / block {opts['block_rounds']}, "
+            f"warmup {opts['warmup']}; dropout 0")
+        clock = "wall clock" if opts["clock"] == "wall" else "process CPU time"
+        log(f"  time ratio ({clock}): median over interleaved rounds of one forward + backward, over "
+            "the same for 'none' (paired: median of per-round ratios; min: fastest over fastest)")
+        if on_gpu:
+            log("  memory: CUDA peak of one forward + backward (max_memory_allocated - allocated "
+                "before) + parameter bytes + input bytes")
+        else:
+            log("  memory (CPU measure, no allocator peak counter): bytes held by the step = "
+                "parameters + gradients + tensors saved for backward (distinct storages) + output")
+
+        results, profile = {}, None
+        for scope in scopes:
+            log(f"\n[{scope}] building {', '.join(VARIANTS)}")
+            cases = [Case(opts, v, scope, dtype, backend, device) for v in VARIANTS]
+            rounds = opts["rounds"] if scope == "layer" else opts["block_rounds"]
+            start = time.perf_counter()
+            run_rounds(cases, rounds, opts["warmup"], on_gpu, log, opts["clock"])
+            mem = {c.variant: (memory_gpu(c) if on_gpu else memory_cpu(c)) for c in cases}
+            results[scope] = summarize(cases, mem)
+            log(f"[{scope}] {time.perf_counter() - start:.0f} s")
+            print_table(scope, results[scope], on_gpu, log)
+            if args.profile and scope == "layer":
+                profile = profile_layer(cases, log)
+            del cases
+        checks = check_targets(results, opts, on_gpu, log)
+    finally:
+        mcore_ext.destroy_parallel()
+
+    if args.json:
+        payload = dict(
+            argv=sys.argv[1:] if argv is None else list(argv),
+            device=device_name(device),
+            host=platform.node(),
+            torch=torch.__version__,
+            threads=torch.get_num_threads(),
+            backend=backend,
+            options=opts,
+            memory_measure="cuda_peak" if on_gpu else "cpu_held",
+            results=results,
+            targets=checks,
+            profile=profile,
+        )
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(payload, f, indent=2)
+        log(f"\nwrote {args.json}")
+    return 0
+
+
+def pick_gpu_batch(opts, dtype, backend, device, log):
+    """Batch 2 if a block step of the largest variant ('full') fits with room to spare, else 1."""
+    free, total = torch.cuda.mem_get_info()
+    trial = dict(opts, batch=2)
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        case = Case(trial, "full", "block", dtype, backend, device)
+        case.step()
+        case.release()
+        del case
+        torch.cuda.synchronize()
+        # Three blocks live at once while measuring: ask for 3x the step's peak.
+        need = 3 * torch.cuda.max_memory_allocated()
+        batch = 2 if need < 0.9 * free else 1
+    except torch.cuda.OutOfMemoryError:
+        batch = 1
+    torch.cuda.empty_cache()
+    log(f"  gpu preset: batch {batch} (free {free / 2**30:.1f} of {total / 2**30:.1f} GiB)")
+    return batch
+
+
+def device_name(device):
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

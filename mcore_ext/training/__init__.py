@@ -1,0 +1,66 @@
+"""Pretraining with megatron-core: config schema, data, checkpoints and the training loop.
+
+The entry point is ``launch/pretrain.py``; ``main(argv)`` here is what it calls.
+"""
+
+import logging
+import os
+import sys
+import warnings
+
+from mcore_ext.training.config import ConfigError, PretrainConfig, load_config
+
+__all__ = ["ConfigError", "PretrainConfig", "load_config", "main"]
+
+
+def main(argv=None) -> int:
+    """``--config FILE [section.key=value ...]``: validate, then train. Returns the exit code."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="torchrun --nproc_per_node=N launch/pretrain.py",
+        description="Pretrain a GPT with megatron-core (and the head-wise attention gate).",
+    )
+    parser.add_argument("--config", required=True, help="YAML file with the run's sections")
+    parser.add_argument(
+        "overrides", nargs="*", metavar="section.key=value",
+        help="override config values, e.g. training.train_iters=20 model.head_wise_attn_gate=true",
+    )
+    parser.add_argument(
+        "--check", action="store_true",
+        help="validate the config, print it fully resolved and exit (no training)",
+    )
+    parser.add_argument(
+        "--world-size", type=int, default=None,
+        help="with --check: validate for this many ranks (default: $WORLD_SIZE, else 1)",
+    )
+    args = parser.parse_args(argv)
+    _quiet_known_noise()
+    try:
+        cfg = load_config(args.config, args.overrides, world_size=args.world_size)
+    except ConfigError as err:
+        # Every rank finds the same error; one message is enough.
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {err}", file=sys.stderr, flush=True)
+        return 2
+    if args.check:
+        print(cfg.to_yaml(), end="")
+        return 0
+
+    from mcore_ext.training.loop import pretrain
+
+    pretrain(cfg)
+    return 0
+
+
+def _quiet_known_noise() -> None:
+    """Silence megatron's import-time notices about optional accelerators (one per rank each)."""
+    for message in (
+        r".*(Apex|Transformer Engine and Apex|absl\.logging) (is|are) not installed",
+        r"MimoModelConfig is experimental",
+        r"full scope is deprecated",
+        r"When using async grad allreduce",
+    ):
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
+    # Printed for every synchronous torch_dist save, which goes through the async code path.
+    logging.getLogger("megatron.core.dist_checkpointing.strategies.torch").setLevel(logging.ERROR)

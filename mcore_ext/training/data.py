@@ -1,0 +1,101 @@
+"""Datasets and batch iterators for pretraining, from megatron-core's GPT datasets.
+
+Every rank builds the same datasets and the same sample order from the same seed, and takes its
+own micro-batches from it, so no rank broadcasts data (megatron's ``broadcast_data`` needs CUDA).
+The sample stream is cut into chunks of micro_batch_size x DP samples; data-parallel rank r takes
+the r-th micro-batch of every chunk. Sample k of the run is therefore the same sample at every
+parallel layout with the same global batch, and resuming at iteration i starts at sample
+i x global_batch_size.
+"""
+
+import os
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+
+from mcore_ext.data.preprocess import preprocess, stdlib_sources
+from mcore_ext.data.tokenizers import load_tokenizer
+from mcore_ext.training.checkpointing import raise_unless_all_ok
+
+
+def prepare_tokenizer_and_data(cfg):
+    """The tokenizer; for data.source=stdlib, first builds the dataset if missing (on rank 0)."""
+    d = cfg.data
+    if d.source == "stdlib" and not os.path.isfile(d.prefix + ".idx"):
+        failure = None
+        if dist.get_rank() == 0:  # assumes one node or a shared filesystem
+            sources = stdlib_sources()
+            print(f"[data] building {d.prefix}.bin/.idx from {len(sources)} stdlib files")
+            try:
+                meta = preprocess(sources, d.prefix, d.tokenizer)
+                print(f"[data] {meta['documents']} documents, {meta['tokens']} tokens", flush=True)
+            except (OSError, ValueError) as err:
+                failure = err
+        raise_unless_all_ok(failure, f"building the stdlib dataset at {d.prefix}")
+    return load_tokenizer(d.tokenizer)
+
+
+def build_datasets(cfg, tokenizer):
+    """(train, valid) megatron datasets sized for the whole run."""
+    d, t = cfg.data, cfg.training
+    valid_samples = t.eval_iters * t.global_batch_size if t.eval_interval else 0
+    config = GPTDatasetConfig(
+        random_seed=t.seed,
+        sequence_length=cfg.model.seq_length,
+        blend=None if d.source == "mock" else ([d.prefix], None),
+        split=None if d.source == "mock" else d.split,
+        # megatron's default cache is <prefix>/cache, a directory named like the dataset.
+        path_to_cache=d.cache_dir or (
+            None if d.source == "mock" else os.path.join(os.path.dirname(d.prefix) or ".", "cache")
+        ),
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        # Core attention applies the causal mask itself: no [b, 1, s, s] mask tensors.
+        create_attention_mask=False,
+    )
+    cls = MockGPTDataset if d.source == "mock" else GPTDataset
+    sizes = [t.train_iters * t.global_batch_size, valid_samples, 0]
+    # Every rank builds (rank 0 first: it writes the index cache the others read).
+    train, valid, _ = BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
+    return train, valid
+
+
+class _MicroBatchSampler:
+    """This DP rank's micro-batches of sample indices, from sample ``start`` on."""
+
+    def __init__(self, num_samples, start, micro_batch_size, dp_rank, dp_size):
+        self.num_samples, self.start = num_samples, start
+        self.micro_batch_size, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
+
+    def __iter__(self):
+        chunk = self.micro_batch_size * self.dp_size
+        first = self.dp_rank * self.micro_batch_size
+        for begin in range(self.start, self.num_samples - chunk + 1, chunk):
+            yield list(range(begin + first, begin + first + self.micro_batch_size))
+
+    def __len__(self):
+        return max(0, (self.num_samples - self.start) // (self.micro_batch_size * self.dp_size))
+
+
+def batch_iterator(dataset, cfg, start_sample: int = 0):
+    """Iterator of micro-batches {"tokens", "labels", "loss_mask", "position_ids": [b, s]}."""
+    sampler = _MicroBatchSampler(
+        len(dataset),
+        start_sample,
+        cfg.training.micro_batch_size,
+        parallel_state.get_data_parallel_rank(),
+        parallel_state.get_data_parallel_world_size(),
+    )
+    loader = torch.utils.data.DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        num_workers=cfg.data.num_workers,
+        pin_memory=torch.cuda.is_available(),
+        persistent_workers=False,
+    )
+    return iter(loader)

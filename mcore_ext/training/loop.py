@@ -1,0 +1,393 @@
+"""Build model, optimizer and scheduler from megatron-core's parts, then train, evaluate, save.
+
+Shapes (megatron notation): b micro batch, s sequence, h hidden, v padded vocab.
+"""
+
+import contextlib
+import json
+import math
+import os
+import resource
+import time
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+from megatron.core.models.gpt import GPTModel
+from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.module import Float16Module
+
+from mcore_ext._cpu_compat import cuda_to_cpu
+from mcore_ext.runtime import destroy_parallel, device, init_parallel
+from mcore_ext.specs import get_gpt_block_spec
+from mcore_ext.training import checkpointing
+from mcore_ext.training.data import batch_iterator, build_datasets, prepare_tokenizer_and_data
+from mcore_ext.training.megatron_configs import (
+    compute_dtype,
+    ddp_config,
+    optimizer_config,
+    transformer_config,
+)
+
+# Dense bf16 / fp16 peak TFLOP/s per device, for MFU (logging.peak_tflops overrides).
+_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
+
+
+def pretrain(cfg) -> None:
+    """Run the training job described by a validated ``PretrainConfig`` on this torchrun rank."""
+    p = cfg.parallelism
+    init_parallel(
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        seed=cfg.training.seed,
+    )
+    try:
+        with cuda_to_cpu():  # CPU only: megatron's training path allocates on "cuda" literally
+            _Trainer(cfg).run()
+    finally:
+        destroy_parallel()
+
+
+def padded_vocab_size(vocab_size: int, cfg) -> int:
+    """Round up to make_vocab_size_divisible_by (and TP): the same at every TP size dividing it."""
+    tp = cfg.parallelism.tensor_model_parallel_size
+    multiple = math.lcm(cfg.model.make_vocab_size_divisible_by, tp)
+    return multiple * math.ceil(vocab_size / multiple)
+
+
+def build_model(cfg, vocab_size: int) -> DistributedDataParallel:
+    """This pipeline stage's GPTModel, in the compute dtype, wrapped in megatron's DDP."""
+    config = transformer_config(cfg)
+    gpt = GPTModel(
+        config,
+        transformer_layer_spec=get_gpt_block_spec(config, cfg.model.attention_backend),
+        vocab_size=vocab_size,
+        max_sequence_length=cfg.model.seq_length,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=not cfg.model.untie_embeddings_and_output_weights,
+        position_embedding_type="rope",
+        rotary_base=cfg.model.rotary_base,
+    )
+    gpt.to(device())
+    if compute_dtype(cfg) is not torch.float32:
+        gpt = Float16Module(config, gpt)  # casts params to bf16 / fp16, and logits back to fp32
+    model = DistributedDataParallel(config, ddp_config(cfg), gpt)
+    # The schedules reduce gradients through these hooks after the last micro-batch.
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = model.no_sync
+    return model
+
+
+def flops_per_iteration(cfg, vocab_size: int) -> float:
+    """Model FLOPs of one optimizer step (forward + backward = 3 x forward; recompute not counted).
+
+    Counts every GEMM, including the gate rows of linear_qkv: the head-wise gate adds
+    num_attention_heads output rows to the QKV GEMM. Causal attention counts half the scores.
+    """
+    m = cfg.model
+    h, heads, groups, hn, ffn, s = (
+        m.hidden_size, m.num_attention_heads, m.num_query_groups, m.kv_channels, m.ffn_hidden_size,
+        m.seq_length,
+    )
+    qkv_rows = (heads + 2 * groups) * hn + (heads if m.head_wise_attn_gate else 0)
+    layer_macs = (
+        h * qkv_rows  # linear_qkv (Q, K, V and gates)
+        + heads * hn * s  # Q K^T and P V, half of the s x s scores (causal)
+        + heads * hn * h  # linear_proj
+        + h * ffn * (2 if m.swiglu else 1) + ffn * h  # linear_fc1 (gate + up), linear_fc2
+    )
+    macs_per_token = m.num_layers * layer_macs + h * vocab_size  # + output layer
+    return 3 * 2 * macs_per_token * cfg.training.global_batch_size * s
+
+
+def _forward_step(data_iterator, model):
+    """One micro-batch: [b, s] tokens -> [b, s] per-token losses, and how to reduce them."""
+    batch = next(data_iterator)
+    dev = device()
+    tokens = batch["tokens"].to(dev, non_blocking=True)  # [b, s]
+    labels = batch["labels"].to(dev, non_blocking=True)  # [b, s]
+    loss_mask = batch["loss_mask"].to(dev, non_blocking=True).float()  # [b, s]
+    position_ids = batch["position_ids"].to(dev, non_blocking=True)  # [b, s]
+    # attention_mask=None: the causal mask is applied inside core attention.
+    losses = model(tokens, position_ids, None, labels=labels)  # [b, s]
+    return losses, partial(_masked_mean, loss_mask)
+
+
+def _masked_mean(loss_mask, losses):
+    loss = (losses.float() * loss_mask).sum() / loss_mask.sum().clamp(min=1)
+    return loss, {"lm loss": loss.detach().clone()}  # the schedule divides loss in place
+
+
+class _Trainer:
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.rank0 = dist.get_rank() == 0
+        self._print(f"[config] resolved configuration:\n{cfg.to_yaml()}")
+
+        tokenizer = prepare_tokenizer_and_data(cfg)
+        self.vocab_size = padded_vocab_size(tokenizer.vocab_size, cfg)
+        self.model = build_model(cfg, self.vocab_size)
+        self.optimizer = get_megatron_optimizer(optimizer_config(cfg), [self.model])
+        # Scales the loss before backward (fp16 loss scaling; a no-op factor otherwise).
+        self.model.config.grad_scale_func = self.optimizer.scale_loss
+        o = cfg.optimizer
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer,
+            init_lr=0.0,
+            max_lr=o.lr,
+            min_lr=o.min_lr,
+            lr_warmup_steps=o.lr_warmup_iters,
+            lr_decay_steps=o.lr_decay_iters,
+            lr_decay_style=o.lr_decay_style,
+            start_wd=o.weight_decay,
+            end_wd=o.weight_decay,
+            wd_incr_steps=cfg.training.train_iters,
+            wd_incr_style="constant",
+        )
+        self.iteration, consumed = 0, 0
+        if cfg.checkpoint.load:
+            self.iteration, consumed = checkpointing.load_checkpoint(
+                cfg, self.model, self.optimizer, self.scheduler
+            )
+        self.train_data, self.valid_data = build_datasets(cfg, tokenizer)
+        self.train_iterator = batch_iterator(self.train_data, cfg, start_sample=consumed)
+
+        self.forward_backward = get_forward_backward_func()
+        self.flops = flops_per_iteration(cfg, self.vocab_size)
+        self.async_queue = None
+        if cfg.checkpoint.async_save:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            self.async_queue = AsyncCallsQueue()
+        self.metrics = None
+        if self.rank0 and cfg.logging.metrics_file:
+            os.makedirs(os.path.dirname(os.path.abspath(cfg.logging.metrics_file)), exist_ok=True)
+            self.metrics = open(cfg.logging.metrics_file, "a", buffering=1)
+        self.tensorboard = self._tensorboard()
+        params = sum(p.numel() for p in self.model.parameters())
+        tp = cfg.parallelism.tensor_model_parallel_size
+        pp = cfg.parallelism.pipeline_model_parallel_size
+        dp, t = cfg.data_parallel_size, cfg.training
+        self._print(
+            f"[setup] world {cfg.world_size} = TP {tp} x PP {pp} x DP {dp}; global batch "
+            f"{t.global_batch_size} = micro {t.micro_batch_size} x DP {dp} x "
+            f"{cfg.num_microbatches} micro-batches; vocab {tokenizer.vocab_size} (padded "
+            f"{self.vocab_size}); {params / 1e6:.2f}M parameters on rank 0; {t.precision} on "
+            f"{device().type}"
+        )
+
+    # ------------------------------------------------------------------------------ loop
+
+    def run(self):
+        t, c, log_interval = self.cfg.training, self.cfg.checkpoint, self.cfg.logging.log_interval
+        first = self.iteration + 1
+        self._print(f"[train] iterations {first} .. {t.train_iters}")
+        window = _Window()
+        while self.iteration < t.train_iters:
+            loss, grad_norm, ok = self._train_step()
+            self.iteration += 1
+            it, last = self.iteration, self.iteration == t.train_iters
+            window.add(loss)
+            if it == first or last or _every(log_interval, it):
+                self._log(window, grad_norm, ok)
+                window = _Window()
+            stop = _every(t.exit_interval, it)
+            with window.paused():  # evaluation and saving are not step time
+                if t.eval_interval and (last or _every(t.eval_interval, it)):
+                    self._evaluate()
+                if c.save and (last or stop or _every(c.save_interval, it)):
+                    self._save()
+                if self.async_queue is not None:
+                    self.async_queue.maybe_finalize_async_calls(blocking=False)
+            if stop:
+                self._print(f"[train] stopping at iteration {it} (training.exit_interval)")
+                break
+        if self.async_queue is not None:
+            self.async_queue.close()  # waits for the last checkpoint and writes its tracker
+        for sink in (self.metrics, self.tensorboard):
+            if sink is not None:
+                sink.close()
+
+    def _train_step(self):
+        cfg = self.cfg
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        losses = self.forward_backward(
+            forward_step_func=_forward_step,
+            data_iterator=self.train_iterator,
+            model=[self.model],
+            num_microbatches=cfg.num_microbatches,
+            seq_length=cfg.model.seq_length,
+            micro_batch_size=cfg.training.micro_batch_size,
+            decoder_seq_length=cfg.model.seq_length,
+            forward_only=False,
+        )
+        ok, grad_norm, _ = self.optimizer.step()
+        if ok:  # fp16 skips the step (and the schedule) when gradients overflow
+            self.scheduler.step(increment=1)
+        return self._mean_loss(losses), grad_norm, ok
+
+    def _evaluate(self):
+        """Mean loss over the first eval_iters global batches of the validation split."""
+        cfg = self.cfg
+        self.model.eval()
+        iterator = batch_iterator(self.valid_data, cfg, start_sample=0)
+        total = 0.0
+        with torch.no_grad():
+            for _ in range(cfg.training.eval_iters):
+                losses = self.forward_backward(
+                    forward_step_func=_forward_step,
+                    data_iterator=iterator,
+                    model=[self.model],
+                    num_microbatches=cfg.num_microbatches,
+                    seq_length=cfg.model.seq_length,
+                    micro_batch_size=cfg.training.micro_batch_size,
+                    decoder_seq_length=cfg.model.seq_length,
+                    forward_only=True,
+                )
+                total += self._mean_loss(losses)
+        self.model.train()
+        loss = total / cfg.training.eval_iters
+        self._print(
+            f"[valid] iteration {self.iteration} | loss {loss:.4f} | "
+            f"ppl {math.exp(min(loss, 50)):.2f}"
+        )
+        self._record({"kind": "valid", "iteration": self.iteration, "loss": loss})
+
+    def _mean_loss(self, losses) -> float:
+        """Mean micro-batch loss over data-parallel ranks, on every rank.
+
+        Only the last pipeline stage has losses, identical across its TP ranks: the first TP
+        rank of each data-parallel replica there contributes.
+        """
+        contributes = parallel_state.is_pipeline_last_stage() and (
+            parallel_state.get_tensor_model_parallel_rank() == 0
+        )
+        local = torch.stack([x["lm loss"] for x in losses]).mean() if contributes else 0.0
+        total = torch.tensor([float(local), float(contributes)], dtype=torch.float64)
+        total = total.to(device())
+        dist.all_reduce(total)
+        return (total[0] / total[1]).item()
+
+    def _save(self):
+        t0 = time.perf_counter()
+        consumed = self.iteration * self.cfg.training.global_batch_size
+        checkpointing.save_checkpoint(
+            self.cfg, self.iteration, self.model, self.optimizer, self.scheduler, consumed,
+            async_queue=self.async_queue,
+        )
+        what = "scheduled" if self.async_queue else "saved"
+        self._print(
+            f"[checkpoint] {what} iteration {self.iteration} to "
+            f"{checkpointing.iteration_dir(self.cfg.checkpoint.save, self.iteration)} "
+            f"({time.perf_counter() - t0:.1f}s)"
+        )
+
+    # --------------------------------------------------------------------------- logging
+
+    def _log(self, window, grad_norm, ok):
+        cfg, t = self.cfg, self.cfg.training
+        elapsed = window.elapsed()
+        steps = window.steps
+        tokens_per_s = steps * t.global_batch_size * cfg.model.seq_length / elapsed
+        tflops = steps * self.flops / elapsed / cfg.world_size / 1e12  # per device
+        record = {
+            "kind": "train",
+            "iteration": self.iteration,
+            "loss": window.mean(),
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "grad_norm": float(grad_norm) if grad_norm is not None else None,
+            "tokens_per_s": tokens_per_s,
+            "tflops_per_device": tflops,
+            "step_time_s": elapsed / steps,
+            "peak_memory_gb": _peak_memory_gb(),
+        }
+        peak = cfg.logging.peak_tflops or _peak_tflops(t.precision)
+        if peak:
+            record["mfu"] = tflops / peak
+        if not ok:
+            record["skipped"] = True
+        self._record(record)
+
+        done = self.iteration / t.train_iters
+        bar = "#" * int(20 * done)
+        eta = (t.train_iters - self.iteration) * elapsed / steps
+        mfu = f" | MFU {record['mfu']:.1%}" if "mfu" in record else ""
+        self._print(
+            f"[{bar:<20}] {self.iteration:>{len(str(t.train_iters))}}/{t.train_iters} "
+            f"| loss {record['loss']:.4f} | lr {record['lr']:.2e} | grad norm "
+            f"{record['grad_norm'] or float('nan'):.3f} | {tokens_per_s:,.0f} tok/s | {tflops:.3f} "
+            f"TFLOP/s/device{mfu} | mem {record['peak_memory_gb']:.2f} GB | eta {eta:.0f}s"
+            + (" | step skipped (fp16 overflow)" if not ok else "")
+        )
+
+    def _record(self, record):
+        if self.metrics:
+            self.metrics.write(json.dumps(record) + "\n")
+        if self.tensorboard:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "iteration":
+                    self.tensorboard.add_scalar(f"{record['kind']}/{key}", value, self.iteration)
+
+    def _tensorboard(self):
+        if not (self.rank0 and self.cfg.logging.tensorboard_dir):
+            return None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:  # optional: tensorboard is not a dependency
+            return None
+        return SummaryWriter(self.cfg.logging.tensorboard_dir)
+
+    def _print(self, message):
+        if self.rank0:
+            print(message, flush=True)
+
+
+def _every(interval, iteration) -> bool:
+    return interval is not None and iteration % interval == 0
+
+
+class _Window:
+    """Losses and step wall time since the last log line."""
+
+    def __init__(self):
+        self.start, self.losses = time.perf_counter(), []
+
+    @contextlib.contextmanager
+    def paused(self):
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.start += time.perf_counter() - began
+
+    def add(self, loss):
+        self.losses.append(loss)
+
+    @property
+    def steps(self):
+        return len(self.losses)
+
+    def mean(self):
+        return sum(self.losses) / len(self.losses)
+
+    def elapsed(self):
+        return time.perf_counter() - self.start
+
+
+def _peak_memory_gb() -> float:
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux: peak RSS
+
+
+def _peak_tflops(precision: str) -> float | None:
+    if not torch.cuda.is_available() or precision not in ("bf16", "fp16"):
+        return None
+    name = torch.cuda.get_device_name()
+    return next((peak for key, peak in _PEAK_TFLOPS.items() if key in name), None)

@@ -1,0 +1,82 @@
+"""Where the launcher's YAML fields become megatron-core's config objects (and nowhere else)."""
+
+import torch
+import torch.nn.functional as F
+from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+
+from mcore_ext.config import GatedTransformerConfig
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def compute_dtype(cfg) -> torch.dtype:
+    return _DTYPES[cfg.training.precision]
+
+
+def transformer_config(cfg, **runtime_fields) -> GatedTransformerConfig:
+    """The model config; ``runtime_fields`` adds the hooks wired in at build time."""
+    m, p = cfg.model, cfg.parallelism
+    dtype = compute_dtype(cfg)
+    # megatron wants a recompute method and layer count for "full" only.
+    full = m.recompute_granularity == "full"
+    return GatedTransformerConfig(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        ffn_hidden_size=m.ffn_hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups,
+        kv_channels=m.kv_channels,
+        head_wise_attn_gate=m.head_wise_attn_gate,
+        head_wise_attn_gate_init_weight_scale=m.head_wise_attn_gate_init_weight_scale,
+        head_wise_attn_gate_init_bias=m.head_wise_attn_gate_init_bias,
+        add_bias_linear=False,
+        add_qkv_bias=m.add_qkv_bias,
+        normalization=m.normalization,
+        gated_linear_unit=m.swiglu,
+        activation_func=F.silu if m.swiglu else F.gelu,
+        init_method_std=m.init_method_std,
+        hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout,
+        recompute_granularity=m.recompute_granularity,
+        recompute_method=m.recompute_method if full else None,
+        recompute_num_layers=m.recompute_num_layers if full else None,
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        sequence_parallel=p.sequence_parallel,
+        # Pipeline stages exchange [s, b, h] activations of this dtype.
+        pipeline_dtype=dtype,
+        params_dtype=dtype,
+        bf16=dtype is torch.bfloat16,
+        fp16=dtype is torch.float16,
+        **runtime_fields,
+    )
+
+
+def ddp_config(cfg) -> DistributedDataParallelConfig:
+    return DistributedDataParallelConfig(
+        # Reduce and accumulate gradients in fp32 even when computing in bf16 / fp16.
+        grad_reduce_in_fp32=True,
+        use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
+        overlap_grad_reduce=False,
+    )
+
+
+def optimizer_config(cfg) -> MegatronOptimizerConfig:
+    o = cfg.optimizer
+    dtype = compute_dtype(cfg)
+    return MegatronOptimizerConfig(
+        optimizer="adam",
+        lr=o.lr,
+        min_lr=o.min_lr,
+        weight_decay=o.weight_decay,
+        adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2,
+        adam_eps=o.adam_eps,
+        clip_grad=o.clip_grad,
+        use_distributed_optimizer=o.use_distributed_optimizer,
+        bf16=dtype is torch.bfloat16,
+        fp16=dtype is torch.float16,
+        params_dtype=dtype,
+        loss_scale=o.loss_scale,
+    )

@@ -1,0 +1,301 @@
+"""The pretraining launcher end to end: torchrun, 2 gloo ranks, the tiny gated config.
+
+Four training runs are shared by the tests (module fixture, ~1.5 minutes on 2 cores):
+
+    full     TP=2, 20 steps, checkpoint at 10 and 20
+    first    TP=2, same job stopped by exit_interval=10 (checkpoint at 10)
+    tp1      TP=1 x DP=2 resuming ``first``'s step-10 checkpoint, to step 20
+    second   TP=2 resuming ``first``'s step-10 checkpoint, to step 20
+
+Rank 0 writes a JSON-lines metrics file per run; the tests compare the losses in them.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+LAUNCHER = str(ROOT / "launch" / "pretrain.py")
+TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
+TRACKER = "latest_checkpointed_iteration.txt"
+TIMEOUT_S = 300
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(*args, nproc=2) -> subprocess.CompletedProcess:
+    command = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1", f"--master_port={_free_port()}", LAUNCHER, *args,
+    ]
+    return subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT)
+
+
+def launcher(*args, env=None) -> subprocess.CompletedProcess:
+    """One plain process (no torchrun): enough for errors found before any rank is started."""
+    return subprocess.run(
+        [sys.executable, LAUNCHER, *args], capture_output=True, text=True, timeout=TIMEOUT_S,
+        cwd=ROOT, env={**os.environ, **(env or {})},
+    )
+
+
+def losses(path) -> dict[int, float]:
+    records = [json.loads(line) for line in Path(path).read_text().splitlines()]
+    return {r["iteration"]: r["loss"] for r in records if r["kind"] == "train"}
+
+
+def check(result, name):
+    assert result.returncode == 0, f"{name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    return result
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pretrain")
+    common = [
+        "--config", TINY,
+        f"data.prefix={tmp / 'data' / 'stdlib_byte'}",
+        "training.train_iters=20", "training.eval_interval=10",
+        "checkpoint.save_interval=10", "logging.log_interval=1",
+    ]
+
+    def run(name, *overrides):
+        return check(torchrun(*common, f"logging.metrics_file={tmp / name}.jsonl", *overrides), name)
+
+    out = {"tmp": tmp}
+    out["full"] = run("full", f"checkpoint.save={tmp / 'full'}", f"checkpoint.load={tmp / 'full'}")
+    out["first"] = run(
+        "first", f"checkpoint.save={tmp / 'resumed'}", f"checkpoint.load={tmp / 'resumed'}",
+        "training.exit_interval=10",
+    )
+    out["tp1"] = run(
+        "tp1", f"checkpoint.load={tmp / 'resumed'}", f"checkpoint.save={tmp / 'tp1'}",
+        "parallelism.tensor_model_parallel_size=1",
+    )
+    out["second"] = run(
+        "second", f"checkpoint.save={tmp / 'resumed'}", f"checkpoint.load={tmp / 'resumed'}"
+    )
+    return out
+
+
+def test_loss_falls(runs):
+    loss = losses(runs["tmp"] / "full.jsonl")
+    assert sorted(loss) == list(range(1, 21))
+    assert loss[20] < 0.75 * loss[1], loss
+
+
+def test_resume_reaches_the_same_losses(runs):
+    full = losses(runs["tmp"] / "full.jsonl")
+    first = losses(runs["tmp"] / "first.jsonl")
+    second = losses(runs["tmp"] / "second.jsonl")
+    assert sorted(first) == list(range(1, 11)) and sorted(second) == list(range(11, 21))
+    for step in range(11, 21):
+        assert second[step] == pytest.approx(full[step], abs=1e-5, rel=0), (step, second, full)
+    assert "resumed from" in runs["second"].stdout and "RNG not restored" not in runs["second"].stdout
+
+
+def test_resume_at_tp1_matches_tp2(runs):
+    full = losses(runs["tmp"] / "full.jsonl")
+    tp1 = losses(runs["tmp"] / "tp1.jsonl")
+    assert sorted(tp1) == list(range(11, 21))
+    for step in range(11, 21):
+        assert tp1[step] == pytest.approx(full[step], rel=0.01), (step, tp1, full)
+    assert "TP 1 x PP 1 x DP 2" in runs["tp1"].stdout
+
+
+def test_checkpoints_tracker_and_saved_config(runs):
+    from mcore_ext.training.config import load_config
+
+    full = runs["tmp"] / "full"
+    assert (full / TRACKER).read_text() == "20"
+    for step in (10, 20):
+        saved = full / f"iter_{step:07d}"
+        assert (saved / "metadata.json").is_file()
+        cfg = load_config(str(saved / "config.yaml"), world_size=2)
+        assert cfg.model.head_wise_attn_gate and cfg.training.train_iters == 20
+    assert (runs["tmp"] / "resumed" / TRACKER).read_text() == "20"
+
+
+def test_log_reports_config_metrics_and_evaluation(runs):
+    stdout = runs["full"].stdout
+    assert "[config] resolved configuration:" in stdout
+    assert "head_wise_attn_gate: true" in stdout
+    assert stdout.count("[valid] iteration") == 2  # at 10 and at the end
+    records = [json.loads(line) for line in (runs["tmp"] / "full.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    valid = [r for r in records if r["kind"] == "valid"]
+    assert {"lr", "grad_norm", "tokens_per_s", "tflops_per_device", "peak_memory_gb"} <= set(train[0])
+    assert train[0]["lr"] < train[9]["lr"]  # warmup
+    assert [r["iteration"] for r in valid] == [10, 20] and valid[1]["loss"] < valid[0]["loss"]
+
+
+# ----------------------------------------------------------------------------- config errors
+
+
+@pytest.fixture(scope="module")
+def error_runs(tmp_path_factory):
+    """Each bad configuration, launched concurrently (imports dominate their run time)."""
+    tmp = tmp_path_factory.mktemp("errors")
+    bad_yaml = tmp / "bad.yaml"
+    bad_yaml.write_text("model:\n  num_layers: 2\n   hidden_size: [64\n")
+    cases = {
+        "bad_yaml": (["--config", str(bad_yaml)], "is not valid YAML"),
+        "unknown_key": (["--config", TINY, "model.num_layer=3"],
+                        "unknown config key 'model.num_layer'; did you mean 'model.num_layers'?"),
+        "wrong_type": (["--config", TINY, "training.train_iters=lots"],
+                       "training.train_iters='lots' has type str, expected an integer"),
+        "missing_data": (["--config", TINY, "data.source=files", f"data.prefix={tmp / 'none'}"],
+                         f"data path '{tmp / 'none'}' does not exist"),
+    }
+    procs = {}
+    for name, (args, _) in cases.items():
+        save = tmp / name
+        procs[name] = subprocess.Popen(
+            [sys.executable, LAUNCHER, *args, f"checkpoint.save={save}", f"checkpoint.load={save}"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+            env={**os.environ, "WORLD_SIZE": "2", "RANK": "0"},  # as rank 0 of a 2-rank torchrun
+        )
+    results = {}
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
+        results[name] = (proc.returncode, stdout, stderr, cases[name][1], tmp / name)
+    return results
+
+
+@pytest.mark.parametrize("case", ["bad_yaml", "unknown_key", "wrong_type", "missing_data"])
+def test_config_errors_exit_with_one_message(error_runs, case):
+    returncode, stdout, stderr, expected, save = error_runs[case]
+    assert returncode != 0
+    assert expected in stderr, stderr
+    assert "Traceback" not in stderr + stdout
+    assert stderr.count("error: ") == 1
+    assert not (save / TRACKER).exists() and not save.exists()
+
+
+def test_layout_error_under_torchrun(tmp_path):
+    """TP=4 on 2 ranks: each rank exits non-zero before starting; the message is printed once."""
+    result = torchrun("--config", TINY, "parallelism.tensor_model_parallel_size=4",
+                      f"checkpoint.save={tmp_path / 'ckpt'}")
+    assert result.returncode != 0
+    message = "parallel layout does not divide the world size: 2 ranks are not divisible"
+    assert (result.stdout + result.stderr).count(message) == 1, result.stderr[-3000:]
+    assert 'launch/pretrain.py", line' not in result.stderr  # no traceback from the ranks
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_check_prints_the_resolved_config():
+    result = check(launcher("--config", TINY, "--check", "--world-size", "2"), "--check")
+    assert "kv_channels: 32" in result.stdout and "lr_decay_iters: 100" in result.stdout
+
+
+# ---------------------------------------------------------------------- failing checkpoint save
+
+
+def _save_twice_second_fails_on_rank1(save_dir):
+    """Save iteration 1, then a save at iteration 2 that fails on rank 1 only, after writing."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    import mcore_ext
+    from mcore_ext.training import checkpointing
+    from mcore_ext.training.config import load_config
+
+    mcore_ext.init_parallel(tensor_model_parallel_size=2)
+    cfg = load_config(TINY, [f"checkpoint.save={save_dir}"], world_size=2)
+    rank = dist.get_rank()
+
+    class Model:  # the one method save_checkpoint needs from DDP(GPTModel)
+        module = type("Module", (), {})()
+
+    weight = torch.full((2, 3), float(rank))
+    Model.module.sharded_state_dict = lambda: {
+        "w": ShardedTensor.from_rank_offsets("w", weight, (0, rank, 2))
+    }
+
+    class Optimizer:
+        def sharded_state_dict(self, model_state, is_loading=False, metadata=None):
+            return {}
+
+    class Scheduler:
+        def state_dict(self):
+            return {"num_steps": 1}
+
+    checkpointing.save_checkpoint(cfg, 1, Model, Optimizer(), Scheduler(), 8)
+    real_save = checkpointing.dist_checkpointing.save
+
+    def flaky_save(state, directory, **kwargs):
+        real_save(state, directory, **kwargs)
+        if rank == 1:
+            raise OSError("disk full (simulated)")
+
+    checkpointing.dist_checkpointing.save = flaky_save
+    try:
+        checkpointing.save_checkpoint(cfg, 2, Model, Optimizer(), Scheduler(), 16)
+    except RuntimeError as err:
+        return str(err)
+    finally:
+        checkpointing.dist_checkpointing.save = real_save
+    return None
+
+
+def test_failed_save_leaves_the_previous_checkpoint_latest(run_distributed, tmp_path):
+    errors = run_distributed(_save_twice_second_fails_on_rank1, str(tmp_path), world_size=2)
+    assert "failed on another rank" in errors[0]
+    assert "failed on this rank: disk full (simulated)" in errors[1]
+    assert (tmp_path / TRACKER).read_text() == "1"
+    assert not (tmp_path / "iter_0000002" / "config.yaml").exists()
+
+
+# --------------------------------------------------------------------------------- preprocessing
+
+
+def test_preprocess_jsonl_and_text(tmp_path, capsys):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from mcore_ext.data.preprocess import main
+    from mcore_ext.data.tokenizers import ByteTokenizer
+
+    (tmp_path / "a.jsonl").write_text('{"text": "héllo"}\n\n{"text": "world", "id": 2}\n')
+    (tmp_path / "b.txt").write_text("plain text file")
+    prefix = tmp_path / "out" / "corpus"
+    assert main(["--input", str(tmp_path / "a.jsonl"), str(tmp_path / "b.txt"),
+                 "--output-prefix", str(prefix)]) == 0
+    assert "3 documents" in capsys.readouterr().out
+    data = IndexedDataset(str(prefix))
+    tok = ByteTokenizer()
+    docs = [data[i].tolist() for i in range(len(data))]
+    assert [d[-1] for d in docs] == [tok.eod] * 3  # every document ends with EOD
+    assert [tok.detokenize(d) for d in docs] == ["héllo", "world", "plain text file"]
+    assert json.loads((tmp_path / "out" / "corpus.json").read_text())["vocab_size"] == 257
+
+
+def test_preprocess_errors(tmp_path, capsys):
+    from mcore_ext.data.preprocess import main
+
+    assert main(["--input", str(tmp_path / "missing.txt"), "--output-prefix", str(tmp_path / "x")]) == 2
+    assert "not found" in capsys.readouterr().err
+    (tmp_path / "bad.jsonl").write_text('{"body": "no text field"}\n')
+    assert main(["--input", str(tmp_path / "bad.jsonl"), "--output-prefix", str(tmp_path / "x")]) == 1
+    assert "bad.jsonl:1: not a JSON object with a 'text' field" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]  # no partial output
+
+
+def test_data_built_with_another_tokenizer_is_rejected(tmp_path):
+    from mcore_ext.training.config import ConfigError, load_config
+
+    prefix = tmp_path / "d"
+    for suffix in (".bin", ".idx"):
+        (tmp_path / f"d{suffix}").write_bytes(b"")
+    (tmp_path / "d.json").write_text(json.dumps({"tokenizer": "/some/hf/tokenizer"}))
+    with pytest.raises(ConfigError, match="was tokenized with tokenizer '/some/hf/tokenizer'"):
+        load_config(TINY, ["data.source=files", f"data.prefix={prefix}"], world_size=2)

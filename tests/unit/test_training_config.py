@@ -1,0 +1,222 @@
+"""The launcher's config: precedence, validation messages, resolution, shipped configs."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from mcore_ext.training.config import ConfigError, PretrainConfig, load_config
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def write(tmp_path, text: str) -> str:
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+MOCK = "data:\n  source: mock\n"
+
+
+def test_precedence_defaults_yaml_overrides(tmp_path):
+    path = write(tmp_path, MOCK + "model:\n  num_layers: 4\n  hidden_size: 64\n")
+    cfg = load_config(path, ["model.num_layers=6", "training.eval_interval=null"], world_size=1)
+    assert cfg.model.num_layers == 6  # override beats YAML
+    assert cfg.model.hidden_size == 64  # YAML beats default
+    assert cfg.model.num_attention_heads == 4  # default
+    assert cfg.training.eval_interval is None  # null parses to None
+
+
+def test_override_values_are_parsed_as_yaml(tmp_path):
+    path = write(tmp_path, MOCK)
+    cfg = load_config(
+        path,
+        ["optimizer.lr=1e-3", "model.head_wise_attn_gate=true", "training.train_iters=20",
+         "data.split=90,10,0"],
+        world_size=1,
+    )
+    assert cfg.optimizer.lr == pytest.approx(1e-3) and isinstance(cfg.optimizer.lr, float)
+    assert cfg.model.head_wise_attn_gate is True
+    assert cfg.training.train_iters == 20
+    assert cfg.data.split == "90,10,0"
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("model.num_layer=3", "unknown config key 'model.num_layer'; did you mean 'model.num_layers'?"),
+        ("training.hidden_size=64", "did you mean 'model.hidden_size'?"),
+        ("optimizer.learning_rate=0.1", "unknown config key 'optimizer.learning_rate'"),
+        ("modle.num_layers=3", "unknown config section 'modle'; did you mean 'model'?"),
+    ],
+)
+def test_unknown_keys_name_the_key_and_suggest(tmp_path, override, expected):
+    with pytest.raises(ConfigError, match="unknown config") as err:
+        load_config(write(tmp_path, MOCK), [override], world_size=1)
+    assert expected in str(err.value)
+
+
+def test_unknown_key_in_yaml_file(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, MOCK + "training:\n  global_batch: 8\n"), world_size=1)
+    assert "'training.global_batch'" in str(err.value)
+    assert "did you mean 'training.global_batch_size'?" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("model.num_layers=two", "model.num_layers='two' has type str, expected an integer"),
+        ("model.num_layers=2.5", "model.num_layers=2.5 has type float, expected an integer"),
+        ("model.head_wise_attn_gate=3", "model.head_wise_attn_gate=3 has type int, expected true or false"),
+        ("optimizer.lr=fast", "optimizer.lr='fast' has type str, expected a number"),
+        ("training.precision=bf32", "training.precision='bf32' is not one of"),
+        ("model.num_layers=[1,2]", "expected an integer"),
+    ],
+)
+def test_wrong_types_name_key_value_and_expected_type(tmp_path, override, expected):
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, MOCK), [override], world_size=1)
+    assert expected in str(err.value)
+
+
+def test_literal_suggests_closest_choice(tmp_path):
+    with pytest.raises(ConfigError, match="did you mean 'bf16'"):
+        load_config(write(tmp_path, MOCK), ["training.precision=bfloat16"], world_size=1)
+
+
+def test_bad_yaml_is_a_clear_error(tmp_path):
+    path = write(tmp_path, "model:\n  num_layers: 2\n   hidden_size: [64\n")
+    with pytest.raises(ConfigError, match=r"is not valid YAML \(line \d+, column \d+\)"):
+        load_config(path, world_size=1)
+
+
+def test_yaml_that_is_not_a_mapping(tmp_path):
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        load_config(write(tmp_path, "- just\n- a list\n"), world_size=1)
+
+
+def test_missing_config_file():
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config("/nonexistent/run.yaml", world_size=1)
+
+
+def test_malformed_override(tmp_path):
+    with pytest.raises(ConfigError, match="section.key=value"):
+        load_config(write(tmp_path, MOCK), ["num_layers=3"], world_size=1)
+
+
+def test_layout_must_divide_world_size(tmp_path):
+    path = write(tmp_path, MOCK + "parallelism:\n  tensor_model_parallel_size: 2\n")
+    with pytest.raises(ConfigError, match="parallel layout does not divide the world size: 3 ranks"):
+        load_config(path, world_size=3)
+
+
+def test_global_batch_must_split_into_micro_batches(tmp_path):
+    with pytest.raises(ConfigError, match=r"global_batch_size \(10\) must be divisible"):
+        load_config(
+            write(tmp_path, MOCK),
+            ["training.global_batch_size=10", "training.micro_batch_size=4"],
+            world_size=1,
+        )
+
+
+def test_missing_data_path(tmp_path):
+    prefix = tmp_path / "nope" / "text"
+    with pytest.raises(ConfigError, match=f"data path '{prefix}' does not exist"):
+        load_config(write(tmp_path, f"data:\n  source: files\n  prefix: {prefix}\n"), world_size=1)
+
+
+def test_megatron_rejections_become_config_errors(tmp_path):
+    # 6 heads cannot be split over 4 TP ranks: megatron's TransformerConfig refuses.
+    with pytest.raises(ConfigError, match=r"rejected by megatron-core.*num_attention_heads \(6\)"):
+        load_config(
+            write(tmp_path, MOCK),
+            ["model.num_attention_heads=6", "model.hidden_size=96", "model.head_wise_attn_gate=true",
+             "parallelism.tensor_model_parallel_size=4"],
+            world_size=4,
+        )
+
+
+def test_resolution_fills_derived_values(tmp_path):
+    cfg = load_config(
+        write(tmp_path, MOCK),
+        ["model.hidden_size=96", "model.num_attention_heads=4", "training.global_batch_size=32",
+         "training.micro_batch_size=4", "parallelism.tensor_model_parallel_size=2"],
+        world_size=4,
+    )
+    assert cfg.model.kv_channels == 24 and cfg.model.num_query_groups == 4
+    assert cfg.model.ffn_hidden_size == 256  # swiglu: 8/3 * 96 rounded up to 64
+    assert cfg.optimizer.lr_decay_iters == cfg.training.train_iters
+    assert (cfg.data_parallel_size, cfg.num_microbatches) == (2, 4)  # 32 = 4 x DP 2 x 4
+    if not torch.cuda.is_available():
+        assert cfg.training.precision == "fp32"
+
+
+def test_saved_yaml_round_trips(tmp_path):
+    cfg = load_config(str(CONFIGS / "tiny_cpu.yaml"), ["training.train_iters=30"], world_size=2)
+    again = load_config(write(tmp_path, cfg.to_yaml()), world_size=2)
+    assert again.to_dict() == cfg.to_dict()
+    assert set(yaml.safe_load(cfg.to_yaml())) == {
+        "model", "parallelism", "training", "optimizer", "data", "checkpoint", "logging"
+    }
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only check")
+def test_half_precision_needs_a_gpu(tmp_path):
+    with pytest.raises(ConfigError, match="needs a GPU"):
+        load_config(write(tmp_path, MOCK), ["training.precision=bf16"], world_size=1)
+
+
+def test_every_field_has_a_docstring_comment():
+    import inspect
+
+    import mcore_ext.training.config as module
+
+    for section in dataclasses.fields(PretrainConfig):
+        if section.metadata.get("derived"):
+            continue
+        source = inspect.getsource(section.default_factory)
+        for field in dataclasses.fields(section.default_factory):
+            after = source.split(f"    {field.name}:", 1)[1].split("\n", 2)[1]
+            assert after.strip().startswith('"""'), f"{section.name}.{field.name} has no docstring"
+    assert module.ConfigError.__doc__
+
+
+@pytest.mark.parametrize("world_size", [1, 8])
+@pytest.mark.parametrize("name", ["gpt_125m.yaml", "step35_attention.yaml"])
+def test_gpu_configs_validate(name, world_size):
+    precision = [] if torch.cuda.is_available() else ["training.precision=fp32"]
+    cfg = load_config(str(CONFIGS / name), precision, world_size=world_size)
+    assert cfg.model.head_wise_attn_gate
+    assert cfg.data_parallel_size * cfg.training.micro_batch_size * cfg.num_microbatches == (
+        cfg.training.global_batch_size
+    )
+
+
+def test_step35_attention_shape():
+    precision = [] if torch.cuda.is_available() else ["training.precision=fp32"]
+    m = load_config(str(CONFIGS / "step35_attention.yaml"), precision, world_size=8).model
+    assert (m.num_attention_heads, m.num_query_groups, m.kv_channels) == (64, 8, 128)
+
+
+def test_tiny_config_is_the_readme_job():
+    cfg = load_config(str(CONFIGS / "tiny_cpu.yaml"), world_size=2)
+    assert cfg.parallelism.tensor_model_parallel_size == 2
+    assert cfg.model.head_wise_attn_gate and cfg.data.source == "stdlib"
+
+
+def test_flops_count_the_gate_rows():
+    from mcore_ext.training.loop import flops_per_iteration
+
+    cfg = load_config(str(CONFIGS / "tiny_cpu.yaml"), world_size=2)
+    gated = flops_per_iteration(cfg, 384)
+    cfg.model.head_wise_attn_gate = False
+    plain = flops_per_iteration(cfg, 384)
+    m, t = cfg.model, cfg.training
+    tokens = t.global_batch_size * m.seq_length
+    # fwd + bwd = 3 x 2 FLOPs per multiply-add, for num_attention_heads extra rows of h inputs.
+    assert gated - plain == 6 * tokens * m.num_layers * m.hidden_size * m.num_attention_heads
