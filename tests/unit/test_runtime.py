@@ -1,0 +1,74 @@
+"""init_parallel / destroy_parallel on CPU gloo ranks, and a quiet import."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests import builders
+
+
+def _gpt_forward_backward_then_reinit():
+    """TP=2 GPTModel forward + backward, then tear down and run again at TP=1 in one process."""
+    import mcore_ext
+    from megatron.core import parallel_state
+
+    results = []
+    for tp in (2, 1):
+        mcore_ext.init_parallel(tensor_model_parallel_size=tp)
+        config = builders.gated_config(hidden_size=64, num_attention_heads=4,
+                                       tensor_model_parallel_size=tp, sequence_parallel=tp > 1)
+        model = builders.build_gpt(config)
+        tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+        loss = model(tokens, torch.arange(16).expand_as(tokens), None, labels=tokens).mean()
+        loss.backward()
+        grads = [p.grad for p in model.parameters()]
+        results.append(dict(
+            tp=parallel_state.get_tensor_model_parallel_world_size(),
+            loss=loss.item(),
+            all_grads=all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0
+                          for g in grads),
+        ))
+        mcore_ext.destroy_parallel()
+        assert not parallel_state.model_parallel_is_initialized()
+    return results
+
+
+def test_tp2_gpt_forward_backward_and_reinit_at_tp1(run_distributed):
+    rank0, rank1 = run_distributed(_gpt_forward_backward_then_reinit, world_size=2)
+    for results in (rank0, rank1):
+        assert [r["tp"] for r in results] == [2, 1]
+        assert all(r["all_grads"] for r in results)
+    assert rank0[0]["loss"] == rank1[0]["loss"]  # TP ranks compute one loss
+
+
+def _bad_layout():
+    import mcore_ext
+
+    try:
+        mcore_ext.init_parallel(tensor_model_parallel_size=4)
+    except ValueError as error:
+        return str(error)
+
+
+def test_layout_that_does_not_divide_world_size_is_rejected(run_distributed):
+    for message in run_distributed(_bad_layout, world_size=2):
+        assert "world size 2 is not divisible by tensor_model_parallel_size (4)" in message
+
+
+def test_import_prints_nothing():
+    result = subprocess.run([sys.executable, "-c", "import mcore_ext"], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0
+    assert result.stdout == "" and result.stderr == "", result.stderr
+
+
+def test_backend_choice_is_explicit():
+    import mcore_ext
+
+    assert mcore_ext.resolve_backend("auto") is mcore_ext.AttentionBackend.SDPA  # CPU, no TE
+    with pytest.raises(ValueError, match=r"backend='flash' is not one of 'auto', 'sdpa'"):
+        mcore_ext.resolve_backend("flash")
+    with pytest.raises(ImportError, match="backend='te' needs Transformer Engine"):
+        mcore_ext.resolve_backend("te")
