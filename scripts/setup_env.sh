@@ -10,17 +10,18 @@ TORCH_VERSION="${MCORE_EXT_TORCH:-2.13.0}"
 supports_312() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 12))' >/dev/null 2>&1; }
 
 find_python() {
-    # PATH first. A pyenv shim for a version that is not selected fails here and is skipped.
+    # PATH first, 3.12 preferred (what megatron-core and the GPU images use). A pyenv shim for a
+    # version that is not selected fails here and is skipped.
     local candidate
-    for candidate in python3.14 python3.13 python3.12 python3 python; do
+    for candidate in python3.12 python3.13 python3.14 python3 python; do
         if command -v "$candidate" >/dev/null && supports_312 "$(command -v "$candidate")"; then
             command -v "$candidate"
             return
         fi
     done
-    # Then every Python >= 3.12 that pyenv has installed, newest first.
+    # Then the Pythons that pyenv has installed, oldest first: the first >= 3.12 wins.
     if command -v pyenv >/dev/null; then
-        for candidate in $(ls -d "$(pyenv root)"/versions/3.*/bin/python3 2>/dev/null | sort -Vr); do
+        for candidate in $(ls -d "$(pyenv root)"/versions/3.*/bin/python3 2>/dev/null | sort -V); do
             if supports_312 "$candidate"; then
                 echo "$candidate"
                 return

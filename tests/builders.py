@@ -69,3 +69,15 @@ def tp_rank_and_size():
         parallel_state.get_tensor_model_parallel_rank(),
         parallel_state.get_tensor_model_parallel_world_size(),
     )
+
+
+def shared_dir(path: str) -> str:
+    """Create ``path`` on rank 0 and wait for every rank (they share the file system)."""
+    import os
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        os.makedirs(path, exist_ok=True)
+    dist.barrier()
+    return path

@@ -139,9 +139,8 @@ class HeadWiseGatedSelfAttention(SelfAttention):
         """core_attn_out [sq, b, np * hn] scaled per head by sigmoid(gate [sq, b, np]), in fp32."""
         if not self.head_wise_attn_gate:
             return super()._apply_output_gate(core_attn_out, gate)
-        per_head = core_attn_out.unflatten(-1, (gate.size(-1), -1))
-        gated = per_head * torch.sigmoid(gate.float()).unsqueeze(-1)
-        return gated.to(core_attn_out.dtype).flatten(-2)
+        per_head = core_attn_out.unflatten(-1, (gate.size(-1), -1))  # [sq, b, np, hn]
+        return _HeadWiseGate.apply(per_head, gate).flatten(-2)
 
     # ------------------------------------------------------------------------------ checkpoint
 
@@ -176,6 +175,32 @@ class HeadWiseGatedSelfAttention(SelfAttention):
                     "has no effect without a linear_qkv bias (add_qkv_bias or add_bias_linear): "
                     "gates start near sigmoid(0) = 0.5"
                 )
+
+
+class _HeadWiseGate(torch.autograd.Function):
+    """out = attn * sigmoid(logits) per head (sigmoid and product in fp32), saving only out and
+    the sigmoid.
+
+    d logits = sum_hn(d out * attn) * s * (1 - s) = sum_hn(d out * out) * (1 - s), so backward
+    needs the gated output, which linear_proj saves anyway (same storage), rather than attn:
+    plain autograd would keep one more [sq, b, np * hn] activation per layer alive.
+    """
+
+    @staticmethod
+    def forward(ctx, attn, logits):  # attn [sq, b, np, hn], logits [sq, b, np]
+        compute_dtype = torch.promote_types(logits.dtype, torch.float32)  # fp32 at least
+        gate = torch.sigmoid(logits.to(compute_dtype)).unsqueeze(-1)  # [sq, b, np, 1]
+        out = (attn * gate).to(attn.dtype)
+        ctx.save_for_backward(out, gate)
+        ctx.logits_dtype = logits.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        out, gate = ctx.saved_tensors
+        grad_attn = (grad_out * gate).to(grad_out.dtype)
+        grad_logits = (grad_out.to(gate.dtype) * out).sum(-1, keepdim=True) * (1 - gate)
+        return grad_attn, grad_logits.squeeze(-1).to(ctx.logits_dtype)
 
 
 def _with_extra_output_rows(build_linear, extra_rows: int):

@@ -217,20 +217,25 @@ class _Trainer:
         cfg = self.cfg
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        losses = self.forward_backward(
+        losses = self._run_schedule(self.train_iterator, forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        if ok:  # fp16 skips the step (and the schedule) when gradients overflow
+            self.scheduler.step(increment=1)
+        return self._mean_loss(losses), grad_norm, ok
+
+    def _run_schedule(self, iterator, forward_only: bool):
+        """One global batch through megatron's schedule (micro-batches, pipeline stages)."""
+        cfg = self.cfg
+        return self.forward_backward(
             forward_step_func=_forward_step,
-            data_iterator=self.train_iterator,
+            data_iterator=iterator,
             model=[self.model],
             num_microbatches=cfg.num_microbatches,
             seq_length=cfg.model.seq_length,
             micro_batch_size=cfg.training.micro_batch_size,
             decoder_seq_length=cfg.model.seq_length,
-            forward_only=False,
+            forward_only=forward_only,
         )
-        ok, grad_norm, _ = self.optimizer.step()
-        if ok:  # fp16 skips the step (and the schedule) when gradients overflow
-            self.scheduler.step(increment=1)
-        return self._mean_loss(losses), grad_norm, ok
 
     def _evaluate(self):
         """Mean loss over the first eval_iters global batches of the validation split."""
@@ -240,17 +245,7 @@ class _Trainer:
         total = 0.0
         with torch.no_grad():
             for _ in range(cfg.training.eval_iters):
-                losses = self.forward_backward(
-                    forward_step_func=_forward_step,
-                    data_iterator=iterator,
-                    model=[self.model],
-                    num_microbatches=cfg.num_microbatches,
-                    seq_length=cfg.model.seq_length,
-                    micro_batch_size=cfg.training.micro_batch_size,
-                    decoder_seq_length=cfg.model.seq_length,
-                    forward_only=True,
-                )
-                total += self._mean_loss(losses)
+                total += self._mean_loss(self._run_schedule(iterator, forward_only=True))
         self.model.train()
         loss = total / cfg.training.eval_iters
         self._print(

@@ -11,13 +11,6 @@ import torch
 from tests import builders
 
 
-def _mkdir(path):
-    import torch.distributed as dist
-
-    if dist.get_rank() == 0:
-        os.makedirs(path, exist_ok=True)
-    dist.barrier()
-    return path
 
 
 def _config(tp, gate=True, **overrides):
@@ -67,7 +60,7 @@ def _save_hand_built(root):
                 replica_id=factory.replica_id, prepend_axis_num=len(offsets))
             for suffix, block in ((checkpoint.QKV_SUFFIX, qkv), (checkpoint.GATE_SUFFIX, gate))
         }
-    checkpoint.save(sharded, _mkdir(root))
+    checkpoint.save(sharded, builders.shared_dir(root))
     return blocks
 
 
@@ -110,8 +103,8 @@ def _mismatches(root):
     mcore_ext.init_parallel(tensor_model_parallel_size=2)
     plain = builders.build_gpt(_config(2, gate=False), parallel_output=False)
     gated = builders.build_gpt(_config(2, gate=True), parallel_output=False)
-    checkpoint.save(plain.sharded_state_dict(), _mkdir(f"{root}/plain"))
-    checkpoint.save(gated.sharded_state_dict(), _mkdir(f"{root}/gated"))
+    checkpoint.save(plain.sharded_state_dict(), builders.shared_dir(f"{root}/plain"))
+    checkpoint.save(gated.sharded_state_dict(), builders.shared_dir(f"{root}/gated"))
     errors = {}
 
     fresh_gated = builders.build_gpt(_config(2, gate=True), parallel_output=False)
@@ -173,11 +166,11 @@ def _corrupted_loads(root):
     from mcore_ext import checkpoint
 
     mcore_ext.init_parallel(tensor_model_parallel_size=2)
-    checkpoint.save(builders.build_gpt(_config(2)).sharded_state_dict(), _mkdir(f"{root}/good"))
+    checkpoint.save(builders.build_gpt(_config(2)).sharded_state_dict(), builders.shared_dir(f"{root}/good"))
     # Same architecture except 16 heads: its gate block has 16 rows, not 8.
     other = builders.build_gpt(_config(2, hidden_size=128, num_attention_heads=16, kv_channels=8,
                                        ffn_hidden_size=256))
-    checkpoint.save(other.sharded_state_dict(), _mkdir(f"{root}/other_heads"))
+    checkpoint.save(other.sharded_state_dict(), builders.shared_dir(f"{root}/other_heads"))
 
     outcomes = {}
     model = builders.build_gpt(_config(2))
@@ -219,7 +212,7 @@ def _save_for_inspect(root, tp):
     from mcore_ext import checkpoint
 
     mcore_ext.init_parallel(tensor_model_parallel_size=tp)
-    checkpoint.save(builders.build_gpt(_config(tp)).sharded_state_dict(), _mkdir(root))
+    checkpoint.save(builders.build_gpt(_config(tp)).sharded_state_dict(), builders.shared_dir(root))
 
 
 def test_inspect_reports_layout_without_the_saving_layout(run_distributed, tmp_path):

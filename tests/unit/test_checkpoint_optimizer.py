@@ -77,11 +77,7 @@ def _train_on_this_rank(tp, steps, save_dir, load_dir, first_step, load_optimize
         losses.append(global_loss.item() / dp)
 
     if save_dir:
-        if dist.get_rank() == 0:
-            import os
-            os.makedirs(save_dir, exist_ok=True)
-        dist.barrier()
-        checkpoint.save(sharded(False), save_dir)
+        checkpoint.save(sharded(False), builders.shared_dir(save_dir))
     return losses
 
 

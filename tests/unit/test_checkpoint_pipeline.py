@@ -6,8 +6,6 @@ With pp = 2, stage 0 holds the embedding and layer 1, stage 1 layer 2 and the ou
 hidden states travel between them with a point-to-point send.
 """
 
-import os
-
 import torch
 
 from tests import builders
@@ -51,13 +49,6 @@ def _logits(model):
     return logits
 
 
-def _mkdir(path):
-    import torch.distributed as dist
-
-    if dist.get_rank() == 0:
-        os.makedirs(path, exist_ok=True)
-    dist.barrier()
-    return path
 
 
 def _save(tp, pp, path):
@@ -67,7 +58,7 @@ def _save(tp, pp, path):
 
     mcore_ext.init_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     model = _model(tp, pp)
-    checkpoint.save(model.sharded_state_dict(), _mkdir(path))
+    checkpoint.save(model.sharded_state_dict(), builders.shared_dir(path))
     return _logits(model)
 
 
@@ -84,7 +75,7 @@ def _load_compare_resave(tp, pp, source, target, expected):
     before = (_logits(model) - expected).abs().max().item()
     model.load_state_dict(checkpoint.load(model.sharded_state_dict(), source))
     logits = _logits(model)
-    checkpoint.save(model.sharded_state_dict(), _mkdir(target))
+    checkpoint.save(model.sharded_state_dict(), builders.shared_dir(target))
     dist.barrier()
     original, again = (dist_checkpointing.load_plain_tensors(d) for d in (source, target))
     identical = original.keys() == again.keys() and all(

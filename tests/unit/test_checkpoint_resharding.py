@@ -40,7 +40,7 @@ def _save_variants(tp, root):
     for variant in VARIANTS:
         model = builders.build_gpt(_config(tp, variant), parallel_output=False)
         logits[variant] = _logits(model)
-        checkpoint.save(model.sharded_state_dict(), _mkdir(f"{root}/{variant}/tp{tp}"))
+        checkpoint.save(model.sharded_state_dict(), builders.shared_dir(f"{root}/{variant}/tp{tp}"))
     return logits
 
 
@@ -60,7 +60,7 @@ def _load_compare_resave(tp, root, src_tp, expected):
         model.load_state_dict(checkpoint.load(model.sharded_state_dict(), source))
         after = (_logits(model) - expected[variant]).abs().max().item()
 
-        resaved = _mkdir(f"{root}/{variant}/tp{src_tp}_to_tp{tp}")
+        resaved = builders.shared_dir(f"{root}/{variant}/tp{src_tp}_to_tp{tp}")
         checkpoint.save(model.sharded_state_dict(), resaved)
         dist.barrier()
         original, again = (dist_checkpointing.load_plain_tensors(d) for d in (source, resaved))
@@ -72,15 +72,6 @@ def _load_compare_resave(tp, root, src_tp, expected):
     return results
 
 
-def _mkdir(path):
-    import os
-
-    import torch.distributed as dist
-
-    if dist.get_rank() == 0:
-        os.makedirs(path, exist_ok=True)
-    dist.barrier()
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -312,3 +312,13 @@ def test_static_kv_cache_decoding_applies_the_gate(run_distributed, tp):
     for result in run_distributed(_kv_cache_decode_matches_full_forward, tp, world_size=2):
         assert result["prefill"] <= 1e-5 and result["decode"] <= 1e-5, result
         assert result["gate_effect"] > 1e-3, result  # the decoded token is gated
+
+
+def test_gate_function_matches_finite_differences():
+    """The gate's hand-written backward (which saves its output instead of attn), fp64."""
+    from mcore_ext.attention.gated import _HeadWiseGate
+
+    g = torch.Generator().manual_seed(0)
+    attn = torch.randn(5, 2, 3, 4, dtype=torch.float64, generator=g).requires_grad_(True)
+    logits = (3 * torch.randn(5, 2, 3, dtype=torch.float64, generator=g)).requires_grad_(True)
+    assert torch.autograd.gradcheck(_HeadWiseGate.apply, (attn, logits))
