@@ -21,8 +21,8 @@ Memory is measured once per variant:
          (torch.cuda.max_memory_allocated after reset_peak_memory_stats, minus what was allocated
          before the step) plus the module's parameter bytes and the input's bytes.
     CPU  there is no allocator peak counter, so the bytes the step *holds* are counted:
-         parameters + gradients + every tensor saved for backward (saved_tensors_hooks, each
-         distinct storage once, parameters not again) + the output.
+         parameters + gradients + the bytes the forward leaves allocated for backward (saved
+         activations and the output, from the profiler's memory events).
 
 Run ``python benchmarks/bench_gate.py --help``; see benchmarks/README.md.
 """
@@ -39,6 +39,8 @@ import warnings
 # megatron's own gate (attention_output_gate) is torch.compile'd. Compile in this process rather
 # than in a pool of worker processes that would linger and steal CPU from the first timed rounds.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# The CPU memory measure runs the profiler; keep its tracing library's start/stop lines quiet.
+os.environ.setdefault("KINETO_LOG_LEVEL", "5")
 
 import torch  # noqa: E402
 
@@ -263,37 +265,27 @@ def memory_gpu(case):
 
 
 def memory_cpu(case):
-    """Bytes the step holds: params + grads + distinct saved storages + output."""
+    """Bytes the step holds: params + grads + what the forward leaves allocated for backward.
+
+    The last term comes from the allocator (profiler memory events: bytes allocated minus bytes
+    freed during the forward, i.e. saved activations and the output), so it also sees tensors
+    that a module packs with saved-tensor hooks of its own, as the gated attention does.
+    """
     case.release()
-    param_ptrs = {p.untyped_storage().data_ptr() for p in case.params}
-    saved = {}
-
-    def pack(t):
-        try:
-            storage = t.untyped_storage()
-            ptr = storage.data_ptr()
-            if ptr and ptr not in param_ptrs:
-                saved[ptr] = storage.nbytes()
-        except (NotImplementedError, RuntimeError):  # tensor subclasses without a storage
-            pass
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = case.step()
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
+        out = forward(case.module, case.scope, case.x)
+    forward_held = sum(event.self_cpu_memory_usage for event in prof.key_averages())
+    out.backward(case.dy)
     grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in case.params if p.grad is not None)
-    out_storage = out.untyped_storage()
-    out_bytes = 0 if out_storage.data_ptr() in saved else out_storage.nbytes()
-    saved_bytes = sum(saved.values())
     del out
     case.release()
     return dict(
         measure="cpu_held",
         param_bytes=case.param_bytes,
         grad_bytes=grad_bytes,
-        saved_bytes=saved_bytes,
-        saved_storages=len(saved),
-        output_bytes=out_bytes,
-        total_bytes=case.param_bytes + grad_bytes + saved_bytes + out_bytes,
+        forward_held_bytes=forward_held,
+        total_bytes=case.param_bytes + grad_bytes + forward_held,
     )
 
 
@@ -431,7 +423,7 @@ def main(argv=None):
                 "before) + parameter bytes + input bytes")
         else:
             log("  memory (CPU measure, no allocator peak counter): bytes held by the step = "
-                "parameters + gradients + tensors saved for backward (distinct storages) + output")
+                "parameters + gradients + bytes the forward leaves allocated (activations, output)")
 
         results, profile = {}, None
         for scope in scopes:

@@ -11,8 +11,10 @@ Shapes (megatron notation): sq sequence, b batch, h hidden, np query heads / ng 
 this rank, hn head dim; ``qkv_r`` / ``np_r`` are this rank's QKV / gate columns of linear_qkv.
 """
 
+import contextvars
 import copy
 import dataclasses
+import functools
 import warnings
 
 import torch
@@ -135,12 +137,37 @@ class HeadWiseGatedSelfAttention(SelfAttention):
             query = query[:, :, first : first + heads]
         return query, key, value
 
+    def forward(self, *args, **kwargs):
+        """``SelfAttention.forward``, with the gated output recomputed in backward.
+
+        linear_proj saves its input, the gated output, for its weight gradient. Without a gate
+        that input is the core-attention output, which core attention usually keeps alive anyway;
+        the gated output would be one more [sq, b, np * hn] activation per layer. So while this
+        forward runs, tensors saved for backward with the gated output's storage are packed as
+        (attn, gate logits) and recomputed (one elementwise product) when backward needs them.
+        """
+        if not (self.head_wise_attn_gate and torch.is_grad_enabled()):
+            return super().forward(*args, **kwargs)
+        recipes = {}  # storage of a gated output -> (attn, gate logits); this call's only
+        token = _gated_outputs.set(recipes)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(
+                functools.partial(_pack_gated, recipes), _unpack_gated
+            ):
+                return super().forward(*args, **kwargs)
+        finally:
+            _gated_outputs.reset(token)
+
     def _apply_output_gate(self, core_attn_out, gate):
         """core_attn_out [sq, b, np * hn] scaled per head by sigmoid(gate [sq, b, np]), in fp32."""
         if not self.head_wise_attn_gate:
             return super()._apply_output_gate(core_attn_out, gate)
-        per_head = core_attn_out.unflatten(-1, (gate.size(-1), -1))  # [sq, b, np, hn]
-        return _HeadWiseGate.apply(per_head, gate).flatten(-2)
+        attn = core_attn_out.unflatten(-1, (gate.size(-1), -1))  # [sq, b, np, hn]
+        gated = _gate(attn, gate)
+        recipes = _gated_outputs.get()
+        if recipes is not None:
+            recipes[gated.untyped_storage().data_ptr()] = (attn.detach(), gate.detach())
+        return gated.flatten(-2)
 
     # ------------------------------------------------------------------------------ checkpoint
 
@@ -177,30 +204,32 @@ class HeadWiseGatedSelfAttention(SelfAttention):
                 )
 
 
-class _HeadWiseGate(torch.autograd.Function):
-    """out = attn * sigmoid(logits) per head (sigmoid and product in fp32), saving only out and
-    the sigmoid.
+def _gate(attn, logits):
+    """attn [sq, b, np, hn] * sigmoid(logits [sq, b, np]), computed in fp32 at least."""
+    compute_dtype = torch.promote_types(logits.dtype, torch.float32)
+    return (attn * torch.sigmoid(logits.to(compute_dtype)).unsqueeze(-1)).to(attn.dtype)
 
-    d logits = sum_hn(d out * attn) * s * (1 - s) = sum_hn(d out * out) * (1 - s), so backward
-    needs the gated output, which linear_proj saves anyway (same storage), rather than attn:
-    plain autograd would keep one more [sq, b, np * hn] activation per layer alive.
-    """
 
-    @staticmethod
-    def forward(ctx, attn, logits):  # attn [sq, b, np, hn], logits [sq, b, np]
-        compute_dtype = torch.promote_types(logits.dtype, torch.float32)  # fp32 at least
-        gate = torch.sigmoid(logits.to(compute_dtype)).unsqueeze(-1)  # [sq, b, np, 1]
-        out = (attn * gate).to(attn.dtype)
-        ctx.save_for_backward(out, gate)
-        ctx.logits_dtype = logits.dtype
-        return out
+# The gated outputs of the HeadWiseGatedSelfAttention.forward in flight, by storage. A context
+# variable, not module state: it lives for one forward call and is read only by that call.
+_gated_outputs: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
+    "gated_outputs", default=None
+)
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        out, gate = ctx.saved_tensors
-        grad_attn = (grad_out * gate).to(grad_out.dtype)
-        grad_logits = (grad_out.to(gate.dtype) * out).sum(-1, keepdim=True) * (1 - gate)
-        return grad_attn, grad_logits.squeeze(-1).to(ctx.logits_dtype)
+
+def _pack_gated(recipes, saved):
+    recipe = recipes.get(saved.untyped_storage().data_ptr())
+    if recipe is None:
+        return saved
+    attn, logits = recipe
+    return attn, logits, saved.shape
+
+
+def _unpack_gated(packed):
+    if isinstance(packed, torch.Tensor):
+        return packed
+    attn, logits, shape = packed
+    return _gate(attn, logits).reshape(shape)
 
 
 def _with_extra_output_rows(build_linear, extra_rows: int):
