@@ -19,6 +19,8 @@ from mcore_ext import _cpu_compat
 
 # True when init_parallel created the default process group, so destroy_parallel owns it.
 _owns_default_group = False
+# The process groups megatron's initialize_model_parallel created (destroy_parallel frees them).
+_model_parallel_groups: list = []
 
 
 def device() -> torch.device:
@@ -70,12 +72,14 @@ def init_parallel(
             f"({pipeline_model_parallel_size}) x context_parallel_size ({context_parallel_size})"
         )
 
+    existing = set(_process_groups())
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         context_parallel_size=context_parallel_size,
         **model_parallel_kwargs,
     )
+    _model_parallel_groups[:] = [g for g in _process_groups() if g not in existing]
     set_seed(seed)
 
 
@@ -99,9 +103,20 @@ def destroy_parallel() -> None:
     """
     global _owns_default_group
     parallel_state.destroy_model_parallel()
+    # megatron only drops its references: each of its ~20 groups keeps gloo threads (3 each) and
+    # sockets alive, which a process that initializes repeatedly would accumulate.
+    for group in _model_parallel_groups:
+        if group in _process_groups():  # megatron tears a few down itself
+            dist.destroy_process_group(group)
+    _model_parallel_groups.clear()
     if _owns_default_group and dist.is_initialized():
         dist.destroy_process_group()
         _owns_default_group = False
+
+
+def _process_groups() -> list:
+    """Every process group this rank belongs to (torch keeps no public list of them)."""
+    return list(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else []
 
 
 def _free_port() -> int:

@@ -43,6 +43,28 @@ def test_tp2_gpt_forward_backward_and_reinit_at_tp1(run_distributed):
     assert rank0[0]["loss"] == rank1[0]["loss"]  # TP ranks compute one loss
 
 
+def _init_destroy_cycles():
+    import os
+
+    import mcore_ext
+    import torch.distributed as dist
+
+    after = []
+    for tp in (2, 1, 2, 1):
+        mcore_ext.init_parallel(tensor_model_parallel_size=tp)
+        mcore_ext.destroy_parallel()
+        after.append((len(dist.distributed_c10d._world.pg_map), len(os.listdir("/proc/self/task"))))
+    return after
+
+
+def test_destroy_parallel_frees_megatrons_process_groups(run_distributed):
+    """megatron's destroy only drops references; ~20 groups with 3 gloo threads each would pile up
+    in a process that initializes repeatedly (as test workers and notebooks do)."""
+    for after in run_distributed(_init_destroy_cycles, world_size=2):
+        groups, threads = zip(*after)
+        assert len(set(groups)) == 1 and max(threads) - min(threads) <= 2, after
+
+
 def _bad_layout():
     import mcore_ext
 
