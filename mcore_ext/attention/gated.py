@@ -64,7 +64,6 @@ class HeadWiseGatedSelfAttention(SelfAttention):
         if not self.head_wise_attn_gate:
             return
 
-        self._offloading = config.cpu_offloading or config.fine_grained_activation_offloading
         self.qkv_rows_per_partition = self.linear_qkv_out_dim // self.world_size
         self.gate_rows_per_partition = config.num_attention_heads // self.world_size
         self.linear_qkv_out_dim += config.num_attention_heads
@@ -149,7 +148,8 @@ class HeadWiseGatedSelfAttention(SelfAttention):
         Saved-tensor hooks do not nest, so this steps aside when megatron's activation offloading
         (itself built on such hooks) is on.
         """
-        if not (self.head_wise_attn_gate and torch.is_grad_enabled()) or self._offloading:
+        offloading = self.config.cpu_offloading or self.config.fine_grained_activation_offloading
+        if not (self.head_wise_attn_gate and torch.is_grad_enabled()) or offloading:
             return super().forward(*args, **kwargs)
         recipes = {}  # storage of a gated output -> (attn, gate logits); this call's only
         token = _gated_outputs.set(recipes)

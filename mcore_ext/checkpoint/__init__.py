@@ -67,15 +67,17 @@ def load(
     caller applies the returned state dict (``model.load_state_dict``) only once all succeeded.
     """
     saved = set(dist_checkpointing.load_tensors_metadata(checkpoint_dir))
-    missing_gates, converted = [], 0
-    for path, factory in _gate_factories(sharded_state_dict):
-        if factory.key + GATE_SUFFIX in saved:
-            continue
-        if init_missing_gates and factory.key in saved:
-            _set_path(sharded_state_dict, path, factory.from_ungated_checkpoint())
-            converted += 1
-        else:
-            missing_gates.append(factory.key + GATE_SUFFIX)
+    missing_gates = []
+
+    def check_gate(value):
+        if not isinstance(value, QkvGateFactory) or value.key + GATE_SUFFIX in saved:
+            return value
+        if init_missing_gates and value.key in saved:
+            return value.from_ungated_checkpoint()
+        missing_gates.append(value.key + GATE_SUFFIX)
+        return value
+
+    dict_list_map_inplace(check_gate, sharded_state_dict)
     if missing_gates:
         hint = (
             " It was saved without head_wise_attn_gate: pass init_missing_gates=True "
@@ -178,21 +180,6 @@ def _with_scratch_data(value):
     if isinstance(value, (ShardedTensor, ShardedTensorFactory)) and torch.is_tensor(value.data):
         return dataclasses.replace(value, data=torch.empty_like(value.data))
     return value
-
-
-def _gate_factories(tree, path=()):
-    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else ()
-    for key, value in items:
-        if isinstance(value, QkvGateFactory):
-            yield path + (key,), value
-        elif isinstance(value, (dict, list)):
-            yield from _gate_factories(value, path + (key,))
-
-
-def _set_path(tree, path, value):
-    for key in path[:-1]:
-        tree = tree[key]
-    tree[path[-1]] = value
 
 
 def _preview(keys, limit=3):
