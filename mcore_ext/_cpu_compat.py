@@ -128,6 +128,11 @@ class _CudaToCpu(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.backward:
+            # A mode is suspended while it handles a call, but backward may run forward code
+            # again (activation recompute), which needs the mode: handle it inside a new one.
+            with _CudaToCpu():
+                return _backward(*args, **kwargs)
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             name = func(*args)  # torch.FloatTensor -> torch.cuda.FloatTensor
             return name.replace("torch.", "torch.cuda.", 1) if args[0].device.type == "cpu" else name
@@ -136,6 +141,28 @@ class _CudaToCpu(TorchFunctionMode):
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
             args = (args[0], _CPU, *args[2:])
         return func(*args, **kwargs)
+
+
+def _backward(tensor, gradient=None, retain_graph=None, create_graph=False, inputs=None):
+    """``Tensor.backward`` on the autograd engine directly, as megatron's schedules call it.
+
+    Dispatching it (``torch.autograd.backward`` does) would hand it to a suspended mode again.
+    """
+    if gradient is None:
+        if tensor.numel() != 1:
+            raise RuntimeError("grad can be implicitly created only for scalar outputs")
+        gradient = torch.ones_like(tensor)
+    if isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
+    torch.autograd.Variable._execution_engine.run_backward(
+        (tensor,),
+        (gradient,),
+        create_graph if retain_graph is None else retain_graph,
+        create_graph,
+        tuple(inputs or ()),
+        allow_unreachable=True,
+        accumulate_grad=True,
+    )
 
 
 class _NullStream:

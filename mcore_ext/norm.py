@@ -1,4 +1,4 @@
-"""torch LayerNorm / RMSNorm for the SDPA backend, usable with sequence parallelism.
+"""torch LayerNorm / RMSNorm usable with sequence parallelism (sdpa, and local without Apex).
 
 megatron's ``WrappedTorchNorm`` refuses ``sequence_parallel`` although a per-token norm is exact
 on a sequence shard; what SP needs is that the norm's weight gradients are summed over the TP
@@ -17,11 +17,15 @@ class TorchNorm:
     def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_unused):
         if config.normalization not in _NORMS:
             raise ValueError(
-                f"normalization={config.normalization!r} is not supported by the sdpa backend; "
+                f"normalization={config.normalization!r} is not supported by TorchNorm (the sdpa "
+                "backend, and local without Apex); "
                 f"choose one of {sorted(_NORMS)}"
             )
         if config.layernorm_zero_centered_gamma:
-            raise NotImplementedError("layernorm_zero_centered_gamma=True needs the 'te' backend")
+            raise NotImplementedError(
+                "layernorm_zero_centered_gamma=True is not supported by TorchNorm (the sdpa "
+                "backend, and local without Apex); use the 'te' backend"
+            )
         norm = _NORMS[config.normalization](hidden_size, eps=eps)
         for param in norm.parameters():
             param.sequence_parallel = config.sequence_parallel

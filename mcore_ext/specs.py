@@ -64,8 +64,9 @@ def resolve_backend(backend: str | AttentionBackend = "auto") -> AttentionBacken
 def get_gpt_layer_spec(config: TransformerConfig, backend: str = "auto") -> ModuleSpec:
     """The transformer layer spec for ``config`` on ``backend`` ("auto", "sdpa", "local", "te").
 
-    With ``config.head_wise_attn_gate`` on, self-attention is ``HeadWiseGatedSelfAttention``;
-    otherwise the spec is megatron-core's unchanged (plus SDPA core attention for "sdpa").
+    With ``config.head_wise_attn_gate`` on, self-attention is ``HeadWiseGatedSelfAttention``.
+    "sdpa" swaps in SDPA core attention; "sdpa", and "local" without Apex, swap in norms that
+    work with sequence parallelism. Otherwise the spec is megatron-core's unchanged.
     """
     backend = resolve_backend(backend)
     options = dict(
@@ -87,13 +88,16 @@ def get_gpt_layer_spec(config: TransformerConfig, backend: str = "auto") -> Modu
     if backend is AttentionBackend.SDPA:
         attention = dataclasses.replace(
             attention,
+            submodules=dataclasses.replace(attention.submodules, core_attention=SDPAttention),
+        )
+    if backend is not AttentionBackend.TE:
+        attention = dataclasses.replace(
+            attention,
             submodules=dataclasses.replace(
-                attention.submodules,
-                core_attention=SDPAttention,
-                **_sdpa_qk_norms(attention.submodules),
+                attention.submodules, **_portable_norms(attention.submodules, backend)
             ),
         )
-        layer = dataclasses.replace(layer, input_layernorm=TorchNorm, pre_mlp_layernorm=TorchNorm)
+        layer = dataclasses.replace(layer, **_portable_norms(layer, backend))
     return dataclasses.replace(spec, submodules=dataclasses.replace(layer, self_attention=attention))
 
 
@@ -103,23 +107,35 @@ def get_gpt_block_spec(
     """The decoder block spec for ``GPTModel(transformer_layer_spec=...)``.
 
     Same layers as ``get_gpt_layer_spec`` on this pipeline stage, plus the final norm of the
-    backend (megatron's default final norm cannot be used with sequence parallelism on "sdpa").
+    backend (megatron's default final norm, without Apex, refuses sequence parallelism).
     """
     backend = resolve_backend(backend)
     layer = get_gpt_layer_spec(config, backend)
     final_norm = {
         AttentionBackend.SDPA: TorchNorm,
-        AttentionBackend.LOCAL: gpt_layer_specs.LNImpl,
+        AttentionBackend.LOCAL: (
+            TorchNorm if gpt_layer_specs.LNImpl is WrappedTorchNorm else gpt_layer_specs.LNImpl
+        ),
         AttentionBackend.TE: gpt_layer_specs.TENorm,
     }[backend]
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=final_norm)
 
 
-def _sdpa_qk_norms(submodules) -> dict:
-    """QK layernorm slots that hold a norm class get TorchNorm (IdentityOp / L2Norm stay)."""
+_NORM_SLOTS = ("input_layernorm", "pre_mlp_layernorm", "q_layernorm", "k_layernorm")
+
+
+def _portable_norms(submodules, backend: AttentionBackend) -> dict:
+    """Norm slots that get TorchNorm (which works with sequence parallelism).
+
+    sdpa: every norm class (it runs without fused kernels). local: megatron's WrappedTorchNorm,
+    its fallback when Apex is missing, which refuses sequence parallelism; Apex's FusedLayerNorm
+    stays. IdentityOp and L2Norm slots stay.
+    """
+    replaced = (WrappedTorchNorm, FusedLayerNorm) if backend is AttentionBackend.SDPA else (
+        WrappedTorchNorm,)
     return {
         slot: TorchNorm
-        for slot in ("q_layernorm", "k_layernorm")
-        if getattr(submodules, slot) in (WrappedTorchNorm, FusedLayerNorm)
+        for slot in _NORM_SLOTS
+        if hasattr(submodules, slot) and getattr(submodules, slot) in replaced
     }

@@ -15,10 +15,15 @@ import contextvars
 import copy
 import dataclasses
 import functools
+import typing
 import warnings
 
 import torch
-from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.attention import (
+    SelfAttention,
+    SelfAttentionSubmodules,
+    SplitAlongDim,
+)
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.utils import get_pg_rank
 from megatron.core.tensor_parallel.mappings import all_gather_last_dim_from_tensor_parallel_region
@@ -93,12 +98,15 @@ class HeadWiseGatedSelfAttention(SelfAttention):
 
         # [sq, b, qkv_r + np_r]: one GEMM for Q, K, V and the gates.
         mixed, _ = self.linear_qkv(hidden_states)
-        # Split this rank's gate columns off before any all-gather or reshape of the QKV part.
-        # The QKV part stays a strided view (its last dim is contiguous, so the per-group view
-        # below needs no copy); only the all-gather for fewer groups than ranks copies it.
         mixed_qkv, gate = mixed.split(
             [self.qkv_rows_per_partition, self.gate_rows_per_partition], dim=-1
         )
+        # Both parts are strided views of `mixed`. Copy them out, so that everything downstream
+        # (the split below, RoPE, every core-attention kernel, the KV cache) gets exactly the
+        # tensors it gets without a gate: megatron's local attention, for one, calls .view on
+        # key and value, which a row stride of qkv_r + np_r breaks. The gate copy is gate-sized,
+        # and with it no view keeps `mixed` alive.
+        mixed_qkv, gate = mixed_qkv.contiguous(), gate.contiguous()
         query, key, value = self._split_query_key_value(mixed_qkv)
 
         if self.q_layernorm is not None:
@@ -110,14 +118,19 @@ class HeadWiseGatedSelfAttention(SelfAttention):
         return query, key, value, gate
 
     def _split_query_key_value(self, mixed_qkv):
-        """Megatron's interleaved [q.. k v] per query group -> query, key, value."""
+        """Megatron's interleaved [q.. k v] per query group -> query, key, value.
+
+        The same operations as ``SelfAttention.get_query_key_value_tensors`` on the same
+        contiguous layout, so query, key and value have the shapes and strides of the ungated
+        layer's.
+        """
         groups, tp = self.config.num_query_groups, self.world_size
         if groups < tp:
             # A rank's QKV rows cut through a query group: gather all groups, keep this rank's
             # group. Rank r then computes query heads [r * H/tp, (r+1) * H/tp), the same heads
             # as its local gate rows.
             mixed_qkv = all_gather_last_dim_from_tensor_parallel_region(
-                mixed_qkv.contiguous(), group=self.pg_collection.tp
+                mixed_qkv, group=self.pg_collection.tp
             )
             group = get_pg_rank(self.pg_collection.tp) // (tp // groups)
             width = mixed_qkv.size(-1) // groups
@@ -127,7 +140,11 @@ class HeadWiseGatedSelfAttention(SelfAttention):
         heads_per_group = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
         # [sq, b, ng * (np/ng + 2) * hn] -> [sq, b, ng, (np/ng + 2) * hn]
         mixed_qkv = mixed_qkv.view(*mixed_qkv.shape[:-1], self.num_query_groups_per_partition, -1)
-        query, key, value = mixed_qkv.split([heads_per_group * hn, hn, hn], dim=-1)
+        sizes = [heads_per_group * hn, hn, hn]
+        if SplitAlongDim is not None:  # Transformer Engine's split, as megatron uses it
+            query, key, value = SplitAlongDim(mixed_qkv, 3, sizes)
+        else:
+            query, key, value = torch.split(mixed_qkv, sizes, dim=3)
         # [sq, b, ng, np/ng * hn] -> [sq, b, np, hn]
         query = query.reshape(*query.shape[:2], -1, hn)
 
@@ -141,17 +158,25 @@ class HeadWiseGatedSelfAttention(SelfAttention):
         """``SelfAttention.forward``, with the gated output recomputed in backward.
 
         linear_proj saves its input, the gated output, for its weight gradient. Without a gate
-        that input is the core-attention output, which core attention usually keeps alive anyway;
-        the gated output would be one more [sq, b, np * hn] activation per layer. So while this
-        forward runs, tensors saved for backward with the gated output's storage are packed as
-        (attn, gate logits) and recomputed (one elementwise product) when backward needs them.
-        Saved-tensor hooks do not nest, so this steps aside when megatron's activation offloading
-        (itself built on such hooks) is on.
+        that input is the core-attention output, which the gate saves anyway; the gated output
+        would be one more [sq, b, np * hn] activation per layer. So while this forward runs, a
+        tensor saved for backward that is exactly a gated output (same storage, offset, shape,
+        strides and dtype) is packed as the (attn, sigmoid) pair the gate saved already, and
+        recomputed by the same kernel when backward needs it.
+
+        Saved-tensor hooks do not nest: only the innermost set sees a saved tensor. So this steps
+        aside when hooks are already active around the layer (torch's non-reentrant checkpoint,
+        megatron's CPU offloading: they manage every saved tensor themselves) and when megatron's
+        fine-grained offloading will install its own inside the layer.
         """
-        offloading = self.config.cpu_offloading or self.config.fine_grained_activation_offloading
-        if not (self.head_wise_attn_gate and torch.is_grad_enabled()) or offloading:
+        if (
+            not (self.head_wise_attn_gate and torch.is_grad_enabled())
+            or self.config.cpu_offloading
+            or self.config.fine_grained_activation_offloading
+            or _saved_tensor_hooks_active()
+        ):
             return super().forward(*args, **kwargs)
-        recipes = {}  # storage of a gated output -> (attn, gate logits); this call's only
+        recipes = {}  # storage of a gated output -> its recipe; this call's only
         token = _gated_outputs.set(recipes)
         try:
             with torch.autograd.graph.saved_tensors_hooks(
@@ -166,11 +191,14 @@ class HeadWiseGatedSelfAttention(SelfAttention):
         if not self.head_wise_attn_gate:
             return super()._apply_output_gate(core_attn_out, gate)
         attn = core_attn_out.unflatten(-1, (gate.size(-1), -1))  # [sq, b, np, hn]
-        gated = _gate(attn, gate)
+        scale = torch.sigmoid(gate.float())  # [sq, b, np]; saved by the sigmoid anyway
+        gated = _ScaleHeads.apply(attn, scale).flatten(-2)
         recipes = _gated_outputs.get()
         if recipes is not None:
-            recipes[gated.untyped_storage().data_ptr()] = (attn.detach(), gate.detach())
-        return gated.flatten(-2)
+            recipes[gated.untyped_storage().data_ptr()] = _Recipe(
+                _layout(gated), attn.detach(), scale.detach()
+            )
+        return gated
 
     # ------------------------------------------------------------------------------ checkpoint
 
@@ -207,10 +235,33 @@ class HeadWiseGatedSelfAttention(SelfAttention):
                 )
 
 
-def _gate(attn, logits):
-    """attn [sq, b, np, hn] * sigmoid(logits [sq, b, np]), computed in fp32 at least."""
-    compute_dtype = torch.promote_types(logits.dtype, torch.float32)
-    return (attn * torch.sigmoid(logits.to(compute_dtype)).unsqueeze(-1)).to(attn.dtype)
+class _ScaleHeads(torch.autograd.Function):
+    """x [..., np, hn] * scale [..., np] (fp32): the product in fp32, the result in x's dtype.
+
+    ``torch.mul`` into an output of x's dtype casts on store (one kernel on a GPU), where
+    ``x * scale`` would first materialize an fp32 [..., np, hn] product in bf16 training.
+    """
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.save_for_backward(x, scale)
+        return _scale_heads(x, scale)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, scale = ctx.saved_tensors
+        grad_x = _scale_heads(grad, scale) if ctx.needs_input_grad[0] else None
+        grad_scale = None
+        if ctx.needs_input_grad[1]:
+            # <grad_h, x_h> per head: a batched [1, hn] x [hn, 1] matmul, accumulated in fp32
+            # without an [..., np, hn] temporary.
+            grad_scale = (grad.unsqueeze(-2) @ x.unsqueeze(-1)).flatten(-3).float()
+        return grad_x, grad_scale
+
+
+def _scale_heads(x, scale):
+    """x [..., np, hn] * scale [..., np] (fp32), in x's dtype."""
+    return torch.mul(x, scale.unsqueeze(-1), out=torch.empty_like(x))
 
 
 # The gated outputs of the HeadWiseGatedSelfAttention.forward in flight, by storage. A context
@@ -220,19 +271,40 @@ _gated_outputs: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
 )
 
 
+class _Recipe(typing.NamedTuple):
+    """How to rebuild a gated output: its exact layout and the two tensors the gate saved."""
+
+    layout: tuple
+    attn: torch.Tensor  # [sq, b, np, hn]
+    scale: torch.Tensor  # [sq, b, np], fp32
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)
+
+
 def _pack_gated(recipes, saved):
-    recipe = recipes.get(saved.untyped_storage().data_ptr())
-    if recipe is None:
+    if type(saved) is not torch.Tensor:  # parameters, tensor subclasses: never a gated output
         return saved
-    attn, logits = recipe
-    return attn, logits, saved.shape
+    recipe = recipes.get(saved.untyped_storage().data_ptr())
+    if recipe is None or recipe.layout != _layout(saved):
+        return saved  # another tensor, or another view of a gated output: kept as it is
+    return recipe
 
 
 def _unpack_gated(packed):
-    if isinstance(packed, torch.Tensor):
+    if not isinstance(packed, _Recipe):
         return packed
-    attn, logits, shape = packed
-    return _gate(attn, logits).reshape(shape)
+    gated = _scale_heads(packed.attn, packed.scale).flatten(-2)
+    _, offset, shape, stride, dtype = packed.layout
+    assert (offset, gated.shape, gated.stride(), gated.dtype) == (0, shape, stride, dtype)
+    return gated
+
+
+def _saved_tensor_hooks_active() -> bool:
+    """Whether saved-tensor hooks are active in this thread (torch has no public query)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return True if top is None else top(False) is not None
 
 
 def _with_extra_output_rows(build_linear, extra_rows: int):

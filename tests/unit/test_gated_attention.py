@@ -2,8 +2,22 @@
 
 Every rank builds the same global weights from one seed, loads its TP slice into the megatron
 layer ([QKV_r ; Gate_r] rows of linear_qkv, its columns of linear_proj), and compares outputs and
-gradients with ``tests.reference.gated_attention`` computed on the full weights.
-Tolerances (fp32): outputs and gradients max abs diff <= 2e-5.
+gradients with ``tests.reference.gated_attention`` computed in fp32 on the full weights.
+
+Every numerics test runs on each core-attention backend this machine has: ``sdpa`` and megatron's
+``local`` DotProductAttention (on a CPU inside ``cuda_to_cpu``, as the launcher runs it), and
+``te`` where Transformer Engine and a GPU exist. Batches have 2 sequences (micro-batch > 1).
+
+Tolerances:
+- fp32: outputs and gradients max abs diff <= 2e-5 (values are O(1)).
+- bf16: the layer computes in bf16 on the bf16-rounded weights and input, the reference in fp32 on
+  the same rounded values, so the difference is the layer's own rounding. bf16 keeps 8 significant
+  bits: each rounding moves a value by at most u = 2^-8 of itself. Forward there are about 6
+  rounded stages (QKV GEMM output, attention scores, probabilities, attention output, gated
+  output, projection), backward twice as many, and errors add up over them, so
+  max |diff| <= 8 u max|ref| for outputs and <= 16 u max|ref| for gradients (3% and 6%).
+  A gate computed wrongly (a sigmoid in bf16 is fine, a missing or misplaced gate is not) moves
+  outputs by tens of percent.
 """
 
 import pytest
@@ -12,6 +26,26 @@ import torch
 from tests import builders, reference
 
 TOL = 2e-5
+BF16_UNIT_ROUNDOFF = 2.0**-8
+BF16_REL_TOL = {"output": 8 * BF16_UNIT_ROUNDOFF, "grad": 16 * BF16_UNIT_ROUNDOFF}
+
+
+def _te_skip_reason():
+    from mcore_ext.specs import transformer_engine_available
+
+    if not torch.cuda.is_available():
+        return "the te backend needs a GPU (CUDA)"
+    if not transformer_engine_available():
+        return "Transformer Engine is not installed"
+    return None
+
+
+BACKENDS = [
+    "sdpa",
+    "local",
+    pytest.param("te", marks=pytest.mark.skipif(_te_skip_reason() is not None,
+                                                reason=str(_te_skip_reason()))),
+]
 
 # name -> config overrides (hidden 32 = 4 heads x 8; 8 heads use kv_channels 8 -> hidden 32 still)
 CASES = {
@@ -25,18 +59,23 @@ CASES = {
 }
 
 
-def _compare_with_reference(tp, cases, sequence_parallel, packed=False):
+def _compare_with_reference(tp, cases, sequence_parallel, packed=False, backend="sdpa",
+                            dtype="fp32"):
     import mcore_ext
+    from mcore_ext._cpu_compat import cuda_to_cpu
     from megatron.core.packed_seq_params import PackedSeqParams
 
     mcore_ext.init_parallel(tensor_model_parallel_size=tp)
     rank, _ = builders.tp_rank_and_size()
+    bf16 = dtype == "bf16"
     results = {}
     for name in cases:
-        overrides = CASES[name]
+        overrides = dict(CASES[name])
+        if bf16:
+            overrides.update(params_dtype=torch.bfloat16, bf16=True)
         config = builders.gated_config(tensor_model_parallel_size=tp,
                                        sequence_parallel=sequence_parallel and tp > 1, **overrides)
-        attn = builders.build_self_attention(config)
+        attn = builders.build_self_attention(config, backend=backend)
         heads, groups, hn, h = (config.num_attention_heads, config.num_query_groups,
                                 config.kv_channels, config.hidden_size)
 
@@ -54,6 +93,9 @@ def _compare_with_reference(tp, cases, sequence_parallel, packed=False):
         s, batch = (12, 1) if packed else (8, 2)
         x = torch.randn(s, batch, h, generator=g)
         upstream = torch.randn(s, batch, h, generator=g)
+        if bf16:  # the reference computes in fp32 on exactly the values the layer holds
+            w, b = ({k: v.bfloat16().float() for k, v in d.items()} for d in (w, b))
+            x, upstream = x.bfloat16().float(), upstream.bfloat16().float()
 
         # Megatron side: this rank's rows [QKV_r ; Gate_r] and linear_proj columns.
         qkv_w = builders.interleave_qkv(w["q"], w["k"], w["v"], heads, groups)
@@ -67,7 +109,7 @@ def _compare_with_reference(tp, cases, sequence_parallel, packed=False):
             attn.linear_proj.weight.copy_(w["o"].chunk(tp, dim=1)[rank])
 
         seq_rows = slice(rank * s // tp, (rank + 1) * s // tp) if config.sequence_parallel else slice(None)
-        x_local = x[seq_rows].clone().requires_grad_(True)
+        x_local = x[seq_rows].clone().to(config.params_dtype).requires_grad_(True)
         params = None
         allowed = None
         if packed:
@@ -76,10 +118,11 @@ def _compare_with_reference(tp, cases, sequence_parallel, packed=False):
                                      max_seqlen_q=7, max_seqlen_kv=7)
             allowed = torch.block_diag(reference.causal(5, 5), reference.causal(7, 7))
         attn.train()
-        out, _ = attn(x_local, attention_mask=None, packed_seq_params=params)
-        (out * upstream[seq_rows]).sum().backward()
+        with cuda_to_cpu():  # megatron's local attention allocates its causal mask on "cuda"
+            out, _ = attn(x_local, attention_mask=None, packed_seq_params=params)
+            (out * upstream[seq_rows].to(out.dtype)).sum().backward()
 
-        # Reference side: the formula on the full weights.
+        # Reference side: the formula on the full weights, in fp32.
         ref_w = {k: v.clone().requires_grad_(True) for k, v in w.items()}
         x_ref = x.clone().requires_grad_(True)
         norm = (lambda t: torch.nn.functional.layer_norm(t, (hn,), eps=config.layernorm_epsilon)) \
@@ -93,46 +136,73 @@ def _compare_with_reference(tp, cases, sequence_parallel, packed=False):
         ref_qkv_grad = builders.interleave_qkv(ref_w["q"].grad, ref_w["k"].grad, ref_w["v"].grad,
                                                heads, groups)
         qkv_rows = attn.qkv_rows_per_partition
-        local_grad = attn.linear_qkv.weight.grad
-        results[name] = dict(
-            output=(out - ref_out[seq_rows]).abs().max().item(),
-            input_grad=(x_local.grad - x_ref.grad[seq_rows]).abs().max().item(),
-            gate_grad=(local_grad[qkv_rows:] - builders.rank_rows(ref_w["gate"].grad, rank, tp)).abs().max().item(),
-            qkv_grad=(local_grad[:qkv_rows] - builders.rank_rows(ref_qkv_grad, rank, tp)).abs().max().item(),
-            gate_grad_norm=local_grad[qkv_rows:].norm().item(),
+        local_grad = attn.linear_qkv.weight.grad.float()
+        pairs = dict(
+            output=(out.float(), ref_out[seq_rows]),
+            input_grad=(x_local.grad.float(), x_ref.grad[seq_rows]),
+            gate_grad=(local_grad[qkv_rows:], builders.rank_rows(ref_w["gate"].grad, rank, tp)),
+            qkv_grad=(local_grad[:qkv_rows], builders.rank_rows(ref_qkv_grad, rank, tp)),
         )
+        results[name] = {
+            quantity: ((ours - ref).abs().max().item(), ref.abs().max().item())
+            for quantity, (ours, ref) in pairs.items()
+        }
+        results[name]["gate_grad_norm"] = local_grad[qkv_rows:].norm().item()
+        results[name]["dtype"] = str(out.dtype)
     return results
 
 
-def _assert_close(per_rank):
+def _assert_close(per_rank, dtype="fp32"):
     for rank, results in enumerate(per_rank):
         for name, diffs in results.items():
             assert diffs["gate_grad_norm"] > 0, (rank, name)  # the gate rows do receive gradient
+            assert diffs["dtype"] == {"fp32": "torch.float32", "bf16": "torch.bfloat16"}[dtype]
             for quantity in ("output", "input_grad", "gate_grad", "qkv_grad"):
-                assert diffs[quantity] <= TOL, (rank, name, quantity, diffs)
+                diff, scale = diffs[quantity]
+                if dtype == "fp32":
+                    tol = TOL
+                else:
+                    tol = BF16_REL_TOL["output" if quantity == "output" else "grad"] * scale
+                assert diff <= tol, (rank, name, quantity, diff, tol)
 
 
-def test_matches_reference_tp1(run_distributed):
-    _assert_close(run_distributed(_compare_with_reference, 1, list(CASES), False, world_size=2))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_matches_reference_tp1(run_distributed, backend):
+    _assert_close(run_distributed(_compare_with_reference, 1, list(CASES), False,
+                                  backend=backend, world_size=2))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_matches_reference_tp2(run_distributed, sequence_parallel):
+def test_matches_reference_tp2(run_distributed, sequence_parallel, backend):
     cases = ["mha_bias", "mha_nobias", "gqa_bias", "gqa_one_group", "qk_layernorm", "recompute"]
-    _assert_close(run_distributed(_compare_with_reference, 2, cases, sequence_parallel, world_size=2))
+    _assert_close(run_distributed(_compare_with_reference, 2, cases, sequence_parallel,
+                                  backend=backend, world_size=2))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_matches_reference_tp4_including_fewer_groups_than_ranks(run_distributed, sequence_parallel):
+def test_matches_reference_tp4_including_fewer_groups_than_ranks(run_distributed, sequence_parallel,
+                                                                  backend):
     # gqa_bias: 2 groups < TP 4; gqa_one_group: 1 group < TP 4.
     cases = ["mha_bias", "gqa_bias", "gqa_one_group"]
-    _assert_close(run_distributed(_compare_with_reference, 4, cases, sequence_parallel, world_size=4))
+    _assert_close(run_distributed(_compare_with_reference, 4, cases, sequence_parallel,
+                                  backend=backend, world_size=4))
 
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_packed_thd_matches_reference(run_distributed, tp):
+    # sdpa only: megatron's local DotProductAttention has no packed-sequence support.
     _assert_close(run_distributed(_compare_with_reference, tp, ["mha_bias", "gqa_bias"], False,
                                   packed=True, world_size=2))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_bf16_matches_fp32_reference_within_bf16_rounding(run_distributed, tp, backend):
+    cases = ["mha_bias", "gqa_bias", "gqa_one_group", "recompute"]
+    _assert_close(run_distributed(_compare_with_reference, tp, cases, tp > 1, backend=backend,
+                                  dtype="bf16", world_size=2), dtype="bf16")
 
 
 # ------------------------------------------------------------------------------------------ init
