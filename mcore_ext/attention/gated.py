@@ -160,9 +160,9 @@ class HeadWiseGatedSelfAttention(SelfAttention):
         linear_proj saves its input, the gated output, for its weight gradient. Without a gate
         that input is the core-attention output, which the gate saves anyway; the gated output
         would be one more [sq, b, np * hn] activation per layer. So while this forward runs, a
-        tensor saved for backward that is exactly a gated output (same storage, offset, shape,
-        strides and dtype) is packed as the (attn, sigmoid) pair the gate saved already, and
-        recomputed by the same kernel when backward needs it.
+        tensor saved for backward that is exactly a gated output (see ``_pack_gated``) is packed
+        as the (attn, sigmoid) pair the gate saved already, and recomputed by the same kernel,
+        bit for bit, when backward needs it.
 
         Saved-tensor hooks do not nest: only the innermost set sees a saved tensor. So this steps
         aside when hooks are already active around the layer (torch's non-reentrant checkpoint,
@@ -192,13 +192,13 @@ class HeadWiseGatedSelfAttention(SelfAttention):
             return super()._apply_output_gate(core_attn_out, gate)
         attn = core_attn_out.unflatten(-1, (gate.size(-1), -1))  # [sq, b, np, hn]
         scale = torch.sigmoid(gate.float())  # [sq, b, np]; saved by the sigmoid anyway
-        gated = _ScaleHeads.apply(attn, scale).flatten(-2)
+        gated = _ScaleHeads.apply(attn, scale)
         recipes = _gated_outputs.get()
-        if recipes is not None:
+        if recipes is not None and gated.is_contiguous() and gated.storage_offset() == 0:
             recipes[gated.untyped_storage().data_ptr()] = _Recipe(
-                _layout(gated), attn.detach(), scale.detach()
+                attn.detach(), scale.detach(), gated.dtype
             )
-        return gated
+        return gated.flatten(-2)
 
     # ------------------------------------------------------------------------------ checkpoint
 
@@ -272,33 +272,44 @@ _gated_outputs: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
 
 
 class _Recipe(typing.NamedTuple):
-    """How to rebuild a gated output: its exact layout and the two tensors the gate saved."""
+    """How to rebuild a gated output (a contiguous tensor): what the gate saved, and its dtype."""
 
-    layout: tuple
     attn: torch.Tensor  # [sq, b, np, hn]
     scale: torch.Tensor  # [sq, b, np], fp32
+    dtype: torch.dtype
 
 
-def _layout(t: torch.Tensor) -> tuple:
-    return (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)
+class _Packed(typing.NamedTuple):
+    recipe: _Recipe
+    shape: torch.Size  # of the saved view
 
 
 def _pack_gated(recipes, saved):
+    """A saved tensor that is the whole gated output, as any contiguous view, becomes a recipe.
+
+    A contiguous tensor is determined by its storage, offset, dtype and shape, so such a view (a
+    linear layer may save its input folded to 2-D) is rebuilt exactly. Any other view of it (an
+    offset, a slice, other strides or dtype) is kept as it is.
+    """
     if type(saved) is not torch.Tensor:  # parameters, tensor subclasses: never a gated output
         return saved
     recipe = recipes.get(saved.untyped_storage().data_ptr())
-    if recipe is None or recipe.layout != _layout(saved):
-        return saved  # another tensor, or another view of a gated output: kept as it is
-    return recipe
+    if (
+        recipe is None
+        or saved.storage_offset() != 0
+        or saved.dtype != recipe.dtype
+        or saved.numel() != recipe.attn.numel()
+        or not saved.is_contiguous()
+    ):
+        return saved
+    return _Packed(recipe, saved.shape)
 
 
 def _unpack_gated(packed):
-    if not isinstance(packed, _Recipe):
+    if not isinstance(packed, _Packed):
         return packed
-    gated = _scale_heads(packed.attn, packed.scale).flatten(-2)
-    _, offset, shape, stride, dtype = packed.layout
-    assert (offset, gated.shape, gated.stride(), gated.dtype) == (0, shape, stride, dtype)
-    return gated
+    recipe = packed.recipe
+    return _scale_heads(recipe.attn, recipe.scale).view(packed.shape)
 
 
 def _saved_tensor_hooks_active() -> bool:

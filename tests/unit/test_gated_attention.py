@@ -428,19 +428,136 @@ def _bytes_held_after(fn):
     return sum(event.self_cpu_memory_usage for event in profile.key_averages())
 
 
-def _activation_bytes_held_for_backward():
+def _activation_bytes_held_for_backward(dtype):
     import mcore_ext
 
     mcore_ext.init_parallel(tensor_model_parallel_size=1)
-    gated, plain = _gated_and_plain_pair(1, hidden_size=64, num_attention_heads=4, kv_channels=16)
-    x = torch.randn(32, 2, 64, generator=torch.Generator().manual_seed(0)).requires_grad_(True)
+    params_dtype = getattr(torch, dtype)
+    gated, plain = _gated_and_plain_pair(1, hidden_size=64, num_attention_heads=4, kv_channels=16,
+                                         params_dtype=params_dtype,
+                                         bf16=params_dtype is torch.bfloat16)
+    x = torch.randn(32, 2, 64, generator=torch.Generator().manual_seed(0)).to(params_dtype)
+    x.requires_grad_(True)
     return _bytes_held_after(lambda: gated(x, None)), _bytes_held_after(lambda: plain(x, None))
 
 
-def test_gate_keeps_no_extra_activation_for_backward(run_distributed):
-    """What a forward leaves held for backward grows by gate-sized tensors ([s, b, np]) only,
-    not by the gated [s, b, np * hn] output that linear_proj saves (it is recomputed)."""
-    gated_bytes, plain_bytes = run_distributed(_activation_bytes_held_for_backward, world_size=2)[0]
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gate_keeps_only_its_fp32_sigmoid_for_backward(run_distributed, dtype):
+    """What a forward leaves held for backward grows by the gate's fp32 sigmoid [s, b, np] only:
+    not by the gated [s, b, np * hn] output that linear_proj saves (it is recomputed), nor by the
+    fused linear_qkv output (no view of it outlives the forward)."""
+    gated_bytes, plain_bytes = run_distributed(_activation_bytes_held_for_backward, dtype,
+                                               world_size=2)[0]
     s, b, heads, hidden = 32, 2, 4, 64
-    gate_sized, activation = s * b * heads * 4, s * b * hidden * 4  # fp32
-    assert 0 < gated_bytes - plain_bytes <= 2 * gate_sized < activation, (gated_bytes, plain_bytes)
+    sigmoid_bytes = s * b * heads * 4
+    assert 0 < gated_bytes - plain_bytes <= sigmoid_bytes, (gated_bytes, plain_bytes)
+
+
+# --------------------------------------------------------------------- layouts handed downstream
+
+
+def _layouts_handed_downstream(tp, case):
+    import mcore_ext
+
+    mcore_ext.init_parallel(tensor_model_parallel_size=tp)
+    fields = dict(CASES[case], tensor_model_parallel_size=tp)
+    gated = builders.build_self_attention(builders.gated_config(**fields))
+    plain = builders.build_self_attention(builders.gated_config(head_wise_attn_gate=False,
+                                                                **fields))
+    x = torch.randn(8, 2, 32, generator=torch.Generator().manual_seed(0))
+    layout = lambda t: (tuple(t.shape), t.stride(), t.storage_offset(), t.untyped_storage().nbytes())
+    with torch.no_grad():
+        *gated_qkv, gate = gated.get_query_key_value_tensors(x)
+        plain_qkv = plain.get_query_key_value_tensors(x)
+    return dict(
+        qkv=[(layout(a), layout(b)) for a, b in zip(gated_qkv, plain_qkv)],
+        gate=(tuple(gate.shape), gate.is_contiguous(), gate.untyped_storage().nbytes(),
+              gate.numel() * gate.element_size()),
+        heads_per_rank=gated.config.num_attention_heads // tp,
+    )
+
+
+@pytest.mark.parametrize("tp,case", [(1, "mha_bias"), (2, "mha_nobias"), (2, "gqa_bias"),
+                                     (4, "gqa_bias"), (4, "gqa_one_group")])
+def test_query_key_value_have_the_ungated_layout(run_distributed, tp, case):
+    """q, k, v get the shapes, strides, offsets and storage sizes of the ungated layer's (kernels
+    like megatron's local attention .view them), and the gate logits are a contiguous tensor of
+    their own: no view keeps the fused linear_qkv output alive. 4 ranks: fewer groups than TP."""
+    for result in run_distributed(_layouts_handed_downstream, tp, case, world_size=max(tp, 2)):
+        for gated_layout, plain_layout in result["qkv"]:
+            assert gated_layout == plain_layout
+        shape, contiguous, nbytes, tensor_bytes = result["gate"]
+        assert shape == (8, 2, result["heads_per_rank"]) and contiguous and nbytes == tensor_bytes
+
+
+# ------------------------------------------------------------- other saved-tensor hooks around
+
+
+def _gradients_under_outer_hooks():
+    import mcore_ext
+
+    mcore_ext.init_parallel(tensor_model_parallel_size=1)
+    gated, _ = _gated_and_plain_pair(1)
+    g = torch.Generator().manual_seed(0)
+    x, upstream = torch.randn(8, 2, 32, generator=g), torch.randn(8, 2, 32, generator=g)
+    layer = lambda inp: gated(inp, None)[0]
+
+    def grads(run):
+        gated.zero_grad()
+        inp = x.clone().requires_grad_(True)
+        (run(inp) * upstream).sum().backward()
+        return [inp.grad] + [p.grad.clone() for p in gated.parameters()]
+
+    seen_by_outer = []
+
+    def with_outer_hooks(inp):
+        pack = lambda t: seen_by_outer.append(t) or t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            return layer(inp)
+
+    plain_grads = grads(layer)
+    outer_grads = grads(with_outer_hooks)
+    checkpoint_grads = grads(lambda inp: torch.utils.checkpoint.checkpoint(layer, inp,
+                                                                            use_reentrant=False))
+    gated_output_shape = (8, 2, 32)  # linear_proj's input, [s, b, np * hn]
+    return dict(
+        outer_equal=all(torch.equal(a, b) for a, b in zip(plain_grads, outer_grads)),
+        checkpoint_equal=all(torch.equal(a, b) for a, b in zip(plain_grads, checkpoint_grads)),
+        outer_saw_gated_output=any(tuple(t.shape[-3:]) == gated_output_shape
+                                   and t.dtype == torch.float32 for t in seen_by_outer),
+    )
+
+
+def test_steps_aside_for_saved_tensor_hooks_around_the_layer(run_distributed):
+    """Saved-tensor hooks do not nest. Under hooks of its caller (here a recorder, and torch's
+    non-reentrant activation checkpoint) the layer installs none of its own: the outer hooks see
+    every saved tensor, the gated output included, and gradients are exactly those of a plain run."""
+    for result in run_distributed(_gradients_under_outer_hooks, world_size=2):
+        assert result == dict(outer_equal=True, checkpoint_equal=True, outer_saw_gated_output=True)
+
+
+def _offloading_matches_plain():
+    import mcore_ext
+
+    mcore_ext.init_parallel(tensor_model_parallel_size=1)
+    common = dict(hidden_size=64, num_attention_heads=8, num_query_groups=2, kv_channels=8,
+                  add_qkv_bias=True)
+    plain = builders.build_gpt(builders.gated_config(**common)).to(mcore_ext.device())
+    offloaded = builders.build_gpt(builders.gated_config(
+        fine_grained_activation_offloading=True, offload_modules=["core_attn", "attn_proj"],
+        **common)).to(mcore_ext.device())
+    offloaded.load_state_dict(plain.state_dict())
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    tokens = tokens.to(mcore_ext.device())
+    positions = torch.arange(16, device=tokens.device).expand_as(tokens)
+    grads = []
+    for model in (plain, offloaded):
+        model(tokens, positions, None, labels=tokens).mean().backward()
+        grads.append([p.grad for p in model.parameters()])
+    return max((a - b).abs().max().item() for a, b in zip(*grads))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="megatron's activation offloading needs CUDA streams (GPU only)")
+def test_megatron_activation_offloading_gives_the_same_gradients(run_distributed):
+    assert max(run_distributed(_offloading_matches_plain, world_size=2)) <= 1e-6

@@ -1,0 +1,119 @@
+"""The gate epilogue and its backward recompute, tested on their own (single process).
+
+- ``_ScaleHeads``: attn * sigmoid(logits) per head, in fp32, stored in attn's dtype. Compared with
+  the formula computed in fp64 and rounded once; gradients with torch autograd on the formula.
+- The recompute hooks: only a tensor that is the whole gated output (its storage from offset 0,
+  contiguous, same dtype and size) is packed as a recipe, and unpacking rebuilds it bit for bit.
+"""
+
+import pytest
+import torch
+
+from mcore_ext.attention import gated
+
+# [sq, b, np, hn]
+SHAPE = (6, 2, 4, 8)
+
+
+def _inputs(dtype, logit_scale=3.0):
+    g = torch.Generator().manual_seed(0)
+    attn = torch.randn(SHAPE, generator=g).to(dtype)
+    logits = (torch.randn(SHAPE[:-1], generator=g) * logit_scale).to(dtype)
+    return attn, logits
+
+
+def _gate(attn, logits):
+    """The module's epilogue: fp32 sigmoid, then the fused product."""
+    return gated._ScaleHeads.apply(attn, torch.sigmoid(logits.float()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_product_is_the_fp32_formula_rounded_once(dtype):
+    attn, logits = _inputs(dtype)
+    out = _gate(attn, logits)
+    exact = attn.double() * torch.sigmoid(logits.double()).unsqueeze(-1)
+    assert out.dtype == dtype
+    if dtype is torch.bfloat16:
+        # The fp32 sigmoid and product are within 2^-23 of exact, so rounding them to bf16 gives
+        # the correctly rounded result except where exact sits on a rounding boundary.
+        mismatches = (out != exact.to(dtype)).float().mean().item()
+        assert mismatches <= 0.01, mismatches
+        # A sigmoid computed in bf16 rounds the scale first: about a third of outputs differ.
+        bf16_sigmoid = attn * torch.sigmoid(logits).unsqueeze(-1)
+        assert (bf16_sigmoid != exact.to(dtype)).float().mean().item() > 0.05
+    else:
+        assert (out.double() - exact).abs().max().item() <= 2 * 2.0**-24 * exact.abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradients_match_autograd_on_the_formula(dtype):
+    attn, logits = _inputs(dtype)
+    attn.requires_grad_(True), logits.requires_grad_(True)
+    upstream = torch.randn(SHAPE, generator=torch.Generator().manual_seed(1)).to(dtype)
+    (_gate(attn, logits) * upstream).sum().backward()
+
+    ref_attn = attn.detach().double().requires_grad_(True)
+    ref_logits = logits.detach().double().requires_grad_(True)
+    ref = ref_attn * torch.sigmoid(ref_logits).unsqueeze(-1)
+    (ref * upstream.double()).sum().backward()
+    # fp32: a few roundings of O(1) values. bf16: the gradients are stored in bf16 (u = 2^-8),
+    # the per-head dot product over hn = 8 is rounded once more: 4 u relative to the largest.
+    rel = 1e-6 if dtype is torch.float32 else 4 * 2.0**-8
+    for ours, theirs in ((attn.grad, ref_attn.grad), (logits.grad, ref_logits.grad)):
+        assert ours.dtype == dtype
+        assert (ours.double() - theirs).abs().max().item() <= rel * theirs.abs().max().item()
+
+
+def _recipe_for(out, attn, scale):
+    return {out.untyped_storage().data_ptr(): gated._Recipe(attn, scale, out.dtype)}
+
+
+def test_only_the_whole_gated_output_is_packed_and_it_unpacks_bit_for_bit():
+    attn, logits = _inputs(torch.bfloat16)
+    scale = torch.sigmoid(logits.float())
+    out = gated._ScaleHeads.apply(attn, scale).flatten(-2)  # [sq, b, np * hn], as linear_proj sees
+    recipes = _recipe_for(out, attn, scale)
+
+    # The output itself, or folded to 2-D as a linear layer may save it: rebuilt exactly.
+    for view in (out, out.view(-1, out.size(-1))):
+        packed = gated._pack_gated(recipes, view)
+        assert isinstance(packed, gated._Packed)
+        rebuilt = gated._unpack_gated(packed)
+        assert torch.equal(rebuilt, view) and rebuilt.stride() == view.stride()
+
+    # Same storage, another view (offset, part, strides, dtype): kept as it is.
+    for view in (out[1:], out[:, :1], out.transpose(0, 1), out.view(torch.int16)):
+        assert gated._pack_gated(recipes, view) is view
+    other = out.clone()
+    assert gated._pack_gated(recipes, other) is other
+
+
+def test_recompute_gives_the_gradients_of_keeping_the_gated_output():
+    """The linear_proj stand-in saves the gated output; with the hooks it is rebuilt in backward.
+    Gradients are identical to a run that keeps it (the same kernel computes both)."""
+    attn, logits = _inputs(torch.bfloat16)
+    weight = torch.randn(8, SHAPE[2] * SHAPE[3], generator=torch.Generator().manual_seed(2))
+    weight = weight.bfloat16().requires_grad_(True)  # so the matmul saves its input
+
+    def run(recompute):
+        a, l = attn.clone().requires_grad_(True), logits.clone().requires_grad_(True)
+        recipes, packed = {}, []
+
+        def pack(t):
+            packed.append(gated._pack_gated(recipes, t))
+            return packed[-1]
+
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, gated._unpack_gated)
+        with hooks if recompute else torch.autograd.graph.saved_tensors_hooks(
+            lambda t: t, lambda t: t
+        ):
+            scale = torch.sigmoid(l.float())
+            out = gated._ScaleHeads.apply(a, scale).flatten(-2)
+            recipes.update(_recipe_for(out, a.detach(), scale.detach()))
+            y = out @ weight.T  # saves `out`
+        y.float().square().sum().backward()
+        return a.grad, l.grad, sum(isinstance(p, gated._Packed) for p in packed)
+
+    kept, recomputed = run(False), run(True)
+    assert recomputed[2] == 1  # `out` was saved as a recipe, and rebuilt for backward
+    assert torch.equal(kept[0], recomputed[0]) and torch.equal(kept[1], recomputed[1])
