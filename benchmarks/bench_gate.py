@@ -14,15 +14,22 @@ at two scopes:
                ``mcore_ext.get_gpt_layer_spec``; input [s, b, h]
     block      a TransformerBlock of ``--layers`` layers built from ``mcore_ext.get_gpt_block_spec``
 
-Time is the median over rounds of one forward + backward (input gradient and all weight gradients).
-Memory is measured once per variant:
+and in each dtype asked for (``--dtype fp32,bf16``: the CPU preset measures both, one after the
+other in one run).
 
-    GPU  peak allocator bytes of one forward + backward
-         (torch.cuda.max_memory_allocated after reset_peak_memory_stats, minus what was allocated
-         before the step) plus the module's parameter bytes and the input's bytes.
-    CPU  there is no allocator peak counter, so the bytes the step *holds* are counted:
-         parameters + gradients + the bytes the forward leaves allocated for backward (saved
-         activations and the output, from the profiler's memory events).
+Time is the median over rounds of one forward + backward (input gradient and all weight gradients).
+Memory is measured once per variant, as the peak of one forward + backward plus the module's
+parameter bytes and the input's bytes:
+
+    GPU  torch.cuda.max_memory_allocated after reset_peak_memory_stats, minus what was allocated
+         before the step.
+    CPU  PyTorch's CPU allocator has no peak counter, so the process's resident-memory peak is
+         read instead: /proc/self/clear_refs resets the kernel's high-water mark (VmHWM) before
+         the step, and the peak is VmHWM after it minus VmRSS before it. glibc is told to serve
+         every allocation of 64 KiB or more with mmap (mallopt), so freed tensors leave the
+         resident set at once and the mark follows live memory. Also reported: the bytes the
+         forward leaves allocated for backward (profiler memory events), exact but blind to
+         transients.
 
 Run ``python benchmarks/bench_gate.py --help``; see benchmarks/README.md.
 """
@@ -49,7 +56,7 @@ TARGETS = {"cpu": (1.02, 1.03), "gpu": (1.01, 1.01)}
 
 PRESETS = {
     # batch None on GPU: 2 if it fits, else 1 (decided at run time).
-    "cpu": dict(hidden=1024, heads=16, seq=512, batch=2, dtype="fp32"),
+    "cpu": dict(hidden=1024, heads=16, seq=512, batch=2, dtype="fp32,bf16"),
     "gpu": dict(hidden=4096, heads=32, seq=4096, batch=None, dtype="bf16"),
     "quick": dict(hidden=128, heads=4, seq=64, batch=2, layers=2, rounds=5, block_rounds=3, warmup=1),
 }
@@ -67,7 +74,8 @@ def parse_args(argv=None):
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--preset", choices=("cpu", "gpu"),
-                   help="cpu: fp32, hidden 1024, 16 heads, seq 512, batch 2; gpu: bf16, hidden 4096, "
+                   help="cpu: fp32 and bf16, hidden 1024, 16 heads, seq 512, batch 2; gpu: bf16, "
+                        "hidden 4096, "
                         "32 heads, seq 4096, batch 2 if it fits else 1 (default: the machine's)")
     p.add_argument("--quick", action="store_true",
                    help="tiny shapes and few rounds: a smoke test that finishes in ~20 s on a CPU")
@@ -81,7 +89,9 @@ def parse_args(argv=None):
     p.add_argument("--block-rounds", type=int,
                    help="measured rounds for the block (default 5 CPU, 20 GPU)")
     p.add_argument("--warmup", type=int, help="unmeasured rounds first (default 2 CPU, 3 GPU)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), help="default fp32 on CPU, bf16 on GPU")
+    p.add_argument("--dtype", type=_dtypes,
+                   help="one or more of fp32, bf16, fp16, comma-separated (default: the preset's; "
+                        "fp32,bf16 on CPU, bf16 on GPU)")
     p.add_argument("--backend", default="auto", choices=("auto", "sdpa", "local", "te"),
                    help="attention backend of mcore_ext.get_gpt_layer_spec (default auto)")
     p.add_argument("--scope", choices=("layer", "block", "both"), default="both")
@@ -99,6 +109,15 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def _dtypes(value: str) -> str:
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    unknown = [n for n in names if n not in DTYPES]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(
+            f"--dtype {value!r}: expected a comma-separated list of {', '.join(sorted(DTYPES))}")
+    return ",".join(names)
+
+
 def resolve_options(args, on_gpu):
     preset = args.preset or ("gpu" if on_gpu else "cpu")
     opts = dict(PRESETS[preset])
@@ -112,7 +131,7 @@ def resolve_options(args, on_gpu):
         value = getattr(args, key)
         if value is not None:
             opts[key] = value
-    opts["dtype"] = opts.get("dtype") or ("bf16" if on_gpu else "fp32")
+    opts["dtype"] = opts.get("dtype") or ("bf16" if on_gpu else "fp32,bf16")
     opts["clock"] = "wall" if on_gpu else (args.clock or "cpu")
     opts["threads"] = None if on_gpu else (args.threads or 1)
     opts["groups"] = opts["groups"] or opts["heads"]
@@ -265,28 +284,63 @@ def memory_gpu(case):
 
 
 def memory_cpu(case):
-    """Bytes the step holds: params + grads + what the forward leaves allocated for backward.
+    """Resident-memory peak of one forward + backward, and the bytes the forward holds.
 
-    The last term comes from the allocator (profiler memory events: bytes allocated minus bytes
-    freed during the forward, i.e. saved activations and the output), so it also sees tensors
-    that a module packs with saved-tensor hooks of its own, as the gated attention does.
+    The peak: reset the kernel's high-water mark (VmHWM), run the step, read it. With glibc's mmap
+    threshold fixed at 64 KiB (``fix_malloc_threshold``), every tensor of that size or more is its
+    own mapping, returned to the kernel when freed, so resident memory follows live tensors. The
+    held bytes (allocated minus freed during the forward, from the profiler's memory events) are
+    exact, but blind to transients.
     """
     case.release()
     activities = [torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
         out = forward(case.module, case.scope, case.x)
     forward_held = sum(event.self_cpu_memory_usage for event in prof.key_averages())
-    out.backward(case.dy)
+    del out
+    case.release()
+
+    _reset_resident_peak()
+    before = _proc_status_bytes("VmRSS")
+    out = case.step()
+    peak = _proc_status_bytes("VmHWM") - before
     grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in case.params if p.grad is not None)
     del out
     case.release()
+    inp = case.x.numel() * case.x.element_size()
     return dict(
-        measure="cpu_held",
+        measure="cpu_resident_peak",
+        peak_delta_bytes=peak,
         param_bytes=case.param_bytes,
+        input_bytes=inp,
         grad_bytes=grad_bytes,
         forward_held_bytes=forward_held,
-        total_bytes=case.param_bytes + grad_bytes + forward_held,
+        total_bytes=peak + case.param_bytes + inp,
     )
+
+
+def fix_malloc_threshold(threshold=64 * 1024):
+    """glibc: allocations >= threshold are mmapped, and the threshold stops adapting upwards."""
+    import ctypes
+    import ctypes.util
+
+    M_MMAP_THRESHOLD = -3
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    if not libc.mallopt(M_MMAP_THRESHOLD, threshold):
+        raise RuntimeError("mallopt(M_MMAP_THRESHOLD) failed: the CPU peak would not be reliable")
+
+
+def _reset_resident_peak():
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current VmRSS (Linux >= 4.0)
+
+
+def _proc_status_bytes(key):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024  # kB
+    raise RuntimeError(f"/proc/self/status has no {key}")
 
 
 def profile_layer(cases, log, steps=8, rows=14):
@@ -353,17 +407,18 @@ def summarize(cases, mem):
     return rows
 
 
-def print_table(scope, rows, on_gpu, log):
-    mem_name = "peak mem" if on_gpu else "held mem"
-    head = f"  {'variant':<10} {'time ratio':>10} {'paired':>8} {'min':>8} {mem_name + ' ratio':>15}"
-    if on_gpu:
-        head += f" {'time ms':>9} {'peak MiB':>9}"
+def print_table(rows, on_gpu, log):
+    head = f"  {'variant':<10} {'time ratio':>10} {'paired':>8} {'min':>8} {'peak mem ratio':>15}"
+    head += f" {'time ms':>9} {'peak MiB':>9}" if on_gpu else f" {'held ratio':>11}"
     log(head)
+    base_held = next(iter(rows.values()))["memory"].get("forward_held_bytes")
     for variant, r in rows.items():
         line = (f"  {variant:<10} {r['time_ratio']:10.4f} {r['time_ratio_paired_median']:8.4f} "
                 f"{r['time_ratio_min']:8.4f} {r['memory_ratio']:15.4f}")
         if on_gpu:
             line += f" {1e3 * r['time_s_median']:9.2f} {r['memory']['total_bytes'] / 2**20:9.1f}"
+        else:
+            line += f" {r['memory']['forward_held_bytes'] / base_held:11.4f}"
         log(line)
 
 
@@ -377,13 +432,13 @@ def check_targets(results, opts, on_gpu, log):
     log(f"\ntargets on {kind.upper()} (--preset {kind}): head-wise / none time ratio <= {t_max}, "
         f"memory ratio <= {m_max}{note}")
     checks = []
-    for scope, rows in results.items():
+    for key, rows in results.items():
         r = rows["head-wise"]
         for what, value, limit in (("time", r["time_ratio"], t_max),
                                    ("memory", r["memory_ratio"], m_max)):
             ok = value <= limit
-            checks.append(dict(scope=scope, what=what, ratio=value, target=limit, passed=ok))
-            log(f"  {'PASS' if ok else 'MISS'}  {scope:<5} {what:<6} {value:.4f} <= {limit}")
+            checks.append(dict(scope=key, what=what, ratio=value, target=limit, passed=ok))
+            log(f"  {'PASS' if ok else 'MISS'}  {key:<10} {what:<6} {value:.4f} <= {limit}")
     return checks
 
 
@@ -396,7 +451,9 @@ def main(argv=None):
     opts = resolve_options(args, on_gpu)
     if opts["threads"]:
         torch.set_num_threads(opts["threads"])
-    dtype = DTYPES[opts["dtype"]]
+    if not on_gpu:
+        fix_malloc_threshold()
+    dtypes = opts["dtype"].split(",")
     log = lambda s="": print(s, flush=True)  # noqa: E731
 
     warnings.filterwarnings("ignore")
@@ -407,10 +464,11 @@ def main(argv=None):
     device = mcore_ext.device()
     try:
         if opts["batch"] is None:  # the gpu preset: 2 if it fits
-            opts["batch"] = pick_gpu_batch(opts, dtype, backend, device, log) if on_gpu else 1
+            largest = DTYPES[max(dtypes, key=lambda d: DTYPES[d].itemsize)]
+            opts["batch"] = pick_gpu_batch(opts, largest, backend, device, log) if on_gpu else 1
         scopes = ("layer", "block") if args.scope == "both" else (args.scope,)
         log(f"bench_gate: device {device_name(device)}, torch {torch.__version__}, "
-            f"threads {torch.get_num_threads()}, backend {backend}, dtype {opts['dtype']}")
+            f"threads {torch.get_num_threads()}, backend {backend}, dtypes {', '.join(dtypes)}")
         log(f"  preset {opts['preset']}: hidden {opts['hidden']}, heads {opts['heads']}, groups "
             f"{opts['groups']}, seq {opts['seq']}, batch {opts['batch']}, block layers "
             f"{opts['layers']}; rounds layer {opts['rounds']} / block {opts['block_rounds']}, "
@@ -422,23 +480,27 @@ def main(argv=None):
             log("  memory: CUDA peak of one forward + backward (max_memory_allocated - allocated "
                 "before) + parameter bytes + input bytes")
         else:
-            log("  memory (CPU measure, no allocator peak counter): bytes held by the step = "
-                "parameters + gradients + bytes the forward leaves allocated (activations, output)")
+            log("  memory: resident peak of one forward + backward (VmHWM after - VmRSS before, "
+                "mmap threshold 64 KiB) + parameter bytes + input bytes; held: bytes the forward "
+                "leaves allocated for backward")
 
         results, profile = {}, None
-        for scope in scopes:
-            log(f"\n[{scope}] building {', '.join(VARIANTS)}")
-            cases = [Case(opts, v, scope, dtype, backend, device) for v in VARIANTS]
-            rounds = opts["rounds"] if scope == "layer" else opts["block_rounds"]
-            start = time.perf_counter()
-            run_rounds(cases, rounds, opts["warmup"], on_gpu, log, opts["clock"])
-            mem = {c.variant: (memory_gpu(c) if on_gpu else memory_cpu(c)) for c in cases}
-            results[scope] = summarize(cases, mem)
-            log(f"[{scope}] {time.perf_counter() - start:.0f} s")
-            print_table(scope, results[scope], on_gpu, log)
-            if args.profile and scope == "layer":
-                profile = profile_layer(cases, log)
-            del cases
+        for dtype_name in dtypes:
+            dtype = DTYPES[dtype_name]
+            for scope in scopes:
+                key = f"{dtype_name} {scope}"
+                log(f"\n[{key}] building {', '.join(VARIANTS)}")
+                cases = [Case(opts, v, scope, dtype, backend, device) for v in VARIANTS]
+                rounds = opts["rounds"] if scope == "layer" else opts["block_rounds"]
+                start = time.perf_counter()
+                run_rounds(cases, rounds, opts["warmup"], on_gpu, log, opts["clock"])
+                mem = {c.variant: (memory_gpu(c) if on_gpu else memory_cpu(c)) for c in cases}
+                results[key] = summarize(cases, mem)
+                log(f"[{key}] {time.perf_counter() - start:.0f} s")
+                print_table(results[key], on_gpu, log)
+                if args.profile and scope == "layer" and profile is None:
+                    profile = profile_layer(cases, log)
+                del cases
         checks = check_targets(results, opts, on_gpu, log)
     finally:
         mcore_ext.destroy_parallel()
@@ -452,7 +514,7 @@ def main(argv=None):
             threads=torch.get_num_threads(),
             backend=backend,
             options=opts,
-            memory_measure="cuda_peak" if on_gpu else "cpu_held",
+            memory_measure="cuda_peak" if on_gpu else "cpu_resident_peak",
             results=results,
             targets=checks,
             profile=profile,

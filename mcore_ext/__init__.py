@@ -12,6 +12,7 @@ _cpp_extension_log.setLevel(logging.ERROR)
 with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed")
     warnings.filterwarnings("ignore", message=r"absl\.logging is not installed")
+    from mcore_ext._cpu_compat import cuda_to_cpu
     from mcore_ext.attention import HeadWiseGatedSelfAttention, SDPAttention
     from mcore_ext.config import GatedTransformerConfig
     from mcore_ext.runtime import destroy_parallel, device, init_parallel
@@ -28,6 +29,7 @@ __all__ = [
     "GatedTransformerConfig",
     "HeadWiseGatedSelfAttention",
     "SDPAttention",
+    "cuda_to_cpu",
     "destroy_parallel",
     "device",
     "get_gpt_block_spec",
