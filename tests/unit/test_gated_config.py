@@ -24,6 +24,32 @@ def test_flag_off_accepts_what_the_gate_rejects():
          tensor_model_parallel_size=4)
 
 
+def test_linear_qkv_row_counts():
+    # 8 heads, 2 groups, head dim 8: Q 64 + K 16 + V 16 = 96 rows, plus one gate row per head.
+    config = make(num_query_groups=2)
+    assert (config.qkv_rows, config.head_wise_gate_rows, config.linear_qkv_rows) == (96, 8, 104)
+    plain = make(num_query_groups=2, head_wise_attn_gate=False)
+    assert (plain.qkv_rows, plain.head_wise_gate_rows, plain.linear_qkv_rows) == (96, 0, 96)
+    # kv_channels set apart from hidden_size / heads: (4 + 2 * 4) * 24 + 4.
+    assert make(num_attention_heads=4, kv_channels=24).linear_qkv_rows == 292
+
+
+@pytest.mark.parametrize(
+    "fields, effective",
+    [
+        (dict(add_qkv_bias=True), 2.0),
+        (dict(add_bias_linear=True), 2.0),
+        (dict(add_qkv_bias=True, head_wise_attn_gate_init_bias=-1.5), -1.5),
+        (dict(add_qkv_bias=False, add_bias_linear=False), 0.0),  # no bias rows to fill
+        (dict(add_qkv_bias=True, head_wise_attn_gate=False), 0.0),  # no gate rows
+    ],
+)
+def test_effective_init_bias_needs_a_linear_qkv_bias(fields, effective):
+    config = make(**fields)
+    assert config.effective_head_wise_attn_gate_init_bias == effective
+    assert config.head_wise_attn_gate_init_bias == fields.get("head_wise_attn_gate_init_bias", 2.0)
+
+
 def test_output_gate_is_mutually_exclusive():
     with pytest.raises(ValueError, match="attention_output_gate=True are mutually exclusive"):
         make(attention_output_gate=True)

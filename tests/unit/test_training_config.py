@@ -211,12 +211,29 @@ def test_tiny_config_is_the_readme_job():
 
 def test_flops_count_the_gate_rows():
     from mcore_ext.training.loop import flops_per_iteration
+    from mcore_ext.training.megatron_configs import transformer_config
 
     cfg = load_config(str(CONFIGS / "tiny_cpu.yaml"), world_size=2)
-    gated = flops_per_iteration(cfg, 384)
-    cfg.model.head_wise_attn_gate = False
-    plain = flops_per_iteration(cfg, 384)
     m, t = cfg.model, cfg.training
+    gated = flops_per_iteration(transformer_config(cfg), 384, m.seq_length, t.global_batch_size)
+    cfg.model.head_wise_attn_gate = False
+    plain = flops_per_iteration(transformer_config(cfg), 384, m.seq_length, t.global_batch_size)
     tokens = t.global_batch_size * m.seq_length
     # fwd + bwd = 3 x 2 FLOPs per multiply-add, for num_attention_heads extra rows of h inputs.
     assert gated - plain == 6 * tokens * m.num_layers * m.hidden_size * m.num_attention_heads
+
+
+def test_gate_init_bias_without_qkv_bias_is_kept_not_rewritten(tmp_path):
+    """The launcher leaves the policy to GatedTransformerConfig: the value stays as configured
+    (the saved config says what the user asked for) and is effectively 0 without a QKV bias."""
+    from mcore_ext.training.megatron_configs import transformer_config
+
+    cfg = load_config(write(tmp_path, MOCK),
+                      ["model.head_wise_attn_gate=true", "model.add_qkv_bias=false"], world_size=1)
+    assert cfg.model.head_wise_attn_gate_init_bias == 2.0
+    assert "head_wise_attn_gate_init_bias: 2.0" in cfg.to_yaml()
+    config = transformer_config(cfg)
+    assert config.head_wise_attn_gate_init_bias == 2.0
+    assert config.effective_head_wise_attn_gate_init_bias == 0.0
+    cfg.model.add_qkv_bias = True
+    assert transformer_config(cfg).effective_head_wise_attn_gate_init_bias == 2.0

@@ -47,7 +47,9 @@ class ModelConfig:
     """Gate weight rows are scaled by this after init."""
 
     head_wise_attn_gate_init_bias: float = 2.0
-    """Initial gate bias, sigmoid(2) ~ 0.88; needs add_qkv_bias (resolved to 0 without it)."""
+    """Initial gate bias, sigmoid(2) ~ 0.88. Needs add_qkv_bias: without it the value has no
+    effect (gates start near sigmoid(0) = 0.5) and the model build warns, as GatedTransformerConfig
+    defines (effective_head_wise_attn_gate_init_bias)."""
 
     add_qkv_bias: bool = False
     """Bias on linear_qkv (and so on the gate rows)."""

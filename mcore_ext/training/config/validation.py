@@ -84,8 +84,6 @@ def validate(cfg: PretrainConfig, world_size: int) -> None:
         m.ffn_hidden_size = (
             64 * math.ceil(8 * m.hidden_size / 3 / 64) if m.swiglu else 4 * m.hidden_size
         )
-    if m.head_wise_attn_gate_init_bias and m.head_wise_attn_gate and not m.add_qkv_bias:
-        m.head_wise_attn_gate_init_bias = 0.0  # nothing to initialize without a QKV bias
     if m.recompute_granularity == "full" and m.recompute_num_layers > m.num_layers // pp:
         raise ConfigError(
             f"model.recompute_num_layers ({m.recompute_num_layers}) exceeds the layers per "
