@@ -98,8 +98,8 @@ def test_resume_reaches_the_same_losses(runs):
     first = losses(runs["tmp"] / "first.jsonl")
     second = losses(runs["tmp"] / "second.jsonl")
     assert sorted(first) == list(range(1, 11)) and sorted(second) == list(range(11, 21))
-    for step in range(11, 21):
-        assert second[step] == pytest.approx(full[step], abs=1e-5, rel=0), (step, second, full)
+    # Same layout, weights, optimizer, schedule, data position and RNG: the same floats.
+    assert [second[step] for step in range(11, 21)] == [full[step] for step in range(11, 21)]
     assert "resumed from" in runs["second"].stdout and "RNG not restored" not in runs["second"].stdout
 
 
@@ -107,8 +107,13 @@ def test_resume_at_tp1_matches_tp2(runs):
     full = losses(runs["tmp"] / "full.jsonl")
     tp1 = losses(runs["tmp"] / "tp1.jsonl")
     assert sorted(tp1) == list(range(11, 21))
+    # Measured on 2 CPU ranks (fp32): this TP 1 x DP 2 resume differs from the TP 2 run by at
+    # most 2.4e-7 (8e-8 relative) over steps 11..20, from the order of TP reductions. The same
+    # resume with Adam's state deliberately dropped (weights, schedule and data position kept)
+    # differs by up to 0.76 (22 %); with only linear_qkv's Adam state dropped, by up to 0.135
+    # (5 %) -- a resharding bug in the QKV/gate optimizer state fails this bound by 1000x.
     for step in range(11, 21):
-        assert tp1[step] == pytest.approx(full[step], rel=0.01), (step, tp1, full)
+        assert tp1[step] == pytest.approx(full[step], abs=1e-4, rel=0), (step, tp1, full)
     assert "TP 1 x PP 1 x DP 2" in runs["tp1"].stdout
 
 
