@@ -127,7 +127,8 @@ class TrainingConfig:
     """Seed for init, data order and dropout."""
 
     precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
-    """Compute dtype; auto -> bf16 on GPU, fp32 on CPU."""
+    """Compute dtype; auto -> bf16 on GPU, fp32 on CPU. bf16 / fp16 run on a CPU too (megatron's
+    Float16Module and mixed-precision optimizer with fp32 main weights), slowly: for tests."""
 
 
 @dataclass
@@ -166,7 +167,8 @@ class OptimizerConfig:
     """Shard optimizer state over data-parallel ranks (ZeRO-1)."""
 
     loss_scale: Optional[float] = None
-    """fp16 only: static loss scale; null -> dynamic."""
+    """fp16 only: static loss scale; null -> dynamic (megatron's: starts at 2^32 and halves on
+    each overflow, so about the first 16 steps are skipped)."""
 
 
 @dataclass

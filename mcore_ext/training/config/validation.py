@@ -92,10 +92,6 @@ def validate(cfg: PretrainConfig, world_size: int) -> None:
 
     if t.precision == "auto":
         t.precision = "bf16" if on_gpu else "fp32"
-    elif t.precision in ("bf16", "fp16") and not on_gpu:
-        raise ConfigError(
-            f"training.precision={t.precision} needs a GPU; use fp32 (or auto) on CPU"
-        )
     if t.exit_interval is not None and t.exit_interval > t.train_iters:
         raise ConfigError(
             f"training.exit_interval ({t.exit_interval}) is beyond training.train_iters "
