@@ -13,7 +13,10 @@ that allocate with a literal ``device="cuda"``, call ``.cuda()``, wait on CUDA s
 parameter only if ``param.type()`` names a CUDA tensor type. Rather than patch each one,
 ``cuda_to_cpu()`` is a context (a torch function mode) in which a CUDA device argument means the
 CPU, ``.cuda()`` is the identity, a CPU tensor's ``type()`` answers with its CUDA name, and the
-current CUDA stream is one whose waits do nothing. Wrap training steps in it.
+current CUDA stream is one whose waits do nothing. Wrap training steps in it. That also covers
+bf16 / fp16 training: ``Float16Module`` and the mixed-precision optimizers (their fp32 main
+weights, fp16 loss scaling and inf checks) accept a CPU ``torch.BFloat16Tensor`` or
+``torch.HalfTensor`` parameter by its CUDA name and need nothing else.
 
 This is the only module that patches megatron-core or torch. ``install()`` and ``cuda_to_cpu()``
 are no-ops when CUDA is available, so GPU runs execute megatron-core unmodified.

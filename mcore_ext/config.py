@@ -25,7 +25,10 @@ class GatedTransformerConfig(TransformerConfig):
     """Gate weight rows are scaled by this after init, so gate logits start small."""
 
     head_wise_attn_gate_init_bias: float = 2.0
-    """Gate bias rows start at this value (sigmoid(2.0) ~ 0.88); needs a linear_qkv bias."""
+    """Gate bias rows start at this value (sigmoid(2.0) ~ 0.88). Needs a linear_qkv bias
+    (add_qkv_bias or add_bias_linear): without one there are no bias rows, the value is kept but
+    has no effect (``effective_head_wise_attn_gate_init_bias`` is then 0.0, gates start near
+    sigmoid(0) = 0.5) and building the attention warns once."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -47,14 +50,14 @@ class GatedTransformerConfig(TransformerConfig):
 
         # num_attention_heads and num_query_groups vs TP are validated by TransformerConfig; with
         # the gate appended per rank, the QKV rows must also split evenly on their own.
-        qkv_rows = (heads + 2 * groups) * head_dim
+        qkv_rows = self.qkv_rows
         if qkv_rows % tp:
             raise ValueError(
                 f"head_wise_attn_gate=True needs the {qkv_rows} QKV rows of linear_qkv "
                 f"((num_attention_heads {heads} + 2 * num_query_groups {groups}) * kv_channels "
                 f"{head_dim}) divisible by tensor_model_parallel_size ({tp})"
             )
-        rows_per_rank = (qkv_rows + heads) // tp
+        rows_per_rank = self.linear_qkv_rows // tp
         for recipe, alignment in _QUANT_ALIGNMENT.items():
             if getattr(self, recipe) and rows_per_rank % alignment:
                 raise ValueError(
@@ -64,7 +67,36 @@ class GatedTransformerConfig(TransformerConfig):
                     f"tensor_model_parallel_size {tp})"
                 )
 
+    # The rows of linear_qkv, counted once here for the attention module, FLOP counters and
+    # checks. Global (all TP ranks together); each rank holds 1 / tensor_model_parallel_size.
+
+    @property
+    def qkv_rows(self) -> int:
+        """linear_qkv output rows for Q, K and V: (num_attention_heads + 2 * num_query_groups) *
+        kv_channels (megatron's own layout, without the gate)."""
+        return (self.num_attention_heads + 2 * self.num_query_groups) * self.kv_channels
+
     @property
     def head_wise_gate_rows(self) -> int:
         """Extra linear_qkv output rows added by the gate (0 when it is off)."""
         return self.num_attention_heads if self.head_wise_attn_gate else 0
+
+    @property
+    def linear_qkv_rows(self) -> int:
+        """All linear_qkv output rows: ``qkv_rows + head_wise_gate_rows``."""
+        return self.qkv_rows + self.head_wise_gate_rows
+
+    @property
+    def effective_head_wise_attn_gate_init_bias(self) -> float:
+        """The value the gate bias rows start at: ``head_wise_attn_gate_init_bias`` when
+        linear_qkv has a bias, else 0.0 (no bias rows: gate logits start at x @ w_gate alone).
+        0.0 too when the gate is off. Where it differs from ``head_wise_attn_gate_init_bias``, the
+        configured value has no effect (the attention module warns once)."""
+        if self.head_wise_attn_gate and self._linear_qkv_has_bias:
+            return self.head_wise_attn_gate_init_bias
+        return 0.0
+
+    @property
+    def _linear_qkv_has_bias(self) -> bool:
+        # SelfAttention builds linear_qkv with bias=add_bias_linear or add_qkv_bias.
+        return bool(self.add_bias_linear or self.add_qkv_bias)

@@ -106,7 +106,36 @@ def load(
     except CheckpointException as error:
         # torch.distributed.checkpoint raises a BaseException subclass, which `except Exception`
         # in a caller's recovery code would not see; re-raise it as an ordinary error.
-        raise CheckpointLoadError(f"cannot load checkpoint {checkpoint_dir}: {error}") from error
+        raise CheckpointLoadError(
+            f"cannot load checkpoint {checkpoint_dir}: "
+            f"{_head_count_mismatch(sharded_state_dict, checkpoint_dir)}{error}"
+        ) from error
+
+
+def _head_count_mismatch(sharded_state_dict, checkpoint_dir: str) -> str:
+    """A sentence naming both head counts when the gate blocks (one row per head) differ, else "".
+
+    megatron's own message names the first tensor whose global shape differs, often linear_proj,
+    which does not say that the head count is what changed.
+    """
+    try:
+        saved = dist_checkpointing.load_tensors_metadata(checkpoint_dir)
+    except Exception:  # noqa: BLE001  (the original error is reported either way)
+        return ""
+    for value in nested_values(sharded_state_dict):
+        if not isinstance(value, QkvGateFactory) or value.key + GATE_SUFFIX not in saved:
+            continue
+        layout = value.layout
+        saved_heads = saved[value.key + GATE_SUFFIX].global_shape[len(layout.sharded_offsets)]
+        model_heads = (value.data.shape[0] - layout.qkv_rows) * layout.tp_size
+        if saved_heads != model_heads:
+            return (
+                f"it was saved with num_attention_heads={saved_heads} ({value.key}{GATE_SUFFIX} "
+                f"has {saved_heads} gate rows, one per head) but the model has "
+                f"num_attention_heads={model_heads}; load it into a model with the same head "
+                "count. "
+            )
+    return ""
 
 
 # The distributed optimizer's layout-free format: per-parameter tensors in model space, which the

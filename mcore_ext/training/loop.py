@@ -22,6 +22,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
 from mcore_ext._cpu_compat import cuda_to_cpu
+from mcore_ext.config import GatedTransformerConfig
 from mcore_ext.runtime import destroy_parallel, device, init_parallel
 from mcore_ext.specs import get_gpt_block_spec
 from mcore_ext.training import checkpointing
@@ -83,26 +84,25 @@ def build_model(cfg, vocab_size: int) -> DistributedDataParallel:
     return model
 
 
-def flops_per_iteration(cfg, vocab_size: int) -> float:
+def flops_per_iteration(
+    config: GatedTransformerConfig, vocab_size: int, seq_length: int, global_batch_size: int
+) -> float:
     """Model FLOPs of one optimizer step (forward + backward = 3 x forward; recompute not counted).
 
-    Counts every GEMM, including the gate rows of linear_qkv: the head-wise gate adds
-    num_attention_heads output rows to the QKV GEMM. Causal attention counts half the scores.
+    Counts every GEMM of the model ``config`` describes, including the gate rows of linear_qkv
+    (``config.linear_qkv_rows``: the head-wise gate adds num_attention_heads output rows to the
+    QKV GEMM). Causal attention counts half the scores.
     """
-    m = cfg.model
-    h, heads, groups, hn, ffn, s = (
-        m.hidden_size, m.num_attention_heads, m.num_query_groups, m.kv_channels, m.ffn_hidden_size,
-        m.seq_length,
-    )
-    qkv_rows = (heads + 2 * groups) * hn + (heads if m.head_wise_attn_gate else 0)
+    h, heads, hn, s = config.hidden_size, config.num_attention_heads, config.kv_channels, seq_length
+    ffn = config.ffn_hidden_size
     layer_macs = (
-        h * qkv_rows  # linear_qkv (Q, K, V and gates)
+        h * config.linear_qkv_rows  # linear_qkv (Q, K, V and gates)
         + heads * hn * s  # Q K^T and P V, half of the s x s scores (causal)
         + heads * hn * h  # linear_proj
-        + h * ffn * (2 if m.swiglu else 1) + ffn * h  # linear_fc1 (gate + up), linear_fc2
+        + h * ffn * (2 if config.gated_linear_unit else 1) + ffn * h  # linear_fc1, linear_fc2
     )
-    macs_per_token = m.num_layers * layer_macs + h * vocab_size  # + output layer
-    return 3 * 2 * macs_per_token * cfg.training.global_batch_size * s
+    macs_per_token = config.num_layers * layer_macs + h * vocab_size  # + output layer
+    return 3 * 2 * macs_per_token * global_batch_size * s
 
 
 def _forward_step(data_iterator, model):
@@ -158,7 +158,9 @@ class _Trainer:
         self.train_iterator = batch_iterator(self.train_data, cfg, start_sample=consumed)
 
         self.forward_backward = get_forward_backward_func()
-        self.flops = flops_per_iteration(cfg, self.vocab_size)
+        self.flops = flops_per_iteration(
+            self.model.config, self.vocab_size, cfg.model.seq_length, cfg.training.global_batch_size
+        )
         self.async_queue = None
         if cfg.checkpoint.async_save:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue

@@ -1,15 +1,20 @@
 """The pretraining launcher end to end: torchrun, 2 gloo ranks, the tiny gated config.
 
-Four training runs are shared by the tests (module fixture, ~1.5 minutes on 2 cores):
+Four fp32 training runs are shared by the tests (module fixture, ~1.5 minutes on 2 cores):
 
     full     TP=2, 20 steps, checkpoint at 10 and 20
     first    TP=2, same job stopped by exit_interval=10 (checkpoint at 10)
     tp1      TP=1 x DP=2 resuming ``first``'s step-10 checkpoint, to step 20
     second   TP=2 resuming ``first``'s step-10 checkpoint, to step 20
 
+bf16 (``bf16_runs``, per layout: TP=2, and TP=1 x DP=2 with the distributed optimizer) runs 30
+steps uninterrupted and as 15 + 15 through a checkpoint (~2 minutes per layout). Short runs per
+attention backend (``backend_runs``) check that each trains and matches SDPA.
+
 Rank 0 writes a JSON-lines metrics file per run; the tests compare the losses in them.
 """
 
+import importlib.util
 import json
 import os
 import socket
@@ -18,6 +23,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCHER = str(ROOT / "launch" / "pretrain.py")
@@ -58,12 +64,18 @@ def check(result, name):
     return result
 
 
+@pytest.fixture(scope="session")
+def stdlib_prefix(tmp_path_factory):
+    """One byte-level stdlib dataset for every run (built by the first run that uses it)."""
+    return tmp_path_factory.mktemp("data") / "stdlib_byte"
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, stdlib_prefix):
     tmp = tmp_path_factory.mktemp("pretrain")
     common = [
         "--config", TINY,
-        f"data.prefix={tmp / 'data' / 'stdlib_byte'}",
+        f"data.prefix={stdlib_prefix}",
         "training.train_iters=20", "training.eval_interval=10",
         "checkpoint.save_interval=10", "logging.log_interval=1",
     ]
@@ -98,8 +110,8 @@ def test_resume_reaches_the_same_losses(runs):
     first = losses(runs["tmp"] / "first.jsonl")
     second = losses(runs["tmp"] / "second.jsonl")
     assert sorted(first) == list(range(1, 11)) and sorted(second) == list(range(11, 21))
-    for step in range(11, 21):
-        assert second[step] == pytest.approx(full[step], abs=1e-5, rel=0), (step, second, full)
+    # Same layout, weights, optimizer, schedule, data position and RNG: the same floats.
+    assert [second[step] for step in range(11, 21)] == [full[step] for step in range(11, 21)]
     assert "resumed from" in runs["second"].stdout and "RNG not restored" not in runs["second"].stdout
 
 
@@ -107,8 +119,13 @@ def test_resume_at_tp1_matches_tp2(runs):
     full = losses(runs["tmp"] / "full.jsonl")
     tp1 = losses(runs["tmp"] / "tp1.jsonl")
     assert sorted(tp1) == list(range(11, 21))
+    # Measured on 2 CPU ranks (fp32): this TP 1 x DP 2 resume differs from the TP 2 run by at
+    # most 2.4e-7 (8e-8 relative) over steps 11..20, from the order of TP reductions. The same
+    # resume with Adam's state deliberately dropped (weights, schedule and data position kept)
+    # differs by up to 0.76 (22 %); with only linear_qkv's Adam state dropped, by up to 0.135
+    # (5 %) -- a resharding bug in the QKV/gate optimizer state fails this bound by 1000x.
     for step in range(11, 21):
-        assert tp1[step] == pytest.approx(full[step], rel=0.01), (step, tp1, full)
+        assert tp1[step] == pytest.approx(full[step], abs=1e-4, rel=0), (step, tp1, full)
     assert "TP 1 x PP 1 x DP 2" in runs["tp1"].stdout
 
 
@@ -136,6 +153,134 @@ def test_log_reports_config_metrics_and_evaluation(runs):
     assert {"lr", "grad_norm", "tokens_per_s", "tflops_per_device", "peak_memory_gb"} <= set(train[0])
     assert train[0]["lr"] < train[9]["lr"]  # warmup
     assert [r["iteration"] for r in valid] == [10, 20] and valid[1]["loss"] < valid[0]["loss"]
+
+
+# ------------------------------------------------------------------------------- bf16 on CPU
+
+BF16_LAYOUTS = {
+    "tp2": ["parallelism.tensor_model_parallel_size=2"],
+    "dp2_distributed_optimizer": [
+        "parallelism.tensor_model_parallel_size=1", "optimizer.use_distributed_optimizer=true",
+    ],
+}
+
+
+@pytest.fixture(scope="module", params=list(BF16_LAYOUTS))
+def bf16_runs(request, tmp_path_factory, stdlib_prefix):
+    """bf16 (megatron's Float16Module + mixed-precision optimizer), 30 steps: uninterrupted, and
+    stopped at 15 by exit_interval then resumed. Only the interrupted job saves."""
+    tmp = tmp_path_factory.mktemp(f"bf16_{request.param}")
+    common = [
+        "--config", TINY, f"data.prefix={stdlib_prefix}", "training.precision=bf16",
+        "training.train_iters=30", "training.eval_interval=null", "logging.log_interval=1",
+        *BF16_LAYOUTS[request.param],
+    ]
+
+    def run(name, *overrides):
+        return check(torchrun(*common, f"logging.metrics_file={tmp / name}.jsonl", *overrides), name)
+
+    ckpt = tmp / "ckpt"
+    return {
+        "tmp": tmp,
+        "full": run("full", "checkpoint.save=null", "checkpoint.load=null"),
+        "first": run("first", f"checkpoint.save={ckpt}", f"checkpoint.load={ckpt}",
+                     "training.exit_interval=15"),
+        "second": run("second", "checkpoint.save=null", f"checkpoint.load={ckpt}"),
+    }
+
+
+def test_bf16_trains_with_fp32_main_weights(bf16_runs):
+    from megatron.core import dist_checkpointing
+
+    loss = losses(bf16_runs["tmp"] / "full.jsonl")
+    assert sorted(loss) == list(range(1, 31))
+    assert loss[30] < 0.6 * loss[1], loss  # measured: 5.54 -> 2.64 (TP 2), 2.65 (DP 2)
+    assert "; bf16 on " in bf16_runs["full"].stdout
+    # The checkpoint holds bf16 model weights and the optimizer's fp32 copy of them.
+    saved = dist_checkpointing.load_tensors_metadata(str(bf16_runs["tmp"] / "ckpt" / "iter_0000015"))
+    gate = "decoder.layers.self_attention.linear_qkv.weight._gate"
+    assert saved[gate].dtype is torch.bfloat16
+    main_weights = [k for k in saved if k.endswith(gate) and (".fp32_param." in k or ".state.param." in k)]
+    assert len(main_weights) == 1 and saved[main_weights[0]].dtype is torch.float32, sorted(saved)
+
+
+def test_bf16_resume_is_exact(bf16_runs):
+    full = losses(bf16_runs["tmp"] / "full.jsonl")
+    first = losses(bf16_runs["tmp"] / "first.jsonl")
+    second = losses(bf16_runs["tmp"] / "second.jsonl")
+    assert sorted(first) == list(range(1, 16)) and sorted(second) == list(range(16, 31))
+    assert [first[step] for step in range(1, 16)] == [full[step] for step in range(1, 16)]
+    # bf16 weights, fp32 main weights and Adam state, schedule, data position, RNG: exact.
+    assert [second[step] for step in range(16, 31)] == [full[step] for step in range(16, 31)]
+    stdout = bf16_runs["second"].stdout
+    assert "resumed from" in stdout and "(iteration 15)" in stdout
+    assert "RNG not restored" not in stdout
+
+
+def test_fp16_skips_overflowing_steps_then_trains(tmp_path, stdlib_prefix):
+    """fp16 with megatron's dynamic loss scale: it starts at 2^32 and halves on each overflow, so
+    the first steps are skipped, without advancing the LR schedule; then the loss falls."""
+    metrics = tmp_path / "fp16.jsonl"
+    result = check(torchrun(
+        "--config", TINY, f"data.prefix={stdlib_prefix}", f"logging.metrics_file={metrics}",
+        "training.precision=fp16", "training.train_iters=24", "optimizer.lr_warmup_iters=2",
+        "training.micro_batch_size=4", "training.global_batch_size=8",
+        "training.eval_interval=null", "logging.log_interval=1",
+        "checkpoint.save=null", "checkpoint.load=null",
+    ), "fp16")
+    assert "; fp16 on " in result.stdout
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    skipped = [r["iteration"] for r in records if r.get("skipped")]
+    assert skipped == list(range(1, len(skipped) + 1)) and 8 <= len(skipped) <= 20, skipped
+    assert all(r["lr"] == 0.0 for r in records if r.get("skipped"))
+    trained = [r["loss"] for r in records if not r.get("skipped")]
+    assert len(trained) == 24 - len(skipped) and trained[-1] < trained[0] - 0.5, trained
+
+
+# ------------------------------------------------------------------------ attention backends
+
+
+@pytest.fixture(scope="module")
+def backend_runs(tmp_path_factory, stdlib_prefix):
+    """``run(backend)``: 10 fp32 steps at TP 2 with the gate, multi-head attention (as many query
+    groups as heads) and 4 samples per micro-batch; each backend runs once, on first use."""
+    tmp = tmp_path_factory.mktemp("backends")
+    done = {}
+
+    def run(backend):
+        if backend not in done:
+            metrics = tmp / f"{backend}.jsonl"
+            result = check(torchrun(
+                "--config", TINY, f"data.prefix={stdlib_prefix}", f"logging.metrics_file={metrics}",
+                f"model.attention_backend={backend}", "model.num_query_groups=4",
+                "parallelism.tensor_model_parallel_size=2", "training.precision=fp32",
+                "training.micro_batch_size=4", "training.global_batch_size=8",
+                "training.train_iters=10", "optimizer.lr_warmup_iters=2",
+                "training.eval_interval=null", "logging.log_interval=1",
+                "checkpoint.save=null", "checkpoint.load=null",
+            ), backend)
+            done[backend] = (result, losses(metrics))
+        return done[backend]
+
+    return run
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "local", "te"])
+def test_launcher_trains_on_each_attention_backend(backend_runs, backend):
+    if backend == "te":
+        if importlib.util.find_spec("transformer_engine") is None:
+            pytest.skip("transformer_engine is not importable (pip install 'mcore_ext[te]')")
+        if not torch.cuda.is_available():
+            pytest.skip("Transformer Engine needs a GPU")
+    result, loss = backend_runs(backend)
+    assert f"attention_backend: {backend}" in result.stdout
+    assert sorted(loss) == list(range(1, 11))
+    assert loss[10] < loss[1] - 1.0, loss
+    if backend != "sdpa":
+        # The same model and math in fp32: measured identical to SDPA's losses on a CPU (local).
+        _, reference = backend_runs("sdpa")
+        for step in range(1, 11):
+            assert loss[step] == pytest.approx(reference[step], abs=1e-3, rel=0), (step, loss, reference)
 
 
 # ----------------------------------------------------------------------------- config errors

@@ -24,6 +24,32 @@ def test_flag_off_accepts_what_the_gate_rejects():
          tensor_model_parallel_size=4)
 
 
+def test_linear_qkv_row_counts():
+    # 8 heads, 2 groups, head dim 8: Q 64 + K 16 + V 16 = 96 rows, plus one gate row per head.
+    config = make(num_query_groups=2)
+    assert (config.qkv_rows, config.head_wise_gate_rows, config.linear_qkv_rows) == (96, 8, 104)
+    plain = make(num_query_groups=2, head_wise_attn_gate=False)
+    assert (plain.qkv_rows, plain.head_wise_gate_rows, plain.linear_qkv_rows) == (96, 0, 96)
+    # kv_channels set apart from hidden_size / heads: (4 + 2 * 4) * 24 + 4.
+    assert make(num_attention_heads=4, kv_channels=24).linear_qkv_rows == 292
+
+
+@pytest.mark.parametrize(
+    "fields, effective",
+    [
+        (dict(add_qkv_bias=True), 2.0),
+        (dict(add_bias_linear=True), 2.0),
+        (dict(add_qkv_bias=True, head_wise_attn_gate_init_bias=-1.5), -1.5),
+        (dict(add_qkv_bias=False, add_bias_linear=False), 0.0),  # no bias rows to fill
+        (dict(add_qkv_bias=True, head_wise_attn_gate=False), 0.0),  # no gate rows
+    ],
+)
+def test_effective_init_bias_needs_a_linear_qkv_bias(fields, effective):
+    config = make(**fields)
+    assert config.effective_head_wise_attn_gate_init_bias == effective
+    assert config.head_wise_attn_gate_init_bias == fields.get("head_wise_attn_gate_init_bias", 2.0)
+
+
 def test_output_gate_is_mutually_exclusive():
     with pytest.raises(ValueError, match="attention_output_gate=True are mutually exclusive"):
         make(attention_output_gate=True)
@@ -62,13 +88,20 @@ def test_quantized_gemm_alignment(recipe, value, alignment):
     with pytest.raises(ValueError, match=rf"{recipe}='{value}' needs .* multiple of {alignment}.* 200"):
         make(**{recipe: value})
     # 32 heads, kv_channels 15: (32 + 2 * 32) * 15 + 32 = 1472 rows, a multiple of 16 and 32.
-    aligned = dict(hidden_size=256, num_attention_heads=32, kv_channels=15)
-    try:
-        make(**aligned, **{recipe: value})
-    except ValueError as error:  # megatron's own checks (e.g. TE missing) may still apply
-        assert "per-partition linear_qkv output dim" not in str(error)
-    except (ImportError, AssertionError, NotImplementedError) as error:
-        assert "per-partition linear_qkv output dim" not in str(error)
+    # The config is accepted (megatron checks Transformer Engine when layers are built, not here).
+    aligned = make(hidden_size=256, num_attention_heads=32, kv_channels=15, **{recipe: value})
+    assert getattr(aligned, recipe) == value
+    assert aligned.linear_qkv_rows == 1472 and aligned.linear_qkv_rows % alignment == 0
+
+
+def test_quantized_alignment_counts_rows_per_rank():
+    # 16 heads, head dim 2: (16 + 2 * 16) * 2 + 16 = 112 rows, a multiple of 16 at TP 1, but
+    # 56 per rank at TP 2.
+    shape = dict(hidden_size=32, num_attention_heads=16, kv_channels=2, fp8="e4m3")
+    assert make(**shape).linear_qkv_rows == 112
+    with pytest.raises(ValueError, match=r"multiple of 16, .* it is 56 \(\(QKV rows 96 \+ gate rows 16\) / "
+                                         r"tensor_model_parallel_size 2\)"):
+        make(**shape, tensor_model_parallel_size=2)
 
 
 @pytest.mark.parametrize("field", ["multi_latent_attention", "fused_single_qkv_rope", "qk_clip", "flash_decode"])

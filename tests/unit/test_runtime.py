@@ -1,5 +1,6 @@
 """init_parallel / destroy_parallel on CPU gloo ranks, and a quiet import."""
 
+import importlib.util
 import subprocess
 import sys
 
@@ -88,9 +89,39 @@ def test_import_prints_nothing():
 
 def test_backend_choice_is_explicit():
     import mcore_ext
+    from mcore_ext.specs import transformer_engine_available
 
-    assert mcore_ext.resolve_backend("auto") is mcore_ext.AttentionBackend.SDPA  # CPU, no TE
+    Backend = mcore_ext.AttentionBackend
+    has_te = importlib.util.find_spec("transformer_engine") is not None
+    assert transformer_engine_available() is has_te
+    # auto: Transformer Engine only on a GPU with TE installed, SDPA everywhere else.
+    expected_auto = Backend.TE if torch.cuda.is_available() and has_te else Backend.SDPA
+    assert mcore_ext.resolve_backend("auto") is expected_auto
+    assert mcore_ext.resolve_backend("sdpa") is Backend.SDPA
+    assert mcore_ext.resolve_backend("local") is Backend.LOCAL
     with pytest.raises(ValueError, match=r"backend='flash' is not one of 'auto', 'sdpa'"):
         mcore_ext.resolve_backend("flash")
-    with pytest.raises(ImportError, match="backend='te' needs Transformer Engine"):
-        mcore_ext.resolve_backend("te")
+    if has_te:
+        assert mcore_ext.resolve_backend("te") is Backend.TE
+    else:
+        with pytest.raises(ImportError, match="backend='te' needs Transformer Engine"):
+            mcore_ext.resolve_backend("te")
+
+
+def test_backend_resolution_follows_what_is_installed(monkeypatch):
+    """Both branches on any machine: TE present or absent, GPU present or absent."""
+    import mcore_ext
+    from mcore_ext import specs
+
+    Backend = mcore_ext.AttentionBackend
+    for has_te in (True, False):
+        for on_gpu in (True, False):
+            monkeypatch.setattr(specs, "transformer_engine_available", lambda: has_te)
+            monkeypatch.setattr(specs.torch.cuda, "is_available", lambda: on_gpu)
+            auto = Backend.TE if has_te and on_gpu else Backend.SDPA
+            assert specs.resolve_backend("auto") is auto, (has_te, on_gpu)
+            if has_te:
+                assert specs.resolve_backend("te") is Backend.TE
+            else:
+                with pytest.raises(ImportError, match="pip install 'mcore_ext\\[te\\]'"):
+                    specs.resolve_backend("te")

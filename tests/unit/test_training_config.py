@@ -152,8 +152,6 @@ def test_resolution_fills_derived_values(tmp_path):
     assert cfg.model.ffn_hidden_size == 256  # swiglu: 8/3 * 96 rounded up to 64
     assert cfg.optimizer.lr_decay_iters == cfg.training.train_iters
     assert (cfg.data_parallel_size, cfg.num_microbatches) == (2, 4)  # 32 = 4 x DP 2 x 4
-    if not torch.cuda.is_available():
-        assert cfg.training.precision == "fp32"
 
 
 def test_saved_yaml_round_trips(tmp_path):
@@ -165,10 +163,23 @@ def test_saved_yaml_round_trips(tmp_path):
     }
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only check")
-def test_half_precision_needs_a_gpu(tmp_path):
-    with pytest.raises(ConfigError, match="needs a GPU"):
-        load_config(write(tmp_path, MOCK), ["training.precision=bf16"], world_size=1)
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "fp32"])
+def test_explicit_precision_is_kept_on_any_device(tmp_path, precision):
+    """bf16 / fp16 run on a CPU too (megatron's Float16Module and mixed-precision optimizer)."""
+    from mcore_ext.training.megatron_configs import optimizer_config, transformer_config
+
+    cfg = load_config(write(tmp_path, MOCK), [f"training.precision={precision}"], world_size=1)
+    assert cfg.training.precision == precision
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
+    model, optimizer = transformer_config(cfg), optimizer_config(cfg)
+    assert model.params_dtype is dtype and optimizer.params_dtype is dtype
+    assert (model.bf16, model.fp16) == (optimizer.bf16, optimizer.fp16) == (
+        precision == "bf16", precision == "fp16")
+
+
+def test_auto_precision_is_bf16_on_gpu_fp32_on_cpu(tmp_path):
+    cfg = load_config(write(tmp_path, MOCK), ["training.precision=auto"], world_size=1)
+    assert cfg.training.precision == ("bf16" if torch.cuda.is_available() else "fp32")
 
 
 def test_every_field_has_a_docstring_comment():
@@ -189,17 +200,15 @@ def test_every_field_has_a_docstring_comment():
 @pytest.mark.parametrize("world_size", [1, 8])
 @pytest.mark.parametrize("name", ["gpt_125m.yaml", "step35_attention.yaml"])
 def test_gpu_configs_validate(name, world_size):
-    precision = [] if torch.cuda.is_available() else ["training.precision=fp32"]
-    cfg = load_config(str(CONFIGS / name), precision, world_size=world_size)
-    assert cfg.model.head_wise_attn_gate
+    cfg = load_config(str(CONFIGS / name), world_size=world_size)  # bf16 validates on a CPU too
+    assert cfg.model.head_wise_attn_gate and cfg.training.precision == "bf16"
     assert cfg.data_parallel_size * cfg.training.micro_batch_size * cfg.num_microbatches == (
         cfg.training.global_batch_size
     )
 
 
 def test_step35_attention_shape():
-    precision = [] if torch.cuda.is_available() else ["training.precision=fp32"]
-    m = load_config(str(CONFIGS / "step35_attention.yaml"), precision, world_size=8).model
+    m = load_config(str(CONFIGS / "step35_attention.yaml"), world_size=8).model
     assert (m.num_attention_heads, m.num_query_groups, m.kv_channels) == (64, 8, 128)
 
 
@@ -211,12 +220,29 @@ def test_tiny_config_is_the_readme_job():
 
 def test_flops_count_the_gate_rows():
     from mcore_ext.training.loop import flops_per_iteration
+    from mcore_ext.training.megatron_configs import transformer_config
 
     cfg = load_config(str(CONFIGS / "tiny_cpu.yaml"), world_size=2)
-    gated = flops_per_iteration(cfg, 384)
-    cfg.model.head_wise_attn_gate = False
-    plain = flops_per_iteration(cfg, 384)
     m, t = cfg.model, cfg.training
+    gated = flops_per_iteration(transformer_config(cfg), 384, m.seq_length, t.global_batch_size)
+    cfg.model.head_wise_attn_gate = False
+    plain = flops_per_iteration(transformer_config(cfg), 384, m.seq_length, t.global_batch_size)
     tokens = t.global_batch_size * m.seq_length
     # fwd + bwd = 3 x 2 FLOPs per multiply-add, for num_attention_heads extra rows of h inputs.
     assert gated - plain == 6 * tokens * m.num_layers * m.hidden_size * m.num_attention_heads
+
+
+def test_gate_init_bias_without_qkv_bias_is_kept_not_rewritten(tmp_path):
+    """The launcher leaves the policy to GatedTransformerConfig: the value stays as configured
+    (the saved config says what the user asked for) and is effectively 0 without a QKV bias."""
+    from mcore_ext.training.megatron_configs import transformer_config
+
+    cfg = load_config(write(tmp_path, MOCK),
+                      ["model.head_wise_attn_gate=true", "model.add_qkv_bias=false"], world_size=1)
+    assert cfg.model.head_wise_attn_gate_init_bias == 2.0
+    assert "head_wise_attn_gate_init_bias: 2.0" in cfg.to_yaml()
+    config = transformer_config(cfg)
+    assert config.head_wise_attn_gate_init_bias == 2.0
+    assert config.effective_head_wise_attn_gate_init_bias == 0.0
+    cfg.model.add_qkv_bias = True
+    assert transformer_config(cfg).effective_head_wise_attn_gate_init_bias == 2.0

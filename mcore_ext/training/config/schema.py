@@ -1,0 +1,264 @@
+"""The launcher's config schema: one dataclass per YAML section, every key documented.
+
+A run's YAML file has the sections of ``PretrainConfig`` (``model``, ``parallelism``,
+``training``, ``optimizer``, ``data``, ``checkpoint``, ``logging``); each key is a field below,
+with its default and a docstring. How a file and command-line overrides become these objects is
+``overrides.py``; what a valid combination is, ``validation.py``.
+"""
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration the launcher refuses to run: the message says what to change."""
+
+
+@dataclass
+class ModelConfig:
+    num_layers: int = 2
+    """Transformer layers (split evenly over pipeline stages)."""
+
+    hidden_size: int = 128
+    """Model width h."""
+
+    ffn_hidden_size: Optional[int] = None
+    """MLP width; null -> 4 * hidden_size (8/3 * hidden_size rounded up to 64 with swiglu)."""
+
+    num_attention_heads: int = 4
+    """Query heads."""
+
+    num_query_groups: Optional[int] = None
+    """Key/value heads (GQA); null -> num_attention_heads (plain multi-head attention)."""
+
+    kv_channels: Optional[int] = None
+    """Head dim; null -> hidden_size / num_attention_heads."""
+
+    seq_length: int = 128
+    """Tokens per training sample."""
+
+    head_wise_attn_gate: bool = False
+    """Gate each attention head's output with a learned sigmoid scalar (Step-3.5 g_proj)."""
+
+    head_wise_attn_gate_init_weight_scale: float = 0.1
+    """Gate weight rows are scaled by this after init."""
+
+    head_wise_attn_gate_init_bias: float = 2.0
+    """Initial gate bias, sigmoid(2) ~ 0.88. Needs add_qkv_bias: without it the value has no
+    effect (gates start near sigmoid(0) = 0.5) and the model build warns, as GatedTransformerConfig
+    defines (effective_head_wise_attn_gate_init_bias)."""
+
+    add_qkv_bias: bool = False
+    """Bias on linear_qkv (and so on the gate rows)."""
+
+    normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
+    """Norm layer type."""
+
+    swiglu: bool = True
+    """SwiGLU MLP (gated SiLU); false -> GeLU MLP."""
+
+    rotary_base: int = 10000
+    """RoPE base."""
+
+    untie_embeddings_and_output_weights: bool = False
+    """Separate input embedding and output projection."""
+
+    init_method_std: float = 0.02
+    """Std of the normal weight init."""
+
+    hidden_dropout: float = 0.0
+    """Dropout after attention / MLP."""
+
+    attention_dropout: float = 0.0
+    """Dropout on attention probabilities."""
+
+    attention_backend: Literal["auto", "sdpa", "local", "te"] = "auto"
+    """Attention implementation; auto: Transformer Engine on a GPU if installed, else SDPA."""
+
+    make_vocab_size_divisible_by: int = 128
+    """Pad the vocab to a multiple of this; independent of TP so checkpoints reshard across TP."""
+
+    recompute_granularity: Optional[Literal["selective", "full"]] = None
+    """Activation recompute: selective (core attention) or full (whole layers); null = off."""
+
+    recompute_method: Literal["uniform", "block"] = "uniform"
+    """With full recompute: how layers are grouped."""
+
+    recompute_num_layers: int = 1
+    """With full recompute: layers per group (uniform) or recomputed layers per stage (block)."""
+
+
+@dataclass
+class ParallelismConfig:
+    tensor_model_parallel_size: int = 1
+    """TP size: layers split across this many ranks."""
+
+    pipeline_model_parallel_size: int = 1
+    """PP size: layers staged across this many ranks."""
+
+    sequence_parallel: bool = False
+    """Shard norms/dropout activations along the sequence over TP ranks (needs TP > 1)."""
+
+
+@dataclass
+class TrainingConfig:
+    micro_batch_size: int = 4
+    """Samples per forward/backward on one data-parallel rank."""
+
+    global_batch_size: int = 8
+    """Samples per optimizer step = micro_batch_size x data-parallel size x micro-batches."""
+
+    train_iters: int = 100
+    """Optimizer steps of the whole run (also sizes the LR schedule and the dataset)."""
+
+    exit_interval: Optional[int] = None
+    """Stop (saving a checkpoint) at multiples of this; schedule and data still span train_iters."""
+
+    eval_interval: Optional[int] = 50
+    """Evaluate on the validation split every this many steps (and at the end); null = never."""
+
+    eval_iters: int = 2
+    """Global batches per evaluation (the same batches every time)."""
+
+    seed: int = 1234
+    """Seed for init, data order and dropout."""
+
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    """Compute dtype; auto -> bf16 on GPU, fp32 on CPU. bf16 / fp16 run on a CPU too (megatron's
+    Float16Module and mixed-precision optimizer with fp32 main weights), slowly: for tests."""
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 1.0e-3
+    """Peak learning rate."""
+
+    min_lr: float = 1.0e-4
+    """Learning rate at the end of the decay."""
+
+    lr_warmup_iters: int = 10
+    """Linear warmup steps from 0 to lr."""
+
+    lr_decay_iters: Optional[int] = None
+    """Steps from start to min_lr; null -> training.train_iters."""
+
+    lr_decay_style: Literal["cosine", "linear", "constant"] = "cosine"
+    """Decay after warmup."""
+
+    weight_decay: float = 0.1
+    """Decoupled (AdamW) weight decay; not applied to biases and norms."""
+
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+
+    adam_beta2: float = 0.95
+    """Adam beta2."""
+
+    adam_eps: float = 1.0e-8
+    """Adam epsilon."""
+
+    clip_grad: float = 1.0
+    """Clip the global gradient norm to this (0 = off)."""
+
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state over data-parallel ranks (ZeRO-1)."""
+
+    loss_scale: Optional[float] = None
+    """fp16 only: static loss scale; null -> dynamic (megatron's: starts at 2^32 and halves on
+    each overflow, so about the first 16 steps are skipped)."""
+
+
+@dataclass
+class DataConfig:
+    source: Literal["files", "stdlib", "mock"] = "files"
+    """files: the .bin/.idx dataset at prefix; stdlib: same, built from the Python standard
+    library's source on first use; mock: megatron's MockGPTDataset (no files)."""
+
+    prefix: Optional[str] = None
+    """Path prefix of <prefix>.bin / <prefix>.idx (from python -m mcore_ext.data.preprocess)."""
+
+    tokenizer: str = "byte"
+    """'byte' (256 bytes + EOD) or a local Hugging Face tokenizer directory."""
+
+    split: str = "98,2,0"
+    """train,valid,test weights of the document split."""
+
+    cache_dir: Optional[str] = None
+    """Where megatron caches sample indices; null -> cache/ beside the .bin/.idx files."""
+
+    num_workers: int = 0
+    """DataLoader worker processes per rank."""
+
+
+@dataclass
+class CheckpointConfig:
+    save: Optional[str] = None
+    """Checkpoint directory (iter_NNNNNNN/, latest_checkpointed_iteration.txt); null = no saving."""
+
+    load: Optional[str] = None
+    """Resume from the latest complete checkpoint here; missing or empty -> start fresh."""
+
+    save_interval: Optional[int] = None
+    """Save every this many steps (and always at the end); null = at the end only."""
+
+    finetune: bool = False
+    """Load model weights only and start at iteration 0 with a fresh optimizer and schedule."""
+
+    init_missing_gates: bool = False
+    """Load a checkpoint saved without head_wise_attn_gate into a gated model: QKV rows load, the
+    gates start from their init (combine with finetune; otherwise loading such a checkpoint fails
+    with an error naming the missing gate tensors)."""
+
+    async_save: bool = False
+    """GPU only: write checkpoints in the background."""
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = 10
+    """Print (and record) training metrics every this many steps."""
+
+    metrics_file: Optional[str] = None
+    """JSON-lines file of metrics, appended by rank 0; null = none."""
+
+    tensorboard_dir: Optional[str] = None
+    """TensorBoard event directory (skipped when tensorboard is not installed); null = none."""
+
+    peak_tflops: Optional[float] = None
+    """Per-device dense peak TFLOP/s for MFU; null -> known GPUs' bf16/fp16 peak."""
+
+
+@dataclass
+class PretrainConfig:
+    """A whole run: the YAML sections, plus sizes derived from them and the world size."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    # Derived at validation; not part of the YAML.
+    world_size: int = field(default=1, metadata={"derived": True})
+    data_parallel_size: int = field(default=1, metadata={"derived": True})
+    num_microbatches: int = field(default=1, metadata={"derived": True})
+
+    def to_dict(self) -> dict:
+        """The YAML-able sections (derived fields left out): what config.yaml holds."""
+        return {f.name: dataclasses.asdict(getattr(self, f.name)) for f in section_fields(self)}
+
+    def to_yaml(self) -> str:
+        """``to_dict`` as YAML, sections and keys in schema order."""
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def section_fields(root=PretrainConfig) -> list[dataclasses.Field]:
+    """The fields of ``root`` that are YAML sections (each a dataclass); derived ones left out."""
+    return [f for f in dataclasses.fields(root) if not f.metadata.get("derived")]
+
+

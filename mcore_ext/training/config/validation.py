@@ -1,0 +1,180 @@
+"""What a runnable config is: layout, batch, schedule, precision, data and model checks.
+
+Runs after ``overrides.build`` has type-checked every value, so the checks here are about values
+and their combinations. Each error names the keys and values involved. Model rules that megatron
+(or ``GatedTransformerConfig``) owns are not repeated: the last check builds the model config and
+turns its refusal into a ``ConfigError``.
+"""
+
+import json
+import math
+import os
+
+import torch
+
+from mcore_ext.training.config.schema import ConfigError, DataConfig, PretrainConfig, TrainingConfig
+
+
+def validate(cfg: PretrainConfig, world_size: int) -> None:
+    """Check ``cfg`` for ``world_size`` ranks and fill in what it leaves to be derived.
+
+    Fills the derived sizes (data-parallel size, micro-batches per step, head dim, query groups,
+    MLP width, LR decay steps, the precision of ``auto``) so that the printed and saved config is
+    fully resolved. Raises ``ConfigError`` for the first problem found.
+    """
+    m, p, t, o = cfg.model, cfg.parallelism, cfg.training, cfg.optimizer
+    d, c = cfg.data, cfg.checkpoint
+    on_gpu = _cuda_available()
+
+    for key, value in [
+        ("model.num_layers", m.num_layers), ("model.hidden_size", m.hidden_size),
+        ("model.num_attention_heads", m.num_attention_heads), ("model.seq_length", m.seq_length),
+        ("parallelism.tensor_model_parallel_size", p.tensor_model_parallel_size),
+        ("parallelism.pipeline_model_parallel_size", p.pipeline_model_parallel_size),
+        ("training.micro_batch_size", t.micro_batch_size),
+        ("training.global_batch_size", t.global_batch_size),
+        ("training.train_iters", t.train_iters), ("logging.log_interval", cfg.logging.log_interval),
+        ("model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by),
+    ]:
+        if value < 1:
+            raise ConfigError(f"{key}={value} must be at least 1")
+    for key in ("training.exit_interval", "training.eval_interval", "checkpoint.save_interval"):
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value is not None and value < 1:
+            raise ConfigError(f"{key}={value} must be at least 1 (or null)")
+
+    # Layout: world = TP x PP x DP, global batch = micro batch x DP x micro-batches.
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    if world_size % (tp * pp):
+        raise ConfigError(
+            f"parallel layout does not divide the world size: {world_size} ranks are not "
+            f"divisible by tensor_model_parallel_size ({tp}) x pipeline_model_parallel_size "
+            f"({pp}) = {tp * pp}"
+        )
+    dp = world_size // (tp * pp)
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        raise ConfigError(
+            f"training.global_batch_size ({t.global_batch_size}) must be divisible by "
+            f"training.micro_batch_size ({t.micro_batch_size}) x data-parallel size ({dp}) = "
+            f"{t.micro_batch_size * dp}"
+        )
+    cfg.world_size, cfg.data_parallel_size = world_size, dp
+    cfg.num_microbatches = t.global_batch_size // (t.micro_batch_size * dp)
+    if m.num_layers % pp:
+        raise ConfigError(
+            f"model.num_layers ({m.num_layers}) must be divisible by "
+            f"parallelism.pipeline_model_parallel_size ({pp})"
+        )
+    if p.sequence_parallel and tp == 1:
+        raise ConfigError("parallelism.sequence_parallel=true needs tensor_model_parallel_size > 1")
+
+    # Derived model sizes, filled in so that the printed / saved config is fully resolved.
+    if m.kv_channels is None:
+        if m.hidden_size % m.num_attention_heads:
+            raise ConfigError(
+                f"model.hidden_size ({m.hidden_size}) is not divisible by "
+                f"model.num_attention_heads ({m.num_attention_heads}): set model.kv_channels "
+                "(the head dim) explicitly"
+            )
+        m.kv_channels = m.hidden_size // m.num_attention_heads
+    if m.num_query_groups is None:
+        m.num_query_groups = m.num_attention_heads
+    if m.ffn_hidden_size is None:
+        m.ffn_hidden_size = (
+            64 * math.ceil(8 * m.hidden_size / 3 / 64) if m.swiglu else 4 * m.hidden_size
+        )
+    if m.recompute_granularity == "full" and m.recompute_num_layers > m.num_layers // pp:
+        raise ConfigError(
+            f"model.recompute_num_layers ({m.recompute_num_layers}) exceeds the layers per "
+            f"pipeline stage ({m.num_layers // pp})"
+        )
+
+    if t.precision == "auto":
+        t.precision = "bf16" if on_gpu else "fp32"
+    if t.exit_interval is not None and t.exit_interval > t.train_iters:
+        raise ConfigError(
+            f"training.exit_interval ({t.exit_interval}) is beyond training.train_iters "
+            f"({t.train_iters})"
+        )
+
+    if o.lr_decay_iters is None:
+        o.lr_decay_iters = t.train_iters
+    if o.lr_warmup_iters >= o.lr_decay_iters:
+        raise ConfigError(
+            f"optimizer.lr_warmup_iters ({o.lr_warmup_iters}) must be below "
+            f"optimizer.lr_decay_iters ({o.lr_decay_iters})"
+        )
+    if not 0 <= o.min_lr <= o.lr:
+        raise ConfigError(
+            f"optimizer.min_lr ({o.min_lr}) must be between 0 and optimizer.lr ({o.lr})"
+        )
+
+    _validate_data(d, t)
+    if c.async_save and not on_gpu:
+        raise ConfigError("checkpoint.async_save=true needs a GPU (CUDA); set it to false on CPU")
+    if c.finetune and not c.load:
+        raise ConfigError("checkpoint.finetune=true needs checkpoint.load (the weights to use)")
+
+    # Last, let megatron's own config reject what it does not support (gate x TP, GQA, ...).
+    from mcore_ext.training.megatron_configs import transformer_config
+
+    try:
+        transformer_config(cfg)
+    except (ValueError, NotImplementedError, AssertionError) as err:
+        raise ConfigError(f"model config rejected by megatron-core: {err}") from None
+
+
+def _validate_data(d: DataConfig, t: TrainingConfig) -> None:
+    if d.source in ("files", "stdlib") and not d.prefix:
+        raise ConfigError(f"data.source={d.source} needs data.prefix (path prefix of .bin/.idx)")
+    if d.source == "files":
+        missing = [p for p in (d.prefix + ".bin", d.prefix + ".idx") if not os.path.isfile(p)]
+        if missing:
+            raise ConfigError(
+                f"data path {d.prefix!r} does not exist (missing {', '.join(missing)}); build "
+                "it with: python -m mcore_ext.data.preprocess --input FILES --output-prefix "
+                f"{d.prefix}"
+            )
+    if d.source != "mock" and os.path.isfile(d.prefix + ".idx"):
+        built_with = _sidecar_tokenizer(d.prefix)
+        if built_with is not None and built_with != _tokenizer_id(d.tokenizer):
+            raise ConfigError(
+                f"data at {d.prefix!r} was tokenized with tokenizer {built_with!r}, but "
+                f"data.tokenizer is {d.tokenizer!r}: set data.tokenizer to match"
+            )
+    if d.tokenizer != "byte" and not os.path.isdir(d.tokenizer):
+        raise ConfigError(
+            f"data.tokenizer={d.tokenizer!r} is neither 'byte' nor an existing tokenizer directory"
+        )
+    try:
+        weights = [float(w) for w in d.split.split(",")]
+    except ValueError:
+        weights = []
+    if not 1 <= len(weights) <= 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ConfigError(
+            f"data.split={d.split!r} must be up to 3 comma-separated weights, e.g. 98,2,0"
+        )
+    if t.eval_interval and t.eval_iters > 0 and (len(weights) < 2 or weights[1] == 0):
+        raise ConfigError(
+            f"evaluation is on (training.eval_interval={t.eval_interval}) but "
+            f"data.split={d.split!r} has no validation part; give it one (e.g. 98,2,0) or set "
+            "training.eval_interval=null"
+        )
+
+
+def _tokenizer_id(name: str) -> str:
+    return name if name == "byte" else os.path.abspath(name)
+
+
+def _sidecar_tokenizer(prefix: str) -> str | None:
+    """The tokenizer recorded by mcore_ext.data.preprocess in <prefix>.json (None if absent)."""
+    try:
+        with open(prefix + ".json") as f:
+            return json.load(f).get("tokenizer")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _cuda_available() -> bool:
+    return torch.cuda.is_available()
