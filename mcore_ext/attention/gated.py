@@ -69,9 +69,17 @@ class HeadWiseGatedSelfAttention(SelfAttention):
         if not self.head_wise_attn_gate:
             return
 
-        self.qkv_rows_per_partition = self.linear_qkv_out_dim // self.world_size
-        self.gate_rows_per_partition = config.num_attention_heads // self.world_size
-        self.linear_qkv_out_dim += config.num_attention_heads
+        self.qkv_rows_per_partition = config.qkv_rows // self.world_size
+        self.gate_rows_per_partition = config.head_wise_gate_rows // self.world_size
+        self.linear_qkv_out_dim = config.linear_qkv_rows
+        # The QKV columns of linear_qkv's output are a view with a row stride of qkv_r + np_r.
+        # Kernels that .view q, k or v (megatron's local attention, fused RoPE, ...) need them
+        # copied out; a core attention that declares it takes strided q/k/v (mcore_ext's SDPA)
+        # saves the copy, and the cat it would cost in backward.
+        self.copy_qkv_out = not (
+            getattr(self.core_attention, "accepts_strided_qkv", False)
+            and not config.apply_rope_fusion
+        )
 
         # megatron's forward already carries an output gate as a return value, from
         # get_query_key_value_tensors to _apply_output_gate, whenever the module's config has
@@ -101,12 +109,13 @@ class HeadWiseGatedSelfAttention(SelfAttention):
         mixed_qkv, gate = mixed.split(
             [self.qkv_rows_per_partition, self.gate_rows_per_partition], dim=-1
         )
-        # Both parts are strided views of `mixed`. Copy them out, so that everything downstream
-        # (the split below, RoPE, every core-attention kernel, the KV cache) gets exactly the
-        # tensors it gets without a gate: megatron's local attention, for one, calls .view on
-        # key and value, which a row stride of qkv_r + np_r breaks. The gate copy is gate-sized,
-        # and with it no view keeps `mixed` alive.
-        mixed_qkv, gate = mixed_qkv.contiguous(), gate.contiguous()
+        # Both parts are strided views of `mixed`. With copy_qkv_out the QKV part is copied, so
+        # that everything downstream (the split below, RoPE, core attention, the KV cache) gets
+        # exactly the tensors it gets without a gate. The gate copy is gate-sized; with both
+        # copied, no view keeps `mixed` alive.
+        if self.copy_qkv_out:
+            mixed_qkv = mixed_qkv.contiguous()
+        gate = gate.contiguous()
         query, key, value = self._split_query_key_value(mixed_qkv)
 
         if self.q_layernorm is not None:
@@ -121,8 +130,8 @@ class HeadWiseGatedSelfAttention(SelfAttention):
         """Megatron's interleaved [q.. k v] per query group -> query, key, value.
 
         The same operations as ``SelfAttention.get_query_key_value_tensors`` on the same
-        contiguous layout, so query, key and value have the shapes and strides of the ungated
-        layer's.
+        layout (with ``copy_qkv_out``), so query, key and value have the shapes and strides of the
+        ungated layer's; without it, the same views with a longer row stride.
         """
         groups, tp = self.config.num_query_groups, self.world_size
         if groups < tp:
@@ -130,7 +139,7 @@ class HeadWiseGatedSelfAttention(SelfAttention):
             # group. Rank r then computes query heads [r * H/tp, (r+1) * H/tp), the same heads
             # as its local gate rows.
             mixed_qkv = all_gather_last_dim_from_tensor_parallel_region(
-                mixed_qkv, group=self.pg_collection.tp
+                mixed_qkv.contiguous(), group=self.pg_collection.tp
             )
             group = get_pg_rank(self.pg_collection.tp) // (tp // groups)
             width = mixed_qkv.size(-1) // groups
@@ -223,16 +232,17 @@ class HeadWiseGatedSelfAttention(SelfAttention):
             return
         gate_rows = slice(self.qkv_rows_per_partition, None)
         bias = getattr(self.linear_qkv, "bias", None)
+        init_bias = self.config.effective_head_wise_attn_gate_init_bias
         with torch.no_grad():
             weight[gate_rows].mul_(self.config.head_wise_attn_gate_init_weight_scale)
             if bias is not None and bias.numel():
-                bias[gate_rows].fill_(self.config.head_wise_attn_gate_init_bias)
-            elif self.config.head_wise_attn_gate_init_bias != 0:
-                _warn_once(
-                    f"head_wise_attn_gate_init_bias={self.config.head_wise_attn_gate_init_bias} "
-                    "has no effect without a linear_qkv bias (add_qkv_bias or add_bias_linear): "
-                    "gates start near sigmoid(0) = 0.5"
-                )
+                bias[gate_rows].fill_(init_bias)
+        if init_bias != self.config.head_wise_attn_gate_init_bias:
+            _warn_once(
+                f"head_wise_attn_gate_init_bias={self.config.head_wise_attn_gate_init_bias} "
+                "has no effect without a linear_qkv bias (add_qkv_bias or add_bias_linear): "
+                "gates start near sigmoid(0) = 0.5"
+            )
 
 
 class _ScaleHeads(torch.autograd.Function):

@@ -30,6 +30,10 @@ _CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal, AttnMaskType.causal
 class SDPAttention(MegatronModule):
     """softmax(Q K^T * scale + mask) V with megatron's masks, GQA, dropout and softmax scale."""
 
+    # q, k, v may be strided views (only their last dim contiguous): they are only permuted and
+    # sliced here, never .view-ed. The gated attention then skips copying them out.
+    accepts_strided_qkv = True
+
     def __init__(
         self,
         config: TransformerConfig,

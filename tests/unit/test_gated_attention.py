@@ -443,49 +443,64 @@ def _activation_bytes_held_for_backward(dtype):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gate_keeps_only_its_fp32_sigmoid_for_backward(run_distributed, dtype):
-    """What a forward leaves held for backward grows by the gate's fp32 sigmoid [s, b, np] only:
-    not by the gated [s, b, np * hn] output that linear_proj saves (it is recomputed), nor by the
-    fused linear_qkv output (no view of it outlives the forward)."""
+    """What a forward leaves held for backward grows by gate-sized tensors [s, b, np] only: the
+    gate's fp32 sigmoid, and (sdpa keeps q, k, v as views of the fused linear_qkv output) the gate
+    columns of that output. Not by the gated [s, b, np * hn] output that linear_proj saves: it is
+    recomputed in backward (without the recompute this fails by one [s, b, h])."""
     gated_bytes, plain_bytes = run_distributed(_activation_bytes_held_for_backward, dtype,
                                                world_size=2)[0]
     s, b, heads, hidden = 32, 2, 4, 64
     sigmoid_bytes = s * b * heads * 4
-    assert 0 < gated_bytes - plain_bytes <= sigmoid_bytes, (gated_bytes, plain_bytes)
+    gate_columns_bytes = s * b * heads * getattr(torch, dtype).itemsize
+    assert 0 < gated_bytes - plain_bytes <= sigmoid_bytes + gate_columns_bytes, (
+        gated_bytes, plain_bytes)
 
 
 # --------------------------------------------------------------------- layouts handed downstream
 
 
-def _layouts_handed_downstream(tp, case):
+def _layouts_handed_downstream(tp, case, backend):
     import mcore_ext
 
     mcore_ext.init_parallel(tensor_model_parallel_size=tp)
     fields = dict(CASES[case], tensor_model_parallel_size=tp)
-    gated = builders.build_self_attention(builders.gated_config(**fields))
+    config = builders.gated_config(**fields)
+    gated = builders.build_self_attention(config, backend)
     plain = builders.build_self_attention(builders.gated_config(head_wise_attn_gate=False,
-                                                                **fields))
+                                                                **fields), backend)
     x = torch.randn(8, 2, 32, generator=torch.Generator().manual_seed(0))
     layout = lambda t: (tuple(t.shape), t.stride(), t.storage_offset(), t.untyped_storage().nbytes())
     with torch.no_grad():
         *gated_qkv, gate = gated.get_query_key_value_tensors(x)
         plain_qkv = plain.get_query_key_value_tensors(x)
     return dict(
+        copied=gated.copy_qkv_out,
         qkv=[(layout(a), layout(b)) for a, b in zip(gated_qkv, plain_qkv)],
+        fused_output_bytes=8 * 2 * (config.linear_qkv_rows // tp) * 4,
         gate=(tuple(gate.shape), gate.is_contiguous(), gate.untyped_storage().nbytes(),
               gate.numel() * gate.element_size()),
-        heads_per_rank=gated.config.num_attention_heads // tp,
+        heads_per_rank=config.num_attention_heads // tp,
+        fewer_groups_than_ranks=config.num_query_groups < tp,
     )
 
 
+@pytest.mark.parametrize("backend", ["local", "sdpa"])
 @pytest.mark.parametrize("tp,case", [(1, "mha_bias"), (2, "mha_nobias"), (2, "gqa_bias"),
                                      (4, "gqa_bias"), (4, "gqa_one_group")])
-def test_query_key_value_have_the_ungated_layout(run_distributed, tp, case):
-    """q, k, v get the shapes, strides, offsets and storage sizes of the ungated layer's (kernels
-    like megatron's local attention .view them), and the gate logits are a contiguous tensor of
-    their own: no view keeps the fused linear_qkv output alive. 4 ranks: fewer groups than TP."""
-    for result in run_distributed(_layouts_handed_downstream, tp, case, world_size=max(tp, 2)):
-        for gated_layout, plain_layout in result["qkv"]:
-            assert gated_layout == plain_layout
+def test_query_key_value_layouts_fit_the_core_attention(run_distributed, tp, case, backend):
+    """local: q, k, v get the shapes, strides, offsets and storage sizes of the ungated layer's
+    (megatron's local attention .views them), copied out of the fused linear_qkv output.
+    sdpa (takes strided q/k/v): the same shapes, as views of the fused output, no copy.
+    The gate logits are a contiguous tensor of their own either way. 4 ranks: fewer groups than
+    TP, where the all-gather copies anyway."""
+    for result in run_distributed(_layouts_handed_downstream, tp, case, backend,
+                                  world_size=max(tp, 2)):
+        assert result["copied"] == (backend == "local")
+        for (shape, stride, offset, nbytes), plain_layout in result["qkv"]:
+            if result["copied"] or result["fewer_groups_than_ranks"]:
+                assert (shape, stride, offset, nbytes) == plain_layout
+            else:
+                assert shape == plain_layout[0] and nbytes == result["fused_output_bytes"]
         shape, contiguous, nbytes, tensor_bytes = result["gate"]
         assert shape == (8, 2, result["heads_per_rank"]) and contiguous and nbytes == tensor_bytes
 
