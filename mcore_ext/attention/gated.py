@@ -249,7 +249,8 @@ class _ScaleHeads(torch.autograd.Function):
     """x [..., np, hn] * scale [..., np] (fp32): the product in fp32, the result in x's dtype.
 
     ``torch.mul`` into an output of x's dtype casts on store (one kernel on a GPU), where
-    ``x * scale`` would first materialize an fp32 [..., np, hn] product in bf16 training.
+    ``x * scale`` would first materialize an fp32 [..., np, hn] product in bf16 training. The
+    backward needs <grad_h, x_h> per head, reduced in fp32 without a full-size temporary.
     """
 
     @staticmethod
@@ -263,15 +264,36 @@ class _ScaleHeads(torch.autograd.Function):
         grad_x = _scale_heads(grad, scale) if ctx.needs_input_grad[0] else None
         grad_scale = None
         if ctx.needs_input_grad[1]:
-            # <grad_h, x_h> per head: a batched [1, hn] x [hn, 1] matmul, accumulated in fp32
-            # without an [..., np, hn] temporary.
-            grad_scale = (grad.unsqueeze(-2) @ x.unsqueeze(-1)).flatten(-3).float()
+            grad_scale = _head_dots(grad, x)
         return grad_x, grad_scale
 
 
 def _scale_heads(x, scale):
     """x [..., np, hn] * scale [..., np] (fp32), in x's dtype."""
-    return torch.mul(x, scale.unsqueeze(-1), out=torch.empty_like(x))
+    out = torch.empty_like(x)
+    for rows in _slabs(x):
+        torch.mul(x[rows], scale[rows].unsqueeze(-1), out=out[rows])
+    return out
+
+
+def _head_dots(a, b):
+    """<a_h, b_h> per head, [..., np, hn] x2 -> [..., np] in fp32."""
+    if a.is_cuda:  # a batched [1, hn] x [hn, 1] GEMM: fp32 accumulation, no [..., hn] temporary
+        return (a.unsqueeze(-2) @ b.unsqueeze(-1)).flatten(-3).float()
+    out = a.new_empty(a.shape[:-1], dtype=torch.float32)
+    for rows in _slabs(a):  # bf16 GEMMs this small are slow on a CPU; a product is not
+        torch.sum(a[rows] * b[rows], dim=-1, dtype=torch.float32, out=out[rows])
+    return out
+
+
+def _slabs(x, elements=1 << 18):
+    """Slices of dim 0 to work through. A GPU does it in one kernel. On a CPU, mixed-dtype
+    kernels first cast their inputs to full-size fp32 copies (and a product is a full-size
+    temporary), so slabs of about 2^18 elements keep those transients small."""
+    if x.is_cuda:
+        return [slice(None)]
+    rows = max(1, elements // max(1, x[0].numel()))
+    return [slice(start, start + rows) for start in range(0, x.size(0), rows)]
 
 
 # The gated outputs of the HeadWiseGatedSelfAttention.forward in flight, by storage. A context
