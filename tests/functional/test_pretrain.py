@@ -7,11 +7,13 @@ Four training runs are shared by the tests (module fixture, ~1.5 minutes on 2 co
     tp1      TP=1 x DP=2 resuming ``first``'s step-10 checkpoint, to step 20
     second   TP=2 resuming ``first``'s step-10 checkpoint, to step 20
 
-Rank 0 writes a JSON-lines metrics file per run; the tests compare the losses in them.
+Rank 0 writes a JSON-lines metrics file per run; the tests compare the losses in them. The smoke
+test of each megatron-core release (``-m smoke``) makes two short runs of its own.
 """
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -136,6 +138,34 @@ def test_log_reports_config_metrics_and_evaluation(runs):
     assert {"lr", "grad_norm", "tokens_per_s", "tflops_per_device", "peak_memory_gb"} <= set(train[0])
     assert train[0]["lr"] < train[9]["lr"]  # warmup
     assert [r["iteration"] for r in valid] == [10, 20] and valid[1]["loss"] < valid[0]["loss"]
+
+
+@pytest.mark.smoke
+def test_ten_steps_resume_exactly_with_the_distributed_optimizer(tmp_path):
+    """10 steps at TP 2 with the distributed optimizer, checkpoints at 5 and 10; a copy of the
+    step-5 checkpoint resumed to step 10 reaches the same losses (weights, Adam state incl. its
+    step, schedule, data position, RNG)."""
+    common = [
+        "--config", TINY, f"data.prefix={tmp_path / 'data' / 'stdlib_byte'}",
+        "training.train_iters=10", "training.eval_interval=null", "checkpoint.save_interval=5",
+        "logging.log_interval=1", "optimizer.lr_warmup_iters=2",
+        "optimizer.use_distributed_optimizer=true",
+    ]
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    check(torchrun(*common, f"checkpoint.save={full}", f"checkpoint.load={full}",
+                   f"logging.metrics_file={tmp_path / 'full.jsonl'}"), "full")
+    shutil.copytree(full / "iter_0000005", resumed / "iter_0000005")
+    (resumed / TRACKER).write_text("5")
+    second = check(torchrun(*common, f"checkpoint.save={resumed}", f"checkpoint.load={resumed}",
+                            f"logging.metrics_file={tmp_path / 'resumed.jsonl'}"), "resumed")
+
+    loss, resumed_loss = losses(tmp_path / "full.jsonl"), losses(tmp_path / "resumed.jsonl")
+    assert sorted(loss) == list(range(1, 11)) and loss[10] < loss[1] - 0.5, loss
+    assert sorted(resumed_loss) == list(range(6, 11))
+    for step in range(6, 11):
+        assert resumed_loss[step] == pytest.approx(loss[step], abs=1e-5, rel=0), (step, resumed_loss, loss)
+    assert "resumed from" in second.stdout and "RNG not restored" not in second.stdout
+    assert (resumed / TRACKER).read_text() == "10"
 
 
 # ----------------------------------------------------------------------------- config errors
