@@ -12,6 +12,8 @@ _cpp_extension_log.setLevel(logging.ERROR)
 with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed")
     warnings.filterwarnings("ignore", message=r"absl\.logging is not installed")
+    # First: refuses a megatron-core that has the gate natively (it would add the rows twice).
+    from mcore_ext import _mcore_compat  # noqa: F401
     from mcore_ext._cpu_compat import cuda_to_cpu
     from mcore_ext.attention import HeadWiseGatedSelfAttention, SDPAttention
     from mcore_ext.config import GatedTransformerConfig

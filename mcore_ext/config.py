@@ -15,20 +15,26 @@ class GatedTransformerConfig(TransformerConfig):
     With ``head_wise_attn_gate`` on, ``linear_qkv`` gets ``num_attention_heads`` extra output
     rows and every head's attention output is scaled by ``sigmoid(x @ w_gate_h + b_gate_h)``
     before ``linear_proj``. With it off, this config behaves exactly like ``TransformerConfig``.
-    Field names match upstream Megatron-LM's dev branch.
+
+    ``head_wise_attn_gate`` has the name and meaning of upstream Megatron-LM dev's field. The two
+    init fields exist only here (upstream's init surgery, PR #4848, was not merged); dev's gates
+    start near sigmoid(0) = 0.5: ``head_wise_attn_gate_init_weight_scale=1.0`` and
+    ``head_wise_attn_gate_init_bias=0.0`` give the same init distribution.
     """
 
     head_wise_attn_gate: bool = False
     """Gate each attention head's output with one learned sigmoid scalar (fused into linear_qkv)."""
 
     head_wise_attn_gate_init_weight_scale: float = 0.1
-    """Gate weight rows are scaled by this after init, so gate logits start small."""
+    """Gate weight rows are scaled by this after init, so gate logits start small (not in
+    upstream dev, which keeps the init of linear_qkv: 1.0 here)."""
 
     head_wise_attn_gate_init_bias: float = 2.0
-    """Gate bias rows start at this value (sigmoid(2.0) ~ 0.88). Needs a linear_qkv bias
-    (add_qkv_bias or add_bias_linear): without one there are no bias rows, the value is kept but
-    has no effect (``effective_head_wise_attn_gate_init_bias`` is then 0.0, gates start near
-    sigmoid(0) = 0.5) and building the attention warns once."""
+    """Gate bias rows start at this value (sigmoid(2.0) ~ 0.88; not in upstream dev, whose gate
+    biases start at 0: 0.0 here). Needs a linear_qkv bias (add_qkv_bias or add_bias_linear):
+    without one there are no bias rows, the value is kept but has no effect
+    (``effective_head_wise_attn_gate_init_bias`` is then 0.0, gates start near sigmoid(0) = 0.5)
+    and building the attention warns once."""
 
     def __post_init__(self):
         super().__post_init__()

@@ -21,6 +21,7 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from mcore_ext import _mcore_compat
 from mcore_ext.attention.gated import HeadWiseGatedSelfAttention
 from mcore_ext.attention.sdpa import SDPAttention
 from mcore_ext.norm import TorchNorm
@@ -116,7 +117,7 @@ def get_gpt_block_spec(
         AttentionBackend.LOCAL: (
             TorchNorm if gpt_layer_specs.LNImpl is WrappedTorchNorm else gpt_layer_specs.LNImpl
         ),
-        AttentionBackend.TE: gpt_layer_specs.TENorm,
+        AttentionBackend.TE: _mcore_compat.TENorm,
     }[backend]
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=final_norm)

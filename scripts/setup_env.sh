@@ -6,6 +6,8 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${MCORE_EXT_VENV:-$ROOT/.venv}"
 TORCH_VERSION="${MCORE_EXT_TORCH:-2.13.0}"
+# The megatron-core release the full suite runs on (scripts/test_versions.sh smoke-tests the others).
+MEGATRON_VERSION="${MCORE_EXT_MEGATRON:-0.19.2}"
 
 supports_312() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 12))' >/dev/null 2>&1; }
 
@@ -31,7 +33,8 @@ find_python() {
     return 1
 }
 
-stamp="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup_env.sh" | sha256sum | cut -c1-16)-$TORCH_VERSION"
+stamp="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup_env.sh" | sha256sum | cut -c1-16)"
+stamp="$stamp-$TORCH_VERSION-$MEGATRON_VERSION"
 if [[ ! -x "$VENV/bin/python" ]] || [[ "$(cat "$VENV/.mcore_ext_stamp" 2>/dev/null)" != "$stamp" ]]; then
     if ! BASE_PY="$(find_python)"; then
         echo "error: mcore_ext needs Python >= 3.12 (megatron-core >= 0.17 requires it), and none" \
@@ -40,7 +43,8 @@ if [[ ! -x "$VENV/bin/python" ]] || [[ "$(cat "$VENV/.mcore_ext_stamp" 2>/dev/nu
     fi
     echo "[setup] creating $VENV with $BASE_PY ($("$BASE_PY" --version))" >&2
     "$BASE_PY" -m venv "$VENV"
-    "$VENV/bin/python" -m pip install -q --disable-pip-version-check "torch==$TORCH_VERSION"
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check "torch==$TORCH_VERSION" \
+        "megatron-core==$MEGATRON_VERSION"
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$ROOT[test]"
     echo "$stamp" > "$VENV/.mcore_ext_stamp"
 fi

@@ -28,6 +28,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.utils import get_pg_rank
 from megatron.core.tensor_parallel.mappings import all_gather_last_dim_from_tensor_parallel_region
 
+from mcore_ext._mcore_compat import self_attention_init_kwargs
 from mcore_ext.checkpoint.sharding import qkv_gate_factory
 from mcore_ext.config import GatedTransformerConfig
 
@@ -56,7 +57,7 @@ class HeadWiseGatedSelfAttention(SelfAttention):
                 submodules,
                 linear_qkv=_with_extra_output_rows(submodules.linear_qkv, config.num_attention_heads),
             )
-        super().__init__(
+        super().__init__(**self_attention_init_kwargs(
             config=config,
             submodules=submodules,
             layer_number=layer_number,
@@ -65,7 +66,7 @@ class HeadWiseGatedSelfAttention(SelfAttention):
             pg_collection=pg_collection,
             pp_layer_offset=pp_layer_offset,
             name=name,
-        )
+        ))
         if not self.head_wise_attn_gate:
             return
 

@@ -14,8 +14,8 @@ from megatron.core import dist_checkpointing
 from torch.distributed.checkpoint.api import CheckpointException
 from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
-from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
+from mcore_ext import _mcore_compat
 from mcore_ext.checkpoint.sharding import GATE_SUFFIX, QKV_SUFFIX, QkvGateFactory, qkv_gate_factory
 
 __all__ = [
@@ -139,28 +139,15 @@ def _head_count_mismatch(sharded_state_dict, checkpoint_dir: str) -> str:
 
 
 # The distributed optimizer's layout-free format: per-parameter tensors in model space, which the
-# gate's factory splits like the weights. (megatron-core 0.19's default, fully_sharded_model_space,
+# gate's factory splits like the weights. (megatron-core's default, fully_sharded_model_space,
 # builds flattened ShardedTensors that its own saver rejects.)
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
 def optimizer_sharded_state_dict(optimizer, model_sharded_state_dict, is_loading: bool = False):
-    """megatron's ``optimizer.sharded_state_dict`` in its TP-reshardable format.
-
-    Before loading, a distributed optimizer that has never stepped gets zero Adam state: over
-    torch's Adam (no Apex / Transformer Engine) megatron-core 0.19 reads the step out of that state
-    while building the state dict to load into. Loading overwrites these values.
-    """
+    """megatron's ``optimizer.sharded_state_dict`` in its TP-reshardable format."""
     if is_loading:
-        for inner in _distributed_optimizers(optimizer):
-            for group in inner.optimizer.param_groups:
-                for param in group["params"]:
-                    if not inner.optimizer.state[param]:
-                        inner.optimizer.state[param].update(
-                            step=torch.tensor(0.0),
-                            exp_avg=torch.zeros_like(param),
-                            exp_avg_sq=torch.zeros_like(param),
-                        )
+        _mcore_compat.prepare_optimizer_for_loading(optimizer)
     return optimizer.sharded_state_dict(
         model_sharded_state_dict, is_loading=is_loading, metadata=OPTIMIZER_METADATA
     )
@@ -169,40 +156,10 @@ def optimizer_sharded_state_dict(optimizer, model_sharded_state_dict, is_loading
 def load_optimizer_state_dict(optimizer, state_dict) -> None:
     """``optimizer.load_state_dict`` of a loaded ``optimizer_sharded_state_dict``.
 
-    Works around megatron-core 0.19's distributed optimizer over torch's Adam: its
-    fully_reshardable loader copies every tensor of a parameter's Adam state from the checkpoint,
-    'step' included, which the checkpoint keeps only in the param groups (KeyError: 'step'); and
-    loading the param groups hands one step tensor to all parameters, which Adam then increments
-    once per parameter per iteration (wrong bias correction after a resume). So the groups load
-    first, then the parameter state with the steps set aside, and each parameter gets its own step.
+    Use it instead of ``optimizer.load_state_dict``: it works around bugs of megatron-core's
+    distributed optimizer over torch's Adam (see ``mcore_ext._mcore_compat``).
     """
-    chained = _distributed_optimizers(optimizer)
-    if not (
-        len(getattr(optimizer, "chained_optimizers", [optimizer])) == len(chained) == 1
-        and state_dict.get("param_state_sharding_type") == OPTIMIZER_METADATA[
-            "distrib_optim_sharding_type"]
-    ):
-        optimizer.load_state_dict(state_dict)
-        return
-    (inner,) = chained
-    state_dict = dict(state_dict)
-    param_state = state_dict.pop("param_state")
-    state_dict.pop("param_state_sharding_type")
-    inner.load_state_dict(state_dict)
-    steps = {p: s.pop("step") for p, s in inner.optimizer.state.items() if "step" in s}
-    try:
-        inner.load_parameter_state_from_fully_reshardable(param_state)
-    finally:
-        for param, step in steps.items():
-            inner.optimizer.state[param]["step"] = step.clone()
-
-
-def _distributed_optimizers(optimizer) -> list:
-    return [
-        inner
-        for inner in getattr(optimizer, "chained_optimizers", [optimizer])
-        if isinstance(inner, DistributedOptimizer)
-    ]
+    _mcore_compat.load_optimizer_state_dict(optimizer, state_dict)
 
 
 def _with_scratch_data(value):

@@ -75,7 +75,7 @@ class _RowLayout:
     def build(self, key, data, replica_id, flattened_range):
         if flattened_range is not None:
             raise NotImplementedError(
-                f"{key}: flattened optimizer state is not supported by megatron-core 0.19 "
+                f"{key}: flattened optimizer state is not supported by megatron-core's "
                 "checkpoints; use distrib_optim_sharding_type='fully_reshardable'"
             )
         return {

@@ -11,12 +11,14 @@ bf16 (``bf16_runs``, per layout: TP=2, and TP=1 x DP=2 with the distributed opti
 steps uninterrupted and as 15 + 15 through a checkpoint (~2 minutes per layout). Short runs per
 attention backend (``backend_runs``) check that each trains and matches SDPA.
 
-Rank 0 writes a JSON-lines metrics file per run; the tests compare the losses in them.
+Rank 0 writes a JSON-lines metrics file per run; the tests compare the losses in them. The smoke
+test of each megatron-core release (``-m smoke``) makes two short runs of its own.
 """
 
 import importlib.util
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -281,6 +283,34 @@ def test_launcher_trains_on_each_attention_backend(backend_runs, backend):
         _, reference = backend_runs("sdpa")
         for step in range(1, 11):
             assert loss[step] == pytest.approx(reference[step], abs=1e-3, rel=0), (step, loss, reference)
+
+
+@pytest.mark.smoke
+def test_ten_steps_resume_exactly_with_the_distributed_optimizer(tmp_path):
+    """10 steps at TP 2 with the distributed optimizer, checkpoints at 5 and 10; a copy of the
+    step-5 checkpoint resumed to step 10 reaches the same losses (weights, Adam state incl. its
+    step, schedule, data position, RNG)."""
+    common = [
+        "--config", TINY, f"data.prefix={tmp_path / 'data' / 'stdlib_byte'}",
+        "training.train_iters=10", "training.eval_interval=null", "checkpoint.save_interval=5",
+        "logging.log_interval=1", "optimizer.lr_warmup_iters=2",
+        "optimizer.use_distributed_optimizer=true",
+    ]
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    check(torchrun(*common, f"checkpoint.save={full}", f"checkpoint.load={full}",
+                   f"logging.metrics_file={tmp_path / 'full.jsonl'}"), "full")
+    shutil.copytree(full / "iter_0000005", resumed / "iter_0000005")
+    (resumed / TRACKER).write_text("5")
+    second = check(torchrun(*common, f"checkpoint.save={resumed}", f"checkpoint.load={resumed}",
+                            f"logging.metrics_file={tmp_path / 'resumed.jsonl'}"), "resumed")
+
+    loss, resumed_loss = losses(tmp_path / "full.jsonl"), losses(tmp_path / "resumed.jsonl")
+    assert sorted(loss) == list(range(1, 11)) and loss[10] < loss[1] - 0.5, loss
+    assert sorted(resumed_loss) == list(range(6, 11))
+    for step in range(6, 11):
+        assert resumed_loss[step] == pytest.approx(loss[step], abs=1e-5, rel=0), (step, resumed_loss, loss)
+    assert "resumed from" in second.stdout and "RNG not restored" not in second.stdout
+    assert (resumed / TRACKER).read_text() == "10"
 
 
 # ----------------------------------------------------------------------------- config errors

@@ -172,9 +172,11 @@ def test_matches_reference_tp1(run_distributed, backend):
                                   backend=backend, world_size=2))
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_matches_reference_tp2(run_distributed, sequence_parallel, backend):
+    # gqa_one_group: 1 group < TP 2.
     cases = ["mha_bias", "mha_nobias", "gqa_bias", "gqa_one_group", "qk_layernorm", "recompute"]
     _assert_close(run_distributed(_compare_with_reference, 2, cases, sequence_parallel,
                                   backend=backend, world_size=2))
