@@ -76,7 +76,7 @@ class HeadWiseGatedSelfAttention(SelfAttention):
         # The QKV columns of linear_qkv's output are a view with a row stride of qkv_r + np_r.
         # Kernels that .view q, k or v (megatron's local attention, fused RoPE, ...) need them
         # copied out; a core attention that declares it takes strided q/k/v (mcore_ext's SDPA)
-        # saves the copy, and the cat it would cost in backward.
+        # saves that full-size copy.
         self.copy_qkv_out = not (
             getattr(self.core_attention, "accepts_strided_qkv", False)
             and not config.apply_rope_fusion
