@@ -9,31 +9,9 @@ TORCH_VERSION="${MCORE_EXT_TORCH:-2.13.0}"
 # The megatron-core release the full suite runs on (scripts/test_versions.sh smoke-tests the others).
 MEGATRON_VERSION="${MCORE_EXT_MEGATRON:-0.19.2}"
 
-supports_312() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 12))' >/dev/null 2>&1; }
+source "$ROOT/scripts/find_python.sh"
 
-find_python() {
-    # PATH first, 3.12 preferred (what megatron-core and the GPU images use). A pyenv shim for a
-    # version that is not selected fails here and is skipped.
-    local candidate
-    for candidate in python3.12 python3.13 python3.14 python3 python; do
-        if command -v "$candidate" >/dev/null && supports_312 "$(command -v "$candidate")"; then
-            command -v "$candidate"
-            return
-        fi
-    done
-    # Then the Pythons that pyenv has installed, oldest first: the first >= 3.12 wins.
-    if command -v pyenv >/dev/null; then
-        for candidate in $(ls -d "$(pyenv root)"/versions/3.*/bin/python3 2>/dev/null | sort -V); do
-            if supports_312 "$candidate"; then
-                echo "$candidate"
-                return
-            fi
-        done
-    fi
-    return 1
-}
-
-stamp="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup_env.sh" | sha256sum | cut -c1-16)"
+stamp="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup_env.sh" "$ROOT/scripts/find_python.sh" | sha256sum | cut -c1-16)"
 stamp="$stamp-$TORCH_VERSION-$MEGATRON_VERSION"
 if [[ ! -x "$VENV/bin/python" ]] || [[ "$(cat "$VENV/.mcore_ext_stamp" 2>/dev/null)" != "$stamp" ]]; then
     if ! BASE_PY="$(find_python)"; then

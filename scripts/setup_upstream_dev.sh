@@ -42,26 +42,11 @@ git_ show "$COMMIT:megatron/core/transformer/transformer_config.py" \
     | grep "head_wise_attn_gate" >/dev/null \
     || die "Megatron-LM $COMMIT has no head_wise_attn_gate in its TransformerConfig"
 
-supports_312() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 12))' >/dev/null 2>&1; }
-find_python() {
-    local candidate
-    if [[ -n "${UPSTREAM_DEV_PYTHON:-}" ]]; then
-        supports_312 "$UPSTREAM_DEV_PYTHON" && echo "$UPSTREAM_DEV_PYTHON" && return
-        return 1
-    fi
-    for candidate in python3.12 python3.13 python3.14 python3 python; do
-        if command -v "$candidate" >/dev/null && supports_312 "$(command -v "$candidate")"; then
-            command -v "$candidate"
-            return
-        fi
-    done
-    if command -v pyenv >/dev/null; then
-        for candidate in $(ls -d "$(pyenv root)"/versions/3.*/bin/python3 2>/dev/null | sort -V); do
-            supports_312 "$candidate" && echo "$candidate" && return
-        done
-    fi
-    return 1
-}
+source "$ROOT/scripts/find_python.sh"
+if [[ -n "${UPSTREAM_DEV_PYTHON:-}" ]]; then
+    supports_312 "$UPSTREAM_DEV_PYTHON" || die "UPSTREAM_DEV_PYTHON=$UPSTREAM_DEV_PYTHON is not a Python >= 3.12"
+    find_python() { echo "$UPSTREAM_DEV_PYTHON"; }
+fi
 
 if [[ "$(cat "$DEST/COMMIT" 2>/dev/null)" == "$COMMIT" && -x "$DEST/venv/bin/python" ]]; then
     say "up to date: Megatron-LM $COMMIT in $DEST"
