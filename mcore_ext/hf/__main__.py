@@ -1,0 +1,71 @@
+"""python -m mcore_ext.hf import HF_DIR CKPT_DIR  |  export CKPT_DIR HF_DIR
+
+Runs as one process (TP = PP = 1) or under torchrun at any TP / PP (``--tp``, ``--pp``). Errors
+are one ``error:`` line and exit code 2, with nothing written.
+"""
+
+import argparse
+import sys
+import time
+
+import torch
+
+_DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mcore_ext.hf", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    imp = sub.add_parser("import", help="HF Step-3.5 directory -> launcher checkpoint")
+    imp.add_argument("hf_dir")
+    imp.add_argument("ckpt_dir")
+    imp.add_argument("--dtype", choices=list(_DTYPES), default="auto",
+                     help="parameter dtype of the checkpoint (auto: the safetensors' dtype)")
+    imp.add_argument("--seq-length", type=int, default=None,
+                     help="the launcher's model.seq_length (default: min(max positions, 4096))")
+    imp.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    exp = sub.add_parser("export", help="launcher checkpoint -> HF Step-3.5 directory")
+    exp.add_argument("ckpt_dir")
+    exp.add_argument("hf_dir")
+    exp.add_argument("--vocab-size", type=int, default=None,
+                     help="rows of the padded vocabulary to keep (default: the imported HF "
+                          "config's, else the launcher tokenizer's)")
+    exp.add_argument("--max-shard-size", type=float, default=2.0, help="GiB per safetensors file")
+    for p in (imp, exp):
+        p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (under torchrun)")
+        p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (under torchrun)")
+    args = parser.parse_args(argv)
+
+    import mcore_ext
+    from mcore_ext.hf.config import HFConfigError
+    from mcore_ext.hf.safetensors_io import SafetensorsError
+
+    start = time.perf_counter()
+    mcore_ext.init_parallel(tensor_model_parallel_size=args.tp,
+                            pipeline_model_parallel_size=args.pp)
+    try:
+        with mcore_ext.cuda_to_cpu():
+            if args.command == "import":
+                from mcore_ext.hf.checkpoint import import_checkpoint
+
+                out = import_checkpoint(
+                    args.hf_dir, args.ckpt_dir, dtype=_DTYPES[args.dtype],
+                    seq_length=args.seq_length,
+                    make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+            else:
+                from mcore_ext.hf.checkpoint import export_checkpoint
+
+                export_checkpoint(args.ckpt_dir, args.hf_dir, vocab_size=args.vocab_size,
+                                  max_shard_bytes=int(args.max_shard_size * 1024**3))
+                out = args.hf_dir
+    except (HFConfigError, SafetensorsError, FileNotFoundError, FileExistsError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    finally:
+        mcore_ext.destroy_parallel()
+    print(f"[hf] {args.command}: wrote {out} in {time.perf_counter() - start:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,233 @@
+"""HF Step-3.5 directory <-> the launcher's distributed checkpoints (``python -m mcore_ext.hf``).
+
+``import_checkpoint`` writes ``<ckpt>/iter_0000000/`` in the launcher's format (megatron
+dist_checkpointing, torch_dist, the same ``{"model": ...}`` state the launcher saves) with a
+``config.yaml`` of the model and the HF ``hf_config.json`` it came from, then the tracker file. The
+launcher loads it at any TP / PP as weights only (``checkpoint.load: <ckpt>``; it holds no optimizer
+state, so training starts at iteration 0).
+
+``export_checkpoint`` reads a launcher checkpoint (a save directory or one ``iter_*`` directory),
+rebuilds the model from its ``config.yaml``, and writes the HF layout with ``save_pretrained``.
+"""
+
+import json
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+import yaml
+from megatron.core import dist_checkpointing, parallel_state
+
+from mcore_ext.hf.config import HFConfigError, Step35Config
+from mcore_ext.hf.convert import (
+    PROVENANCE_NAME,
+    check_parallel,
+    check_weights,
+    load_pretrained,
+    read_hf_config,
+    save_pretrained,
+)
+from mcore_ext.hf.safetensors_io import SafetensorsReader
+
+_PRECISION = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+_DTYPE = {v: k for k, v in _PRECISION.items()}
+
+
+def launcher_model_section(spec: Step35Config, seq_length: int, multiple: int) -> dict:
+    """The launcher's ``model:`` keys for ``spec`` (see training/config/schema.py)."""
+    fields = spec.transformer_config_fields()
+    section = dict(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.intermediate_size,
+        num_attention_heads=spec.num_heads,
+        num_query_groups=spec.num_kv_heads,
+        kv_channels=spec.head_dim,
+        seq_length=seq_length,
+        head_wise_attn_gate=True,
+        add_qkv_bias=False,
+        normalization="RMSNorm",
+        swiglu=True,
+        untie_embeddings_and_output_weights=not spec.tie_word_embeddings,
+        make_vocab_size_divisible_by=multiple,
+    )
+    # The Step-3.5 keys, named as in GatedTransformerConfig.
+    for key in ("rotary_base", "rotary_percent", "layernorm_epsilon",
+                "layernorm_zero_centered_gamma", "qk_layernorm", "softmax_scale", "layer_types",
+                "sliding_window", "sliding_num_attention_heads", "sliding_num_query_groups",
+                "sliding_rotary_base", "sliding_rotary_percent", "swiglu_limits"):
+        if key in fields:
+            section[key] = fields[key]
+    return section
+
+
+def import_checkpoint(hf_dir: str, ckpt_dir: str, *, dtype: torch.dtype | None = None,
+                      seq_length: int | None = None, make_vocab_size_divisible_by: int = 128,
+                      backend: str = "sdpa") -> str:
+    """HF directory -> ``<ckpt_dir>/iter_0000000`` (call after ``init_parallel``, any TP / PP).
+
+    Refuses (before writing anything) a ``ckpt_dir`` that already holds a checkpoint, and any
+    problem ``load_pretrained`` finds. Returns the iteration directory.
+    """
+    from mcore_ext.training.checkpointing import TRACKER, iteration_dir, raise_unless_all_ok
+
+    raw, spec = read_hf_config(hf_dir)
+    reader = SafetensorsReader(hf_dir)
+    file_dtype = check_weights(reader, spec)
+    reader.close()
+    check_parallel(spec, parallel_state.get_tensor_model_parallel_world_size())
+    if os.path.exists(os.path.join(ckpt_dir, TRACKER)):
+        raise FileExistsError(f"{ckpt_dir} already holds a checkpoint ({TRACKER}); choose a new "
+                              "directory")
+    dtype = dtype or file_dtype
+    seq_length = seq_length or min(spec.max_position_embeddings, 4096)
+    model = load_pretrained(hf_dir, backend=backend, dtype=dtype,
+                            make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+                            max_sequence_length=seq_length)
+
+    from mcore_ext.training.config import PretrainConfig
+    from mcore_ext.training.config.overrides import build
+
+    cfg = build(PretrainConfig, {
+        "model": launcher_model_section(spec, seq_length, make_vocab_size_divisible_by),
+        "training": {"precision": _PRECISION[dtype]},
+        "checkpoint": {"load": os.path.abspath(ckpt_dir), "finetune": True},
+    })
+    directory = iteration_dir(ckpt_dir, 0)
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    failure = None
+    if rank0:
+        try:
+            shutil.rmtree(directory, ignore_errors=True)
+            os.makedirs(directory)
+        except OSError as err:
+            failure = err
+    raise_unless_all_ok(failure, f"creating {directory}")
+    state = {
+        "model": model.sharded_state_dict(),
+        "iteration": 0,
+        "consumed_samples": 0,
+        "weights_only": True,  # no optimizer state: the launcher loads the weights only
+    }
+    try:
+        dist_checkpointing.save(state, directory)
+    except Exception as err:
+        failure = err
+    raise_unless_all_ok(failure, f"checkpoint save to {directory}")
+    if rank0:
+        with open(os.path.join(directory, "config.yaml"), "w") as f:
+            f.write(cfg.to_yaml())
+        with open(os.path.join(directory, PROVENANCE_NAME), "w") as f:
+            json.dump(raw, f, indent=2)
+        with open(os.path.join(ckpt_dir, TRACKER), "w") as f:
+            f.write("0")
+    if dist.is_initialized():
+        dist.barrier()
+    return directory
+
+
+def resolve_iteration_dir(ckpt_dir: str) -> str:
+    """A save directory (its latest complete iteration) or an ``iter_*`` directory itself."""
+    from mcore_ext.training.checkpointing import TRACKER, iteration_dir, latest_iteration
+
+    if os.path.exists(os.path.join(ckpt_dir, "config.yaml")):
+        return ckpt_dir
+    iteration = latest_iteration(ckpt_dir)
+    if iteration is None:
+        raise FileNotFoundError(
+            f"{ckpt_dir}: neither a launcher checkpoint directory ({TRACKER}) nor an iteration "
+            "directory (config.yaml)"
+        )
+    return iteration_dir(ckpt_dir, iteration)
+
+
+def find_provenance(directory: str, cfg) -> dict | None:
+    """The HF config an imported checkpoint came from: beside it, or up its ``checkpoint.load``
+    chain (a run fine-tuned from an import points there)."""
+    seen = set()
+    while directory and directory not in seen:
+        seen.add(directory)
+        for place in (directory, os.path.dirname(os.path.abspath(directory))):
+            path = os.path.join(place, PROVENANCE_NAME)
+            if os.path.exists(path):
+                with open(path) as f:
+                    return json.load(f)
+        try:
+            directory = resolve_iteration_dir(cfg.checkpoint.load) if cfg.checkpoint.load else None
+        except FileNotFoundError:
+            return None
+        if directory:
+            cfg = _read_launcher_config(directory)
+    return None
+
+
+def _read_launcher_config(directory: str):
+    from mcore_ext.training.config import PretrainConfig
+    from mcore_ext.training.config.overrides import build
+
+    with open(os.path.join(directory, "config.yaml")) as f:
+        return build(PretrainConfig, yaml.safe_load(f))
+
+
+def export_checkpoint(ckpt_dir: str, hf_dir: str, *, vocab_size: int | None = None,
+                      max_shard_bytes: int = 2 * 1024**3, backend: str = "sdpa") -> None:
+    """Launcher checkpoint -> HF directory (call after ``init_parallel``, any TP / PP).
+
+    ``vocab_size`` (the rows to keep of the padded embedding) defaults to the HF config the
+    checkpoint was imported from, else the launcher tokenizer's size when it can be loaded.
+    """
+    from mcore_ext import checkpoint
+    from mcore_ext.models import build_gpt_model
+    from mcore_ext.training.megatron_configs import transformer_config
+
+    directory = resolve_iteration_dir(ckpt_dir)
+    cfg = _read_launcher_config(directory)
+    metadata = dist_checkpointing.load_tensors_metadata(directory)
+    embedding = metadata.get("embedding.word_embeddings.weight")
+    if embedding is None:
+        raise HFConfigError(f"{directory}: no embedding.word_embeddings.weight (not a GPT model)")
+    dtype = embedding.dtype
+    cfg.training.precision = _PRECISION[dtype]
+    cfg.parallelism.tensor_model_parallel_size = parallel_state.get_tensor_model_parallel_world_size()
+    cfg.parallelism.pipeline_model_parallel_size = (
+        parallel_state.get_pipeline_model_parallel_world_size())
+    cfg.parallelism.sequence_parallel = False
+    config = transformer_config(cfg, use_cpu_initialization=True, perform_initialization=False)
+
+    provenance = find_provenance(directory, cfg)
+    extra = {}
+    if provenance is not None:
+        source = Step35Config.from_hf_dict(provenance)
+        vocab_size = vocab_size or source.vocab_size
+        extra = source.extra
+    if vocab_size is None:
+        vocab_size = _tokenizer_vocab(cfg)
+    # Refuse what the layout cannot hold before building anything.
+    Step35Config.from_transformer_config(
+        config, vocab_size=vocab_size or embedding.global_shape[0],
+        max_position_embeddings=cfg.model.seq_length)
+
+    model = build_gpt_model(
+        config,
+        vocab_size=embedding.global_shape[0],
+        max_sequence_length=cfg.model.seq_length,
+        backend=backend,
+        share_embeddings_and_output_weights=not cfg.model.untie_embeddings_and_output_weights,
+    )
+    loaded = checkpoint.load({"model": model.sharded_state_dict()}, directory, in_place=True)
+    model.load_state_dict(loaded["model"], strict=False)
+    del loaded
+    if provenance is not None:
+        model.hf_config = source.replace(vocab_size=vocab_size)
+    save_pretrained(model, hf_dir, vocab_size=vocab_size, max_shard_bytes=max_shard_bytes,
+                    extra_config=extra)
+
+
+def _tokenizer_vocab(cfg) -> int | None:
+    try:
+        from mcore_ext.data.tokenizers import load_tokenizer
+
+        return load_tokenizer(cfg.data.tokenizer).vocab_size
+    except Exception:  # no tokenizer here: keep megatron's padded rows
+        return None

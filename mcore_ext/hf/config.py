@@ -1,0 +1,417 @@
+"""Step-3.5 config.json <-> ``Step35Config`` <-> ``GatedTransformerConfig`` fields.
+
+``Step35Config`` is the dense Step-3.5 text decoder as both sides need it, with the semantics of
+transformers' ``Step3p7TextConfig`` (model_type ``step3p5``). ``Step35Config.from_hf_dict`` reads
+the three forms a config.json comes in:
+
+- the released ``Step3p5ForCausalLM`` one (legacy keys: ``num_attention_groups``,
+  ``attention_other_setting``, list-valued ``rope_theta`` / ``partial_rotary_factors``,
+  ``swiglu_limits_shared``, per-layer lists padded with ``num_nextn_predict_layers`` MTP entries,
+  ``moe_layers_enum``);
+- transformers' own saved ``Step3p7TextConfig`` (``num_key_value_heads``,
+  ``num_sliding_attention_heads``, ``rope_parameters`` per layer type, ``mlp_layer_types``);
+- the ``text_config`` of a ``Step3p7Config`` (model_type ``step3p7``).
+
+Anything this project's dense megatron model cannot represent is refused with ``HFConfigError``
+naming the key and value (MoE layers, RoPE scaling, biases, a full-width gate, ...).
+"""
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+MODEL_TYPE = "step3p5"
+ARCHITECTURE = "Step3p5ForCausalLM"
+
+# Carried from an imported config.json to the exported one unchanged (they do not affect weights).
+_PASSTHROUGH = ("bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype", "dtype",
+                "max_seq_len", "initializer_range", "use_cache")
+
+
+class HFConfigError(ValueError):
+    """A Hugging Face config (or a megatron model) the Step-3.5 conversion cannot represent."""
+
+
+@dataclass
+class Step35Config:
+    """A dense Step-3.5 text decoder: what the weights of both layouts need, nothing more."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int  # full-attention layers
+    num_kv_heads: int
+    head_dim: int
+    layer_types: list = None  # one of FULL / SLIDING per layer
+    num_sliding_heads: Optional[int] = None  # None = num_heads
+    num_sliding_kv_heads: Optional[int] = None  # None = num_kv_heads (vLLM reads it; see README)
+    sliding_window: Optional[int] = None
+    rope_theta: dict = field(default_factory=lambda: {FULL: 10000.0})  # per layer type
+    partial_rotary_factor: dict = field(default_factory=lambda: {FULL: 1.0})  # per layer type
+    swiglu_limits: list = None  # per layer, None = no clamp
+    rms_norm_eps: float = 1e-5
+    query_pre_attn_scalar: Optional[float] = None  # None = head_dim
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    extra: dict = field(default_factory=dict)  # _PASSTHROUGH keys of the source config
+
+    def __post_init__(self):
+        if self.layer_types is None:
+            self.layer_types = [FULL] * self.num_layers
+        if self.swiglu_limits is None:
+            self.swiglu_limits = [None] * self.num_layers
+        for name in ("layer_types", "swiglu_limits"):
+            if len(getattr(self, name)) != self.num_layers:
+                raise HFConfigError(
+                    f"{name} has {len(getattr(self, name))} entries, num_hidden_layers is "
+                    f"{self.num_layers}"
+                )
+        for i, kind in enumerate(self.layer_types):
+            if kind not in (FULL, SLIDING):
+                raise HFConfigError(
+                    f"layer_types[{i}]={kind!r}: only {FULL!r} and {SLIDING!r} are supported"
+                )
+        if SLIDING in self.layer_types and not self.sliding_window:
+            raise HFConfigError("layer_types has sliding_attention layers but sliding_window is "
+                                f"{self.sliding_window!r}")
+
+    # ------------------------------------------------------------------------ per layer
+
+    def heads(self, layer: int) -> int:
+        if self.layer_types[layer] == SLIDING and self.num_sliding_heads:
+            return self.num_sliding_heads
+        return self.num_heads
+
+    def kv_heads(self, layer: int) -> int:
+        if self.layer_types[layer] == SLIDING and self.num_sliding_kv_heads:
+            return self.num_sliding_kv_heads
+        return self.num_kv_heads
+
+    def _kind_value(self, table: dict, kind: str):
+        return table.get(kind, table.get(FULL))
+
+    # ---------------------------------------------------------------------- HF -> here
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict) -> "Step35Config":
+        """Normalize a config.json dict (any of the three forms in the module docstring)."""
+        c = dict(raw)
+        if c.get("model_type") == "step3p7" and isinstance(c.get("text_config"), dict):
+            c = dict(c["text_config"], model_type=MODEL_TYPE)
+        if c.get("model_type") != MODEL_TYPE:
+            raise HFConfigError(
+                f"model_type={c.get('model_type')!r}: mcore_ext.hf converts Step-3.5 models "
+                f"(model_type {MODEL_TYPE!r}, or 'step3p7' with a text_config)"
+            )
+        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+            if key not in c:
+                raise HFConfigError(f"config.json has no {key!r}")
+
+        n = int(c["num_hidden_layers"])
+        padded = n + int(c.get("num_nextn_predict_layers") or 0)
+
+        def per_layer(key, default=None):
+            value = c.get(key, default)
+            if isinstance(value, list) and len(value) == padded:
+                value = value[:n]  # legacy hub configs append the MTP layers' entries
+            return value
+
+        layer_types = per_layer("layer_types") or [FULL] * n
+        mlp_types = per_layer("mlp_layer_types")
+        if mlp_types is None:
+            # transformers' default: the legacy moe_layers_enum, else MoE from layer 3 on.
+            enum = c.get("moe_layers_enum")
+            if enum is not None:
+                items = enum.split(",") if isinstance(enum, str) else enum
+                moe = {int(i) for i in items if str(i).strip()}
+            else:
+                moe = set(range(3, n))
+            mlp_types = ["sparse" if i in moe else "dense" for i in range(n)]
+        sparse = [i for i, t in enumerate(mlp_types) if t != "dense"]
+        if sparse:
+            raise HFConfigError(
+                f"mlp_layer_types: layers {sparse} are MoE ('sparse'); mcore_ext.hf converts dense "
+                "Step-3.5 layers only (set mlp_layer_types / moe_layers_enum to dense layers)"
+            )
+
+        heads = int(c["num_attention_heads"])
+        kv = c.get("num_key_value_heads", c.get("num_attention_groups"))
+        kv = heads if kv is None else int(kv)
+        head_dim = int(c.get("head_dim") or c["hidden_size"] // heads)
+        other = c.get("attention_other_setting") or {}
+        sliding_heads = c.get("num_sliding_attention_heads") or other.get("num_attention_heads")
+        sliding_kv = other.get("num_attention_groups", other.get("num_key_value_heads"))
+        if other.get("head_dim") not in (None, head_dim):
+            raise HFConfigError(
+                f"attention_other_setting.head_dim={other['head_dim']} differs from head_dim="
+                f"{head_dim}: one head dim for both layer kinds is supported"
+            )
+        if c.get("per_layer_config") and sliding_heads is None:
+            sliding_heads = _sliding_heads_from_per_layer(c["per_layer_config"], layer_types)
+
+        rope_theta, partial = _rope_by_kind(c, layer_types, per_layer)
+        limits = per_layer("swiglu_limits_shared")
+        limits = [(float(x) if x else None) for x in limits] if limits else [None] * n
+
+        for key, bad in (("attention_bias", True), ("mlp_bias", True),
+                         ("use_bidirectional_attention", True), ("zero_centered", False),
+                         ("use_qk_norm", False), ("use_head_wise_attn_gate", False)):
+            if key in c and bool(c[key]) == bad:
+                raise HFConfigError(f"{key}={c[key]!r} is not supported by the Step-3.5 conversion")
+        if c.get("gating", True) not in (True, "per-head"):
+            raise HFConfigError(
+                f"gating={c['gating']!r} (a head_dim-wide g_proj) is not supported: mcore_ext's "
+                "gate is one scalar per head"
+            )
+        act = c.get("hidden_act", "silu")
+        if act not in ("silu", "swiglu", "swigluoai"):
+            raise HFConfigError(f"hidden_act={act!r}: Step-3.5's dense MLP is SwiGLU (silu)")
+
+        return cls(
+            vocab_size=int(c["vocab_size"]),
+            hidden_size=int(c["hidden_size"]),
+            intermediate_size=int(c["intermediate_size"]),
+            num_layers=n,
+            num_heads=heads,
+            num_kv_heads=kv,
+            head_dim=head_dim,
+            layer_types=list(layer_types),
+            num_sliding_heads=int(sliding_heads) if sliding_heads else None,
+            num_sliding_kv_heads=int(sliding_kv) if sliding_kv else None,
+            sliding_window=c.get("sliding_window"),
+            rope_theta=rope_theta,
+            partial_rotary_factor=partial,
+            swiglu_limits=limits,
+            rms_norm_eps=float(c.get("rms_norm_eps", 1e-5)),
+            query_pre_attn_scalar=c.get("query_pre_attn_scalar"),
+            max_position_embeddings=int(c.get("max_position_embeddings")
+                                        or c.get("max_seq_len") or 4096),
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            extra={k: c[k] for k in _PASSTHROUGH if k in c},
+        )
+
+    # ---------------------------------------------------------------------- here -> HF
+
+    def to_hf_dict(self) -> dict:
+        """config.json in the released layout (``Step3p5ForCausalLM``), which transformers'
+        ``Step3p7TextConfig`` also reads: the legacy per-layer lists, plus the modern keys."""
+        n = self.num_layers
+        theta = [float(self._kind_value(self.rope_theta, t)) for t in self.layer_types]
+        partial = [float(self._kind_value(self.partial_rotary_factor, t)) for t in self.layer_types]
+        out = {
+            "architectures": [ARCHITECTURE],
+            "model_type": MODEL_TYPE,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": n,
+            "num_attention_heads": self.num_heads,
+            "num_attention_groups": self.num_kv_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "layer_types": list(self.layer_types),
+            "sliding_window": self.sliding_window,
+            "rope_theta": theta,
+            "partial_rotary_factors": partial,
+            "swiglu_limits_shared": [x if x else 0.0 for x in self.swiglu_limits],
+            "mlp_layer_types": ["dense"] * n,
+            "moe_layers_enum": "",
+            "num_nextn_predict_layers": 0,
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "use_head_wise_attn_gate": True,
+            "use_qk_norm": True,
+            "zero_centered": True,
+            "attention_bias": False,
+            "mlp_bias": False,
+            "hidden_act": "silu",
+            "tie_word_embeddings": False,
+        }
+        if SLIDING in self.layer_types:
+            out["attention_other_setting"] = {
+                "attention_type": SLIDING,
+                "num_attention_heads": self.num_sliding_heads or self.num_heads,
+                "num_attention_groups": self.num_sliding_kv_heads or self.num_kv_heads,
+                "head_dim": self.head_dim,
+            }
+            out["num_sliding_attention_heads"] = self.num_sliding_heads or self.num_heads
+        if self.query_pre_attn_scalar not in (None, self.head_dim):
+            out["query_pre_attn_scalar"] = self.query_pre_attn_scalar
+        out.update(self.extra)
+        return out
+
+    # ----------------------------------------------------------- here <-> megatron
+
+    def transformer_config_fields(self) -> dict:
+        """``GatedTransformerConfig`` fields of this model (parallel sizes and dtypes left out)."""
+        kinds = set(self.layer_types)
+        sliding = SLIDING in kinds
+        fields = dict(
+            num_layers=self.num_layers,
+            hidden_size=self.hidden_size,
+            ffn_hidden_size=self.intermediate_size,
+            num_attention_heads=self.num_heads,
+            num_query_groups=self.num_kv_heads,
+            kv_channels=self.head_dim,
+            head_wise_attn_gate=True,
+            add_bias_linear=False,
+            add_qkv_bias=False,
+            normalization="RMSNorm",
+            layernorm_epsilon=self.rms_norm_eps,
+            layernorm_zero_centered_gamma=True,
+            qk_layernorm=True,
+            gated_linear_unit=True,
+            activation_func=torch.nn.functional.silu,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            rotary_base=float(self.rope_theta[FULL]) if FULL in kinds else 10000.0,
+            rotary_percent=float(self.partial_rotary_factor.get(FULL, 1.0)),
+        )
+        if self.query_pre_attn_scalar not in (None, self.head_dim):
+            fields["softmax_scale"] = float(self.query_pre_attn_scalar) ** -0.5
+        if sliding:
+            fields.update(
+                layer_types=list(self.layer_types),
+                sliding_window=int(self.sliding_window),
+                sliding_rotary_base=float(self.rope_theta.get(SLIDING, fields["rotary_base"])),
+                sliding_rotary_percent=float(self.partial_rotary_factor.get(
+                    SLIDING, fields["rotary_percent"])),
+            )
+            if kinds == {SLIDING}:  # no full layer: the full-layer values are unused
+                fields["rotary_base"] = fields["sliding_rotary_base"]
+                fields["rotary_percent"] = fields["sliding_rotary_percent"]
+            if self.num_sliding_heads not in (None, self.num_heads):
+                fields["sliding_num_attention_heads"] = self.num_sliding_heads
+            if self.num_sliding_kv_heads not in (None, self.num_kv_heads):
+                fields["sliding_num_query_groups"] = self.num_sliding_kv_heads
+        if any(self.swiglu_limits):
+            fields["swiglu_limits"] = list(self.swiglu_limits)
+        return fields
+
+    @classmethod
+    def from_transformer_config(
+        cls, config, *, vocab_size: int, max_position_embeddings: int,
+        share_embeddings: bool = False, position_embedding_type: str = "rope", extra=None,
+    ) -> "Step35Config":
+        """The Step-3.5 description of a megatron model, or ``HFConfigError`` naming what the
+        layout cannot hold."""
+        problems = []
+
+        def need(ok, what):
+            if not ok:
+                problems.append(what)
+
+        need(getattr(config, "head_wise_attn_gate", False),
+             "head_wise_attn_gate=False (Step-3.5 has a g_proj gate on every layer)")
+        need(config.normalization == "RMSNorm", f"normalization={config.normalization!r} "
+             "(Step-3.5 uses RMSNorm)")
+        need(config.layernorm_zero_centered_gamma, "layernorm_zero_centered_gamma=False "
+             "(Step-3.5's norms compute x * (1 + w))")
+        need(config.qk_layernorm, "qk_layernorm=False (Step-3.5 has per-head q/k norms)")
+        need(not config.add_bias_linear, "add_bias_linear=True (Step-3.5 has no linear biases)")
+        need(not config.add_qkv_bias, "add_qkv_bias=True (Step-3.5 has no QKV or gate bias)")
+        need(config.gated_linear_unit, "gated_linear_unit=False (Step-3.5's MLP is SwiGLU)")
+        act = getattr(config.activation_func, "__name__", str(config.activation_func))
+        need(act == "silu", f"activation_func={act} (Step-3.5's MLP is SwiGLU: silu)")
+        need(not config.num_moe_experts, f"num_moe_experts={config.num_moe_experts} (MoE layers "
+             "are not converted)")
+        need(position_embedding_type == "rope", f"position_embedding_type="
+             f"{position_embedding_type!r} (Step-3.5 uses RoPE)")
+        need(not getattr(config, "multi_latent_attention", False), "multi_latent_attention=True")
+        need(not config.attention_output_gate, "attention_output_gate=True (a head_dim-wide "
+             "gate; Step-3.5's g_proj has one scalar per head)")
+        need(getattr(config, "activation_func_clamp_value", None) is None,
+             "activation_func_clamp_value (megatron's pre-activation clamp is not Step-3.5's)")
+        if problems:
+            raise HFConfigError(
+                "this model cannot be written in the Step-3.5 layout: " + "; ".join(problems)
+            )
+        del share_embeddings  # an untied lm_head holds a tied model exactly (a copy)
+
+        n = config.num_layers
+        layer_types = list(getattr(config, "layer_types", None) or [FULL] * n)
+        sliding_base = getattr(config, "sliding_rotary_base", None)
+        sliding_pct = getattr(config, "sliding_rotary_percent", None)
+        rotary_base = float(getattr(config, "rotary_base", 10000.0))
+        rotary_pct = float(getattr(config, "rotary_percent", 1.0))
+        default_scale = config.kv_channels ** -0.5
+        scale = config.softmax_scale
+        scalar = None
+        if scale is not None and not math.isclose(scale, default_scale, rel_tol=1e-12):
+            scalar = 1.0 / (scale * scale)
+        limits = getattr(config, "swiglu_limits", None) or [None] * n
+        return cls(
+            vocab_size=vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.ffn_hidden_size,
+            num_layers=n,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_query_groups,
+            head_dim=config.kv_channels,
+            layer_types=layer_types,
+            num_sliding_heads=getattr(config, "sliding_num_attention_heads", None),
+            num_sliding_kv_heads=getattr(config, "sliding_num_query_groups", None),
+            sliding_window=getattr(config, "sliding_window", None),
+            rope_theta={FULL: rotary_base,
+                        SLIDING: float(sliding_base) if sliding_base else rotary_base},
+            partial_rotary_factor={FULL: rotary_pct,
+                                   SLIDING: float(sliding_pct) if sliding_pct else rotary_pct},
+            swiglu_limits=[(float(x) if x else None) for x in limits],
+            rms_norm_eps=config.layernorm_epsilon,
+            query_pre_attn_scalar=scalar,
+            max_position_embeddings=max_position_embeddings,
+            extra=dict(extra or {}),
+        )
+
+    def replace(self, **changes) -> "Step35Config":
+        return dataclasses.replace(self, **changes)
+
+
+def _sliding_heads_from_per_layer(per_layer_config: dict, layer_types: list):
+    for idx, entry in per_layer_config.items():
+        if layer_types[int(idx)] == SLIDING and "num_attention_heads" in entry:
+            return entry["num_attention_heads"]
+    return None
+
+
+def _rope_by_kind(c: dict, layer_types: list, per_layer) -> tuple[dict, dict]:
+    """(rope_theta, partial_rotary_factor) per layer type, from either config form."""
+    if c.get("rope_scaling"):
+        raise HFConfigError(f"rope_scaling={c['rope_scaling']!r}: only default RoPE is supported")
+    kinds = sorted(set(layer_types))
+    params = c.get("rope_parameters")
+    if isinstance(params, dict) and all(isinstance(params.get(k), dict) for k in kinds):
+        theta, partial = {}, {}
+        for kind in kinds:
+            p = params[kind]
+            if p.get("rope_type", "default") != "default":
+                raise HFConfigError(
+                    f"rope_parameters[{kind!r}].rope_type={p['rope_type']!r}: only default RoPE "
+                    "is supported"
+                )
+            theta[kind] = float(p.get("rope_theta", 10000.0))
+            partial[kind] = float(p.get("partial_rotary_factor", 1.0))
+        return theta, partial
+    raw_theta = per_layer("rope_theta", 10000.0)
+    raw_partial = per_layer("partial_rotary_factors")
+    n = len(layer_types)
+    thetas = raw_theta if isinstance(raw_theta, list) else [raw_theta] * n
+    partials = raw_partial if isinstance(raw_partial, list) else [raw_partial or 1.0] * n
+    for name, values in (("rope_theta", thetas), ("partial_rotary_factors", partials)):
+        if len(values) != n:
+            raise HFConfigError(f"{name} has {len(values)} entries, num_hidden_layers is {n}")
+    theta, partial = {}, {}
+    for i, kind in enumerate(layer_types):
+        for table, value, name in ((theta, float(thetas[i]), "rope_theta"),
+                                   (partial, float(partials[i]), "partial_rotary_factors")):
+            if table.setdefault(kind, value) != value:
+                raise HFConfigError(
+                    f"{name}[{i}]={value} differs from an earlier {kind} layer's "
+                    f"{table[kind]}: one value per layer type is supported (as in transformers)"
+                )
+    return theta, partial

@@ -1,0 +1,356 @@
+"""``load_pretrained`` / ``save_pretrained``: HF Step-3.5 weights <-> a megatron GPTModel at any TP/PP.
+
+Loading: every rank reads, one megatron parameter at a time, the full HF tensors that parameter is
+made of (``layout``), keeps its own TP slice and drops the rest, so a rank holds its model shard
+plus at most one layer's full tensors. Everything is checked before a model is built: the config,
+that TP divides the head counts, and every tensor's presence and shape.
+
+Saving: for each unit (embedding, each layer, final norm, lm_head) in order, the TP ranks of the
+pipeline stage that holds it gather their local tensors; its TP rank 0 (data-parallel rank 0)
+rebuilds the HF tensors and sends them to global rank 0, which streams them into the safetensors
+shards. Rank 0 holds one unit's tensors at a time besides its own shard of the model.
+"""
+
+import json
+import math
+import os
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from mcore_ext.hf import layout
+from mcore_ext.hf.config import HFConfigError, Step35Config
+from mcore_ext.hf.safetensors_io import SafetensorsReader, ShardedSafetensorsWriter
+
+CONFIG_NAME = "config.json"
+# The HF config an import started from; export reads it back for what megatron does not keep
+# (the exact vocabulary size, special token ids).
+PROVENANCE_NAME = "hf_config.json"
+
+
+def read_hf_config(hf_dir: str) -> tuple[dict, Step35Config]:
+    path = os.path.join(hf_dir, CONFIG_NAME)
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        raise HFConfigError(f"{path}: missing (a Hugging Face model directory has config.json)"
+                            ) from None
+    except ValueError as err:
+        raise HFConfigError(f"{path}: not valid JSON ({err})") from None
+    return raw, Step35Config.from_hf_dict(raw)
+
+
+def check_weights(reader: SafetensorsReader, spec: Step35Config) -> torch.dtype:
+    """Every tensor present with its config's shape, nothing unexpected; returns their dtype.
+
+    MTP layers (``model.layers.<n>`` for n >= num_hidden_layers, as the released checkpoint
+    appends them) are not part of the decoder and are skipped.
+    """
+    expected = layout.hf_shapes(spec)
+    if spec.tie_word_embeddings and "lm_head.weight" not in reader.names:
+        del expected["lm_head.weight"]
+    missing = [n for n in expected if n not in reader.names]
+    if missing:
+        raise HFConfigError(
+            f"{reader.directory}: {len(missing)} tensor(s) the config needs are missing, e.g. "
+            f"{missing[:4]}"
+        )
+    unexpected = [n for n in reader.names if n not in expected and not _is_mtp(n, spec)]
+    if unexpected:
+        raise HFConfigError(
+            f"{reader.directory}: {len(unexpected)} tensor(s) not part of a dense Step-3.5 "
+            f"decoder, e.g. {unexpected[:4]}"
+        )
+    dtypes = set()
+    for name, shape in expected.items():
+        dtype, found = reader.info(name)
+        if tuple(found) != tuple(shape):
+            raise HFConfigError(
+                f"{name}: shape {tuple(found)} in the weights, {tuple(shape)} from config.json "
+                "(config and weights do not match)"
+            )
+        dtypes.add(dtype)
+    if len(dtypes) != 1:
+        raise HFConfigError(f"{reader.directory}: mixed dtypes {sorted(map(str, dtypes))}")
+    return dtypes.pop()
+
+
+def _is_mtp(name: str, spec: Step35Config) -> bool:
+    parts = name.split(".")
+    return name.startswith("model.layers.") and int(parts[2]) >= spec.num_layers
+
+
+def check_parallel(spec: Step35Config, tp: int) -> None:
+    """TP must divide both layer kinds' query heads (HFConfigError naming the key)."""
+    for key, value in (("num_attention_heads", spec.num_heads),
+                       ("num_sliding_attention_heads", spec.num_sliding_heads)):
+        if value and value % tp:
+            raise HFConfigError(
+                f"{key}={value} is not divisible by tensor_model_parallel_size={tp}"
+            )
+    for key, value in (("num_attention_groups", spec.num_kv_heads),
+                       ("attention_other_setting.num_attention_groups",
+                        spec.num_sliding_kv_heads)):
+        if value and value % tp and tp % value:
+            raise HFConfigError(
+                f"{key}={value}: tensor_model_parallel_size={tp} must divide it or be a multiple "
+                "of it"
+            )
+
+
+def padded_vocab(vocab_size: int, tp: int, multiple: int) -> int:
+    step = math.lcm(multiple, tp)
+    return step * math.ceil(vocab_size / step)
+
+
+def build_config(spec: Step35Config, dtype: torch.dtype, **overrides):
+    """The ``GatedTransformerConfig`` of ``spec`` on this rank's parallel layout."""
+    from mcore_ext.config import GatedTransformerConfig
+
+    fields = spec.transformer_config_fields()
+    fields.update(
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype is torch.bfloat16,
+        fp16=dtype is torch.float16,
+        use_cpu_initialization=True,
+        perform_initialization=False,  # every weight is overwritten by the checkpoint
+    )
+    fields.update(overrides)
+    return GatedTransformerConfig(**fields)
+
+
+def load_pretrained(
+    hf_dir: str,
+    *,
+    backend: str = "auto",
+    dtype: torch.dtype | None = None,
+    make_vocab_size_divisible_by: int = 1,
+    max_sequence_length: int | None = None,
+    **config_overrides,
+):
+    """A megatron ``GPTModel`` with this rank's shards of the HF Step-3.5 model in ``hf_dir``.
+
+    Call after ``mcore_ext.init_parallel`` (any TP / PP). The vocabulary is padded to a multiple
+    of lcm(``make_vocab_size_divisible_by``, TP) with zero rows: logits ``[..., :vocab_size]``
+    are the model's. ``dtype`` defaults to the weights' dtype. ``config_overrides`` go to
+    ``GatedTransformerConfig`` (e.g. ``sequence_parallel=True``, recompute settings).
+    Raises ``HFConfigError`` / ``SafetensorsError`` before building anything when the directory
+    is incomplete or does not match its config.
+    """
+    from mcore_ext.models import build_gpt_model
+
+    _, spec = read_hf_config(hf_dir)
+    reader = SafetensorsReader(hf_dir)
+    try:
+        file_dtype = check_weights(reader, spec)
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        check_parallel(spec, tp)
+        dtype = dtype or file_dtype
+        config = build_config(spec, dtype, **config_overrides)
+        vocab = padded_vocab(spec.vocab_size, tp, make_vocab_size_divisible_by)
+        model = build_gpt_model(
+            config,
+            vocab_size=vocab,
+            max_sequence_length=max_sequence_length or spec.max_position_embeddings,
+            backend=backend,
+            share_embeddings_and_output_weights=spec.tie_word_embeddings,
+        )
+        load_into(model, reader, spec, vocab)
+    finally:
+        reader.close()
+    model.hf_config = spec  # what save_pretrained writes back (vocab size, token ids)
+    return model
+
+
+def load_into(model, reader: SafetensorsReader, spec: Step35Config, vocab: int) -> None:
+    """Copy this rank's slices of the HF tensors into ``model``'s parameters, one at a time."""
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    params = _named_params(model)
+    with torch.no_grad():
+        for name, entry, mapping, hf_names in _units(model, spec, vocab):
+            if entry is layout.OUTPUT and spec.tie_word_embeddings:
+                hf_names = ("model.embed_tokens.weight",)
+            param = params[name]
+            local = mapping.to_local([reader.get(n) for n in hf_names], rank, tp)
+            if tuple(local.shape) != tuple(param.shape):
+                raise HFConfigError(
+                    f"{name}: this rank's slice of {list(hf_names)} has shape "
+                    f"{tuple(local.shape)}, the model's parameter {tuple(param.shape)}"
+                )
+            param.copy_(local)
+            del local
+
+
+def _named_params(model) -> dict:
+    return dict(model.named_parameters())
+
+
+def _units(model, spec: Step35Config, vocab: int):
+    """(megatron name, entry, mapping, HF names) of every parameter on this rank, in HF order."""
+    params = _named_params(model)
+    if "embedding.word_embeddings.weight" in params:
+        yield (layout.EMBEDDING.megatron, layout.EMBEDDING, layout.vocab_mapping(spec, vocab),
+               layout.EMBEDDING.hf)
+    for index, layer in enumerate(model.decoder.layers):
+        g = layer.layer_number - 1  # global layer index
+        for entry in layout.LAYER_TABLE:
+            local = f"decoder.layers.{index}."
+            name = next((local + n for n in (entry.megatron, *entry.aliases) if local + n in params),
+                        None)
+            if name is None:
+                raise HFConfigError(f"the model has no {local}{entry.megatron} (its layer spec is "
+                                    "not the dense Step-3.5 layout)")
+            hf = tuple(layout.hf_layer_prefix(g) + n for n in entry.hf)
+            yield name, entry, layout.layer_mapping(entry, spec, g), hf
+    if layout.FINAL_NORM.megatron in params:
+        yield (layout.FINAL_NORM.megatron, layout.FINAL_NORM, layout.Replicated(),
+               layout.FINAL_NORM.hf)
+    if layout.OUTPUT.megatron in params:
+        yield (layout.OUTPUT.megatron, layout.OUTPUT, layout.vocab_mapping(spec, vocab),
+               layout.OUTPUT.hf)
+
+
+# ------------------------------------------------------------------------------------- saving
+
+
+def unwrap(model):
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while not hasattr(model, "decoder") and hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def spec_of(model, vocab_size: int | None = None, extra: dict | None = None) -> Step35Config:
+    """The Step-3.5 description of ``model`` (HFConfigError naming what it cannot hold)."""
+    model = unwrap(model)
+    known = getattr(model, "hf_config", None)
+    spec = Step35Config.from_transformer_config(
+        model.config,
+        vocab_size=vocab_size or (known.vocab_size if known else model.vocab_size),
+        max_position_embeddings=(known.max_position_embeddings if known
+                                 else model.max_sequence_length),
+        share_embeddings=model.share_embeddings_and_output_weights,
+        position_embedding_type=model.position_embedding_type,
+        extra=dict(known.extra) if known else {},
+    )
+    if extra:
+        spec.extra.update(extra)
+    return spec
+
+
+def save_pretrained(model, hf_dir: str, *, vocab_size: int | None = None,
+                    max_shard_bytes: int = 2 * 1024**3, extra_config: dict | None = None) -> None:
+    """Write ``model`` (any TP / PP; called on every rank) to ``hf_dir`` in the released
+    Step-3.5 layout: config.json and size-sharded safetensors with their index, written by global
+    rank 0. ``vocab_size`` strips megatron's padded rows (default: the size ``load_pretrained``
+    read, else the model's). Tied embeddings are written as an lm_head copy (the layout has an
+    untied lm_head). Raises ``HFConfigError`` on every rank, before anything is written, when the
+    model does not fit the layout."""
+    model = unwrap(model)
+    spec = spec_of(model, vocab_size, extra_config)
+    world_rank = dist.get_rank() if dist.is_initialized() else 0
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    is_writer_stage = parallel_state.get_data_parallel_rank() == 0
+    owner = is_writer_stage and parallel_state.get_tensor_model_parallel_rank() == 0
+
+    # Which global rank sends each unit: TP rank 0 / DP rank 0 of the stage that holds it.
+    params = _named_params(model)
+    units = {}  # unit name -> list of (megatron name, entry, mapping, hf names)
+    for item in _units(model, spec, model.vocab_size):
+        units.setdefault(_unit_of(item[3]), []).append(item)
+    mine = {unit: world_rank for unit in units} if owner else {}
+    dtype = next(model.parameters()).dtype
+    gathered = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
+    if dist.is_initialized():
+        dist.all_gather_object(gathered, mine)
+    else:
+        gathered = [mine]
+    sender = {}
+    for table in gathered:
+        sender.update(table)
+    order = _unit_order(spec)
+    absent = [u for u in order if u not in sender and not (u == "lm_head" and "embed" in sender)]
+    if absent:
+        raise HFConfigError(f"no rank holds {absent} (is this the whole model?)")
+
+    plan = [(name, dtype, shape) for name, shape in layout.hf_shapes(spec).items()]
+    writer = None
+    if world_rank == 0:
+        config_text = json.dumps(spec.to_hf_dict(), indent=2) + "\n"
+        writer = ShardedSafetensorsWriter(hf_dir, plan, max_shard_bytes,
+                                          extra_files={CONFIG_NAME: config_text})
+    shapes = layout.hf_shapes(spec)
+    tied = "lm_head" not in sender  # tied embeddings: lm_head is the embedding's copy
+    try:
+        for unit in order:
+            source = sender["embed" if unit == "lm_head" and tied else unit]
+            tensors = {}
+            if unit in units and is_writer_stage:
+                tensors = _gather_unit(units[unit], params, tp_group, tp)
+            if unit == "lm_head" and tied:
+                tensors = {"lm_head.weight": kept_embedding} if world_rank == source else {}
+            if unit == "embed" and tied and world_rank == source:
+                kept_embedding = tensors["model.embed_tokens.weight"]
+            for name in _unit_names(unit, shapes):
+                if source == 0:
+                    tensor = tensors.get(name) if world_rank == 0 else None
+                elif world_rank == source:
+                    dist.send(tensors[name].contiguous(), dst=0)
+                    continue
+                elif world_rank == 0:
+                    tensor = torch.empty(shapes[name], dtype=dtype)
+                    dist.recv(tensor, src=source)
+                else:
+                    continue
+                writer.write(name, tensor)
+            del tensors
+        if writer is not None:
+            writer.close()
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _unit_of(hf_names) -> str:
+    first = hf_names[0]
+    if first.startswith("model.layers."):
+        return f"layer{first.split('.')[2]}"
+    return {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm",
+            "lm_head.weight": "lm_head"}[first]
+
+
+def _unit_order(spec: Step35Config) -> list[str]:
+    return ["embed", *(f"layer{i}" for i in range(spec.num_layers)), "norm", "lm_head"]
+
+
+def _unit_names(unit: str, shapes: dict) -> list[str]:
+    if unit.startswith("layer"):
+        prefix = layout.hf_layer_prefix(int(unit[5:]))
+        return [n for n in shapes if n.startswith(prefix)]
+    return [{"embed": "model.embed_tokens.weight", "norm": "model.norm.weight",
+             "lm_head": "lm_head.weight"}[unit]]
+
+
+def _gather_unit(items, params: dict, tp_group, tp: int) -> dict:
+    """{HF name: full tensor} of one unit, on every TP rank of its stage."""
+    out = {}
+    for name, _, mapping, hf_names in items:
+        param = params[name]
+        local = param.detach().contiguous()
+        if tp > 1 and getattr(param, "tensor_model_parallel", False):
+            locals_ = [torch.empty_like(local) for _ in range(tp)]
+            dist.all_gather(locals_, local, group=tp_group)
+        else:
+            locals_ = [local] * tp
+        out.update(zip(hf_names, mapping.from_locals(locals_)))
+    return out

@@ -1,0 +1,134 @@
+"""Tiny random Hugging Face Step-3.5 models, built offline from a config (transformers needed).
+
+The released checkpoint layout is ``model.*`` + ``lm_head``; transformers has no text-only causal-LM
+class for it, so ``CausalLM`` below is the text model plus an untied lm_head: with
+``base_model_prefix = "model"`` it loads a released-layout directory with no missing or
+unexpected keys, and its logits are ``lm_head(model(...).last_hidden_state)``.
+"""
+
+import json
+import os
+
+import torch
+
+VOCAB = 257  # the launcher's byte tokenizer
+SEQ = 12
+
+
+def tiny_config(**overrides):
+    """Both layer kinds with different head counts, window 4 < SEQ, per-kind RoPE base and
+    rotary fraction, a SwiGLU clamp that the random weights hit (on the sliding layers)."""
+    from transformers import Step3p7TextConfig
+
+    fields = dict(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_sliding_attention_heads=8, sliding_window=4,
+        layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"],
+        mlp_layer_types=["dense"] * 4,
+        rope_theta=[10000.0, 500.0, 500.0, 10000.0], partial_rotary_factors=[0.5, 1.0, 1.0, 0.5],
+        swiglu_limits_shared=[0.0, 1.0, 1.0, 0.0], max_position_embeddings=64,
+        rms_norm_eps=1e-5, pad_token_id=0, bos_token_id=1, eos_token_id=256,
+    )
+    fields.update(overrides)
+    return Step3p7TextConfig(**fields)
+
+
+def causal_lm_class():
+    from torch import nn
+    from transformers import Step3p7TextConfig, Step3p7TextModel
+    from transformers.models.step3p7.modeling_step3p7 import Step3p7PreTrainedModel
+
+    class CausalLM(Step3p7PreTrainedModel):
+        config_class = Step3p7TextConfig
+        config: Step3p7TextConfig
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.model = Step3p7TextModel(config)
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.post_init()
+
+        def forward(self, input_ids, **kwargs):
+            return self.lm_head(self.model(input_ids, **kwargs).last_hidden_state)
+
+    return CausalLM
+
+
+def build(config=None, seed=0, dtype=torch.float32):
+    """A CausalLM with random weights everywhere, norm weights included (HF starts them at 0,
+    which would hide the (1 + w) convention)."""
+    torch.manual_seed(seed)
+    model = causal_lm_class()(config or tiny_config()).to(dtype)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                param.copy_(torch.randn_like(param) * 0.5)
+            else:
+                param.copy_(torch.randn_like(param) * 0.2)
+    return model.eval()
+
+
+def save_released(model, directory, *, max_shard_size="50KB", legacy_config=True):
+    """Write ``model`` in the released layout: safetensors (sharded) + a config.json with the
+    released checkpoint's legacy keys (or transformers' own saved config)."""
+    model.save_pretrained(directory, max_shard_size=max_shard_size)
+    if legacy_config:
+        with open(os.path.join(directory, "config.json")) as f:
+            modern = json.load(f)
+        with open(os.path.join(directory, "config.json"), "w") as f:
+            json.dump(legacy_config_dict(modern), f, indent=2)
+    return directory
+
+
+def legacy_config_dict(modern: dict) -> dict:
+    """transformers' saved config -> the released Step3p5ForCausalLM form (legacy keys, one MTP
+    layer's entries padded onto the per-layer lists)."""
+    n = modern["num_hidden_layers"]
+    types = modern["layer_types"]
+    rope = modern["rope_parameters"]
+    theta = [rope[t]["rope_theta"] for t in types]
+    partial = [rope[t].get("partial_rotary_factor", 1.0) for t in types]
+    limits = modern["swiglu_limits_shared"] or [0.0] * n
+    return {
+        "architectures": ["Step3p5ForCausalLM"],
+        "model_type": "step3p5",
+        "vocab_size": modern["vocab_size"],
+        "hidden_size": modern["hidden_size"],
+        "intermediate_size": modern["intermediate_size"],
+        "num_hidden_layers": n,
+        "num_nextn_predict_layers": 1,
+        "num_attention_heads": modern["num_attention_heads"],
+        "num_attention_groups": modern["num_key_value_heads"],
+        "head_dim": modern["head_dim"],
+        "attention_other_setting": {
+            "attention_type": "sliding_attention",
+            "num_attention_heads": modern["num_sliding_attention_heads"],
+            "num_attention_groups": modern["num_key_value_heads"],
+            "head_dim": modern["head_dim"],
+        },
+        "layer_types": types + ["full_attention"],
+        "sliding_window": modern["sliding_window"],
+        "rope_theta": theta + [theta[0]],
+        "partial_rotary_factors": partial + [partial[0]],
+        "swiglu_limits": [0.0] * (n + 1),
+        "swiglu_limits_shared": limits + [0.0],
+        "moe_layers_enum": "",
+        "use_head_wise_attn_gate": True,
+        "rms_norm_eps": modern["rms_norm_eps"],
+        "max_position_embeddings": modern["max_position_embeddings"],
+        "bos_token_id": modern.get("bos_token_id"),
+        "eos_token_id": modern.get("eos_token_id"),
+        "pad_token_id": modern.get("pad_token_id"),
+        "torch_dtype": "float32",
+    }
+
+
+def load_released(directory):
+    """(model, loading info) of a released-layout directory, in fp32."""
+    return causal_lm_class().from_pretrained(directory, output_loading_info=True,
+                                             dtype=torch.float32)
+
+
+def tokens(batch=2, seq=SEQ, seed=7):
+    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
