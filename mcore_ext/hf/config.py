@@ -61,6 +61,13 @@ class Step35Config:
     extra: dict = field(default_factory=dict)  # _PASSTHROUGH keys of the source config
 
     def __post_init__(self):
+        # One spelling per model: values equal to their defaults are stored as None.
+        if self.query_pre_attn_scalar is not None and float(self.query_pre_attn_scalar) == self.head_dim:
+            self.query_pre_attn_scalar = None
+        if self.num_sliding_kv_heads == self.num_kv_heads:
+            self.num_sliding_kv_heads = None
+        if self.num_sliding_heads == self.num_heads:
+            self.num_sliding_heads = None
         if self.layer_types is None:
             self.layer_types = [FULL] * self.num_layers
         if self.swiglu_limits is None:

@@ -163,9 +163,11 @@ def load_checkpoint(cfg, model, optimizer, scheduler) -> tuple[int, int]:
         return 0, 0
     directory = iteration_dir(root, iteration)
     common = dist_checkpointing.load_common_state_dict(directory)
+    # An imported Hugging Face model (python -m mcore_ext.hf import) holds weights only.
+    finetune = cfg.checkpoint.finetune or common.get("weights_only", False)
     distributed = cfg.optimizer.use_distributed_optimizer
     saved_distributed = common.get("distributed_optimizer", distributed)
-    if not cfg.checkpoint.finetune and saved_distributed != distributed:
+    if not finetune and saved_distributed != distributed:
         raise RuntimeError(
             f"{directory} was saved with optimizer.use_distributed_optimizer="
             f"{str(saved_distributed).lower()}: resume with the same setting (the two optimizers' "
@@ -174,19 +176,19 @@ def load_checkpoint(cfg, model, optimizer, scheduler) -> tuple[int, int]:
 
     model_state = model.module.sharded_state_dict()
     state = {"model": model_state}
-    if not cfg.checkpoint.finetune:
+    if not finetune:
         state["optimizer"] = checkpoint.optimizer_sharded_state_dict(
             optimizer, model_state, is_loading=True
         )
     same_layout = common.get("layout") == _layout()
-    if same_layout and not cfg.checkpoint.finetune:
+    if same_layout and not finetune:
         state["rng_state"] = _rng_state()
     loaded = checkpoint.load(
         state, directory, init_missing_gates=cfg.checkpoint.init_missing_gates
     )
 
     model.module.load_state_dict(loaded["model"])
-    if cfg.checkpoint.finetune:
+    if finetune:
         _print0(f"[checkpoint] finetune: loaded the model weights of {directory}; iteration 0")
         return 0, 0
     checkpoint.load_optimizer_state_dict(optimizer, loaded["optimizer"])

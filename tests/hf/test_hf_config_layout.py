@@ -1,0 +1,171 @@
+"""mcore_ext.hf without megatron models: config forms and refusals, the fused row layouts against
+megatron's layout written independently (tests/builders.py), and the streaming safetensors files.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+
+from mcore_ext.hf import layout
+from mcore_ext.hf.config import HFConfigError, Step35Config
+from mcore_ext.hf.safetensors_io import (
+    INDEX_NAME,
+    SafetensorsError,
+    SafetensorsReader,
+    ShardedSafetensorsWriter,
+)
+from tests import builders
+from tests.hf import models
+
+pytest.importorskip("transformers")
+
+
+def _modern():
+    return models.tiny_config().to_dict()
+
+
+def test_released_legacy_and_transformers_configs_read_the_same():
+    modern = _modern()
+    legacy = models.legacy_config_dict(modern)
+    nested = {"model_type": "step3p7", "text_config": dict(modern)}
+    a, b, c = (Step35Config.from_hf_dict(x) for x in (modern, legacy, nested))
+    for other in (b, c):
+        assert dataclass_fields(a) == dataclass_fields(other)
+    assert a.layer_types == ["full_attention", "sliding_attention", "sliding_attention",
+                             "full_attention"]  # the legacy MTP entry was trimmed
+    assert (a.num_heads, a.num_sliding_heads, a.num_kv_heads) == (4, 8, 2)
+    assert a.rope_theta == {"full_attention": 10000.0, "sliding_attention": 500.0}
+    assert a.partial_rotary_factor == {"full_attention": 0.5, "sliding_attention": 1.0}
+    assert a.swiglu_limits == [None, 1.0, 1.0, None]
+
+
+def dataclass_fields(spec):
+    fields = dict(vars(spec))
+    fields.pop("extra")
+    return fields
+
+
+def test_exported_config_reads_back_in_transformers_and_here():
+    from transformers import Step3p7TextConfig
+
+    spec = Step35Config.from_hf_dict(_modern())
+    out = spec.to_hf_dict()
+    assert out["architectures"] == ["Step3p5ForCausalLM"] and out["model_type"] == "step3p5"
+    hf = Step3p7TextConfig(**{k: v for k, v in out.items() if k != "model_type"})
+    assert [hf.per_layer_config[i].num_attention_heads for i in range(4)] == [4, 8, 8, 4]
+    assert hf.rope_parameters["sliding_attention"]["rope_theta"] == 500.0
+    assert hf.rope_parameters["full_attention"]["partial_rotary_factor"] == 0.5
+    assert hf.swiglu_limits_shared == [0.0, 1.0, 1.0, 0.0]
+    assert hf.mlp_layer_types == ["dense"] * 4
+    assert dataclass_fields(Step35Config.from_hf_dict(out)) == dataclass_fields(spec)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"model_type": "llama"}, "model_type='llama'"),
+    ({"mlp_layer_types": ["dense", "sparse", "dense", "dense"]}, r"layers \[1\] are MoE"),
+    ({"mlp_layer_types": None}, r"layers \[3\] are MoE"),  # transformers' default: MoE from 3 on
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope_scaling"),
+    ({"attention_bias": True}, "attention_bias=True"),
+    ({"gating": "full"}, "gating='full'"),
+    ({"layer_types": ["full_attention"] * 3 + ["chunked"]}, r"layer_types\[3\]='chunked'"),
+])
+def test_unsupported_configs_are_refused_by_name(change, message):
+    raw = _modern()
+    raw.update(change)
+    if change.get("mlp_layer_types", 0) is None:
+        raw.pop("mlp_layer_types")
+    with pytest.raises(HFConfigError, match=message):
+        Step35Config.from_hf_dict(raw)
+
+
+@pytest.mark.parametrize("heads, groups, tp", [(8, 2, 1), (8, 2, 2), (8, 4, 4), (8, 2, 4),
+                                               (8, 1, 8)])
+def test_qkv_gate_rows_per_rank_follow_megatrons_layout(heads, groups, tp):
+    hn, h = 4, 6
+    q, k, v = (torch.randn(n * hn, h) for n in (heads, groups, groups))
+    g = torch.randn(heads, h)
+    mapping = layout.QkvGate(heads, groups, hn)
+    qkv = builders.interleave_qkv(q, k, v, heads, groups)  # the independent reference
+    locals_ = [mapping.to_local([q, k, v, g], r, tp) for r in range(tp)]
+    for r, local in enumerate(locals_):
+        expected = torch.cat([builders.rank_rows(qkv, r, tp), builders.rank_rows(g, r, tp)])
+        assert torch.equal(local, expected)
+    for got, want in zip(mapping.from_locals(locals_), (q, k, v, g)):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_glu_rows_per_rank_are_gate_then_up(tp):
+    gate, up = torch.randn(8, 3), torch.randn(8, 3)
+    locals_ = [layout.Glu().to_local([gate, up], r, tp) for r in range(tp)]
+    for r, local in enumerate(locals_):
+        assert torch.equal(local, torch.cat([gate.chunk(tp)[r], up.chunk(tp)[r]]))
+    back = layout.Glu().from_locals(locals_)
+    assert torch.equal(back[0], gate) and torch.equal(back[1], up)
+
+
+def test_vocab_rows_are_padded_with_zeros_and_stripped():
+    emb = torch.randn(10, 3)
+    mapping = layout.Split(dim=0, rows=10, padded_rows=16)
+    locals_ = [mapping.to_local([emb], r, 4) for r in range(4)]
+    assert all(t.shape == (4, 3) for t in locals_) and not locals_[3][2:].any()
+    assert torch.equal(mapping.from_locals(locals_)[0], emb)
+
+
+def _plan(tensors):
+    return [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
+
+
+def test_writer_shards_by_size_with_an_index_that_safetensors_reads(tmp_path):
+    from safetensors.torch import load_file
+
+    tensors = {f"t{i}": torch.randn(64, 16, dtype=dt) for i, dt in
+               enumerate([torch.float32, torch.bfloat16, torch.float32, torch.float16])}
+    out = tmp_path / "hf"
+    with ShardedSafetensorsWriter(str(out), _plan(tensors), max_shard_bytes=6144,
+                                  extra_files={"config.json": "{}"}) as writer:
+        for name, t in tensors.items():
+            writer.write(name, t)
+    index = json.loads((out / INDEX_NAME).read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) == 2  # 4096 + 2048 | 4096 + 2048 bytes, at most 6144 each
+    loaded = {}
+    for f in files:
+        loaded.update(load_file(str(out / f)))
+    assert loaded.keys() == tensors.keys()
+    assert all(torch.equal(loaded[n], t) for n, t in tensors.items())
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size()
+                                                  for t in tensors.values())
+    reader = SafetensorsReader(str(out))
+    assert torch.equal(reader.get("t1"), tensors["t1"])
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".hf-export")]
+
+
+def test_failed_write_leaves_nothing(tmp_path):
+    tensors = {"a": torch.randn(4), "b": torch.randn(4)}
+    out = tmp_path / "hf"
+    with pytest.raises(RuntimeError, match="boom"):
+        with ShardedSafetensorsWriter(str(out), _plan(tensors)) as writer:
+            writer.write("a", tensors["a"])
+            raise RuntimeError("boom")
+    assert os.listdir(tmp_path) == []
+
+
+def test_truncated_and_missing_files_are_reported(tmp_path):
+    model = models.build(models.tiny_config(num_hidden_layers=1, layer_types=["full_attention"],
+                                            mlp_layer_types=["dense"], rope_theta=10000.0,
+                                            partial_rotary_factors=None,
+                                            swiglu_limits_shared=None))
+    directory = models.save_released(model, str(tmp_path / "hf"), max_shard_size="20KB")
+    index = json.loads((tmp_path / "hf" / INDEX_NAME).read_text())
+    last = sorted(set(index["weight_map"].values()))[-1]
+    path = tmp_path / "hf" / last
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 10])
+    with pytest.raises(SafetensorsError, match=f"{last}: truncated"):
+        SafetensorsReader(directory)
+    path.unlink()
+    with pytest.raises(SafetensorsError, match=f"{last}: missing"):
+        SafetensorsReader(directory)
