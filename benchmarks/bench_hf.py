@@ -1,0 +1,134 @@
+"""Time and peak memory of ``python -m mcore_ext.hf import`` / ``export`` on a generated model.
+
+    python benchmarks/bench_hf.py [--layers 8] [--workdir /tmp/bench_hf]
+
+Generates a random dense Step-3.5 model in the released layout (bf16, both layer kinds, about
+1 GB with the defaults) with mcore_ext's own streaming writer, then runs import and export each
+in a fresh process (TP = PP = 1, one CPU process, as the CLI runs) and reports wall time and peak
+RSS over the interpreter's (RSS after importing torch, megatron-core and mcore_ext, before the
+work starts). Finally checks that export reproduced every tensor bit for bit.
+Targets (issue 10): each under 60 s and under 1.5 GB over the interpreter.
+"""
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def generate(directory: str, layers: int) -> int:
+    """A random model in the released layout; returns its size in bytes."""
+    import torch
+
+    from mcore_ext.hf import layout
+    from mcore_ext.hf.config import Step35Config
+    from mcore_ext.hf.safetensors_io import ShardedSafetensorsWriter
+
+    kinds = ["full_attention" if i % 4 == 3 else "sliding_attention" for i in range(layers)]
+    spec = Step35Config(
+        vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_layers=layers,
+        num_heads=16, num_kv_heads=4, head_dim=128, num_sliding_heads=24, layer_types=kinds,
+        sliding_window=512, rope_theta={"full_attention": 5e6, "sliding_attention": 1e4},
+        partial_rotary_factor={"full_attention": 0.5, "sliding_attention": 1.0},
+        swiglu_limits=[None] * (layers - 1) + [16.0], max_position_embeddings=4096,
+    )
+    shapes = layout.hf_shapes(spec)
+    plan = [(n, torch.bfloat16, s) for n, s in shapes.items()]
+    generator = torch.Generator().manual_seed(0)
+    config = json.dumps(spec.to_hf_dict(), indent=2)
+    with ShardedSafetensorsWriter(directory, plan, max_shard_bytes=400 * 2**20,
+                                  extra_files={"config.json": config}) as writer:
+        for name, dtype, shape in plan:
+            writer.write(name, (torch.randn(shape, generator=generator) * 0.02).to(dtype))
+    return sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory))
+
+
+def measure(command: str, source: str, target: str) -> None:
+    """Run in this (fresh) process: import or export, then print one JSON line of figures."""
+    import mcore_ext  # noqa: F401  (the interpreter's baseline includes megatron-core)
+    import mcore_ext.hf.checkpoint as hf_checkpoint
+    import mcore_ext.models  # noqa: F401
+    import mcore_ext.training.checkpointing  # noqa: F401
+
+    baseline = _rss_mb()
+    start = time.perf_counter()
+    mcore_ext.init_parallel(tensor_model_parallel_size=1)
+    with mcore_ext.cuda_to_cpu():
+        if command == "import":
+            hf_checkpoint.import_checkpoint(source, target)
+        else:
+            hf_checkpoint.export_checkpoint(source, target, max_shard_bytes=400 * 2**20)
+    seconds = time.perf_counter() - start
+    mcore_ext.destroy_parallel()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"command": command, "seconds": round(seconds, 1),
+                      "baseline_rss_mb": round(baseline), "peak_rss_mb": round(peak),
+                      "peak_over_interpreter_mb": round(peak - baseline)}))
+
+
+def compare(a: str, b: str) -> list[str]:
+    """Names of tensors that differ (or exist on one side only), read one at a time."""
+    from mcore_ext.hf.safetensors_io import SafetensorsReader
+
+    ra, rb = SafetensorsReader(a), SafetensorsReader(b)
+    bad = sorted(set(ra.names) ^ set(rb.names))
+    for name in sorted(set(ra.names) & set(rb.names)):
+        x, y = ra.get(name), rb.get(name)
+        if x.dtype != y.dtype or not x.equal(y):
+            bad.append(name)
+    return bad
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--workdir", default="/tmp/bench_hf")
+    parser.add_argument("--measure", nargs=3, metavar=("COMMAND", "SOURCE", "TARGET"),
+                        help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.measure:
+        measure(*args.measure)
+        return 0
+
+    work = Path(args.workdir)
+    shutil.rmtree(work, ignore_errors=True)
+    hf, ckpt, out = str(work / "hf"), str(work / "ckpt"), str(work / "exported")
+    start = time.perf_counter()
+    size = generate(hf, args.layers)
+    print(f"generated {size / 2**30:.2f} GiB ({args.layers} layers, bf16) in "
+          f"{time.perf_counter() - start:.1f}s", flush=True)
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    figures = []
+    for command, source, target in (("import", hf, ckpt), ("export", ckpt, out)):
+        result = subprocess.run(
+            [sys.executable, __file__, "--measure", command, source, target],
+            capture_output=True, text=True, env=env, cwd=ROOT,
+        )
+        if result.returncode:
+            print(result.stdout[-2000:], result.stderr[-4000:])
+            return 1
+        figures.append(json.loads(result.stdout.strip().splitlines()[-1]))
+        print(figures[-1], flush=True)
+    bad = compare(hf, out)
+    print("round trip: every tensor bit-identical" if not bad else f"round trip differs: {bad[:5]}")
+    ok = not bad and all(f["seconds"] < 60 and f["peak_over_interpreter_mb"] < 1536 for f in figures)
+    print("targets (< 60 s, < 1.5 GB over the interpreter):", "met" if ok else "NOT met")
+    shutil.rmtree(work, ignore_errors=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
