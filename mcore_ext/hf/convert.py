@@ -299,17 +299,14 @@ def save_pretrained(model, hf_dir: str, *, vocab_size: int | None = None,
             if unit == "embed" and tied and world_rank == source:
                 kept_embedding = tensors["model.embed_tokens.weight"]
             for name in _unit_names(unit, shapes):
-                if source == 0:
-                    tensor = tensors.get(name) if world_rank == 0 else None
+                if world_rank == 0 and source == 0:
+                    writer.write(name, tensors[name])
                 elif world_rank == source:
                     dist.send(tensors[name].contiguous(), dst=0)
-                    continue
                 elif world_rank == 0:
                     tensor = torch.empty(shapes[name], dtype=dtype)
                     dist.recv(tensor, src=source)
-                else:
-                    continue
-                writer.write(name, tensor)
+                    writer.write(name, tensor)
             del tensors
         if writer is not None:
             writer.close()
