@@ -125,3 +125,37 @@ def test_load_save_round_trip_is_bit_identical(run_distributed, hf_model, tmp_pa
     assert not info["mismatched_keys"]
     with torch.no_grad():
         assert torch.equal(model(tokens), expected)
+
+
+DOCS = (7, 5)  # two documents packed into one row of 12 tokens (both longer than the window)
+
+
+def _packed_parity(hf_dir, tokens, tp):
+    import mcore_ext
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from mcore_ext.hf import load_pretrained
+
+    mcore_ext.init_parallel(tensor_model_parallel_size=tp)
+    model = load_pretrained(hf_dir, backend="sdpa").eval()
+    cu = torch.tensor([0, DOCS[0], sum(DOCS)], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             max_seqlen_q=max(DOCS), max_seqlen_kv=max(DOCS))
+    positions = torch.cat([torch.arange(n) for n in DOCS]).unsqueeze(0)
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    with torch.no_grad():
+        out = model(tokens, positions, None, packed_seq_params=params)
+    parts = [torch.empty_like(out) for _ in range(tp)]
+    dist.all_gather(parts, out.contiguous(), group=ps.get_tensor_model_parallel_group())
+    return torch.cat(parts, dim=-1)[..., : models.VOCAB]
+
+
+def test_packed_thd_batch_matches_transformers_per_document(run_distributed, hf_model):
+    directory, _, _ = hf_model
+    model, _ = models.load_released(directory)
+    packed = models.tokens(batch=1, seq=sum(DOCS), seed=11)
+    with torch.no_grad():  # the reference: each document on its own
+        expected = torch.cat([model(doc) for doc in packed.split(DOCS, dim=1)], dim=1)
+    _check_parity(run_distributed(_packed_parity, directory, packed, 2, world_size=2), expected)
