@@ -1,11 +1,19 @@
 """Transformer config with the head-wise attention output gate (Step-3.5-Flash ``g_proj``)."""
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Literal, Optional
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 # Per-partition GEMM output dims that FP8 / FP4 kernels accept.
 _QUANT_ALIGNMENT = {"fp8": 16, "fp4": 32}
+
+# Hugging Face's names for the two attention layer kinds (Step-3.5 ``layer_types``).
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+ATTENTION_KERNELS = ("sdpa", "flex")
 
 
 @dataclass
@@ -36,10 +44,59 @@ class GatedTransformerConfig(TransformerConfig):
     (``effective_head_wise_attn_gate_init_bias`` is then 0.0, gates start near sigmoid(0) = 0.5)
     and building the attention warns once."""
 
+    # ---------------------------------------------------------------- layer kinds (Step-3.5)
+    # Semantics are Hugging Face's (transformers' Step3p7 text model). Defaults keep the model
+    # exactly as before: one kind of layer, full causal attention, RoPE from rotary_base /
+    # rotary_percent, no clamp.
+
+    layer_types: Optional[list[str]] = None
+    """One entry per global layer, "full_attention" or "sliding_attention"; None = all full.
+    Full layers use num_attention_heads / num_query_groups / rotary_base / rotary_percent, sliding
+    layers the sliding_* fields (each None = the full layers' value) and sliding_window."""
+
+    sliding_window: Optional[int] = None
+    """Keys a query of a sliding layer sees: query i attends keys j with
+    i - sliding_window < j <= i (HF's semantics; megatron's window_size (sliding_window - 1, 0))."""
+
+    sliding_num_attention_heads: Optional[int] = None
+    """Query heads of sliding layers; None = num_attention_heads."""
+
+    sliding_num_query_groups: Optional[int] = None
+    """Key/value groups of sliding layers; None = num_query_groups."""
+
+    rotary_base: float = 10000.0
+    """RoPE base of full layers (and of the model's rotary embedding)."""
+
+    rotary_percent: float = 1.0
+    """Fraction of each head's dims that RoPE rotates (the first ones), full layers."""
+
+    sliding_rotary_base: Optional[float] = None
+    """RoPE base of sliding layers; None = rotary_base."""
+
+    sliding_rotary_percent: Optional[float] = None
+    """Rotary fraction of sliding layers; None = rotary_percent."""
+
+    swiglu_limits: Optional[list[Optional[float]]] = None
+    """Per global layer, HF's SwiGLU clamp L: silu(gate).clamp(max=L) * up.clamp(-L, L). None or
+    0 = no clamp. (megatron's activation_func_clamp_value clamps the gate before the SiLU: not
+    the same function.)"""
+
+    attention_kernel: Literal["sdpa", "flex"] = "sdpa"
+    """Inner attention of the sdpa backend: torch scaled_dot_product_attention with a dense
+    mask where one is needed ("sdpa"), or torch flex_attention with a block mask for causal,
+    window and packed documents ("flex"). Other backends ignore it."""
+
     def __post_init__(self):
         super().__post_init__()
         if self.head_wise_attn_gate:
             self._validate_head_wise_attn_gate()
+        self._validate_layer_kinds()
+        # Layers whose parameters differ in shape cannot share megatron's stacked checkpoint
+        # tensors ([num_layers, ...]): save each layer under its own key, as megatron does for
+        # heterogeneous blocks (TransformerBlock.sharded_state_dict). Values that do not change
+        # shapes (window, RoPE, clamps) keep the stacked format.
+        if self._kinds_differ_in_shape():
+            self.heterogeneous_block_specs = True
 
     def _validate_head_wise_attn_gate(self):
         tp = self.tensor_model_parallel_size
@@ -72,6 +129,138 @@ class GatedTransformerConfig(TransformerConfig):
                     f"{rows_per_rank} ((QKV rows {qkv_rows} + gate rows {heads}) / "
                     f"tensor_model_parallel_size {tp})"
                 )
+
+    def _validate_layer_kinds(self):
+        n, tp = self.num_layers, self.tensor_model_parallel_size
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            raise ValueError(
+                f"attention_kernel={self.attention_kernel!r} is not one of {ATTENTION_KERNELS}"
+            )
+        for field in ("rotary_percent", "sliding_rotary_percent"):
+            value = getattr(self, field)
+            if value is not None and not 0.0 < value <= 1.0:
+                raise ValueError(f"{field}={value} must be in (0, 1]")
+        for field in ("rotary_base", "sliding_rotary_base"):
+            value = getattr(self, field)
+            if value is not None and value <= 0:
+                raise ValueError(f"{field}={value} must be positive")
+        if self.swiglu_limits is not None:
+            if len(self.swiglu_limits) != n:
+                raise ValueError(
+                    f"swiglu_limits has {len(self.swiglu_limits)} entries, num_layers is {n}: "
+                    "give one per layer (None or 0 = no clamp)"
+                )
+            bad = [v for v in self.swiglu_limits if v is not None and v < 0]
+            if bad:
+                raise ValueError(f"swiglu_limits={self.swiglu_limits}: {bad[0]} is negative")
+            if any(self.swiglu_limits) and not self.gated_linear_unit:
+                raise ValueError(
+                    "swiglu_limits clamps a SwiGLU MLP: it needs gated_linear_unit=True"
+                )
+        if self.layer_types is None:
+            for field in ("sliding_num_attention_heads", "sliding_num_query_groups",
+                          "sliding_rotary_base", "sliding_rotary_percent"):
+                if getattr(self, field) is not None:
+                    raise ValueError(
+                        f"{field}={getattr(self, field)} needs layer_types with "
+                        "'sliding_attention' layers"
+                    )
+            return
+        if len(self.layer_types) != n:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries, num_layers is {n}: give one "
+                f"per layer, each one of {LAYER_TYPES}"
+            )
+        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if unknown:
+            raise ValueError(
+                f"layer_types entry {unknown[0]!r} is not one of {LAYER_TYPES}"
+            )
+        if SLIDING_ATTENTION in self.layer_types and (
+            self.sliding_window is None or self.sliding_window < 1
+        ):
+            raise ValueError(
+                f"layer_types has 'sliding_attention' layers: sliding_window must be at least 1, "
+                f"got {self.sliding_window}"
+            )
+        if self.window_size is not None:
+            raise ValueError(
+                f"window_size={self.window_size} applies one window to every layer; with "
+                "layer_types, give the sliding layers' window as sliding_window instead"
+            )
+        heads = self.sliding_num_attention_heads or self.num_attention_heads
+        groups = self.sliding_num_query_groups or self.num_query_groups
+        for field, value in (("sliding_num_attention_heads", heads),
+                             ("sliding_num_query_groups", groups)):
+            if value < 1:
+                raise ValueError(f"{field}={value} must be at least 1")
+            if value % tp:
+                raise ValueError(
+                    f"{field}={value} (sliding layers) must be divisible by "
+                    f"tensor_model_parallel_size ({tp})"
+                )
+        if heads % groups:
+            raise ValueError(
+                f"sliding_num_attention_heads ({heads}) must be divisible by "
+                f"sliding_num_query_groups ({groups})"
+            )
+
+    def layer_type(self, layer_number: int) -> str:
+        """The kind of global layer ``layer_number`` (1-based, as megatron counts)."""
+        if self.layer_types is None:
+            return FULL_ATTENTION
+        return self.layer_types[layer_number - 1]
+
+    def swiglu_limit(self, layer_number: int) -> Optional[float]:
+        """HF's SwiGLU clamp of global layer ``layer_number`` (1-based); None = no clamp."""
+        if self.swiglu_limits is None:
+            return None
+        return self.swiglu_limits[layer_number - 1] or None
+
+    def get_config_for_layer(self, layer_number: int) -> "GatedTransformerConfig":
+        """The config of global layer ``layer_number`` (1-based): this one for full layers, the
+        sliding kind's for sliding layers (megatron's TransformerBlock calls this for
+        heterogeneous blocks; mcore_ext's block spec passes the same config either way)."""
+        if self.layer_type(layer_number) == FULL_ATTENTION:
+            return self
+        return self.sliding_config()
+
+    def sliding_config(self) -> "GatedTransformerConfig":
+        """The config every sliding layer is built with: heads, groups, window, RoPE of the
+        sliding kind, as one plain layer config (no layer_types of its own)."""
+        cached = self.__dict__.get("_sliding_config")
+        if cached is None:
+            window = self.sliding_window
+            cached = dataclasses.replace(
+                self,
+                num_attention_heads=self.sliding_num_attention_heads or self.num_attention_heads,
+                num_query_groups=self.sliding_num_query_groups or self.num_query_groups,
+                rotary_base=(self.sliding_rotary_base if self.sliding_rotary_base is not None
+                             else self.rotary_base),
+                rotary_percent=(self.sliding_rotary_percent
+                                if self.sliding_rotary_percent is not None
+                                else self.rotary_percent),
+                # megatron's (left, right) window: keys i - (W - 1) .. i, HF's i - W < j <= i.
+                window_size=(window - 1, 0),
+                layer_types=None, sliding_window=None, sliding_num_attention_heads=None,
+                sliding_num_query_groups=None, sliding_rotary_base=None,
+                sliding_rotary_percent=None, swiglu_limits=None,
+                heterogeneous_block_specs=False,
+                # megatron's fused GPU softmax (local backend) ignores window_size; its torch
+                # softmax applies it.
+                masked_softmax_fusion=False,
+            )
+            self.__dict__["_sliding_config"] = cached
+        return cached
+
+    def _kinds_differ_in_shape(self) -> bool:
+        if self.layer_types is None or SLIDING_ATTENTION not in self.layer_types:
+            return False
+        return (
+            (self.sliding_num_attention_heads or self.num_attention_heads)
+            != self.num_attention_heads
+            or (self.sliding_num_query_groups or self.num_query_groups) != self.num_query_groups
+        )
 
     # The rows of linear_qkv, counted once here for the attention module, FLOP counters and
     # checks. Global (all TP ranks together); each rank holds 1 / tensor_model_parallel_size.

@@ -20,10 +20,12 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from mcore_ext import _mcore_compat
 from mcore_ext.attention.gated import HeadWiseGatedSelfAttention
 from mcore_ext.attention.sdpa import SDPAttention
+from mcore_ext.layer_kinds import kind_layer_spec
 from mcore_ext.norm import TorchNorm
 
 logger = logging.getLogger(__name__)
@@ -108,10 +110,12 @@ def get_gpt_block_spec(
     """The decoder block spec for ``GPTModel(transformer_layer_spec=...)``.
 
     Same layers as ``get_gpt_layer_spec`` on this pipeline stage, plus the final norm of the
-    backend (megatron's default final norm, without Apex, refuses sequence parallelism).
+    backend (megatron's default final norm, without Apex, refuses sequence parallelism). With
+    ``layer_types`` or ``swiglu_limits`` in the config, each layer is a ``KindTransformerLayer``
+    with its global layer's config (kinds count global layer numbers, so every pipeline stage
+    builds its own layers' kinds).
     """
     backend = resolve_backend(backend)
-    layer = get_gpt_layer_spec(config, backend)
     final_norm = {
         AttentionBackend.SDPA: TorchNorm,
         AttentionBackend.LOCAL: (
@@ -120,7 +124,18 @@ def get_gpt_block_spec(
         AttentionBackend.TE: _mcore_compat.TENorm,
     }[backend]
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=final_norm)
+    if getattr(config, "layer_types", None) is None and getattr(config, "swiglu_limits", None) is None:
+        layer_specs = [get_gpt_layer_spec(config, backend)] * num_layers
+    else:
+        offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+        kind_specs = {}  # one layer spec per kind config
+        layer_specs = []
+        for number in range(offset + 1, offset + num_layers + 1):
+            layer_config = config.get_config_for_layer(number)
+            if id(layer_config) not in kind_specs:
+                kind_specs[id(layer_config)] = get_gpt_layer_spec(layer_config, backend)
+            layer_specs.append(kind_layer_spec(kind_specs[id(layer_config)], config, number))
+    return TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=final_norm)
 
 
 _NORM_SLOTS = ("input_layernorm", "pre_mlp_layernorm", "q_layernorm", "k_layernorm")

@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
-from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -24,7 +23,7 @@ from megatron.core.transformer.module import Float16Module
 from mcore_ext._cpu_compat import cuda_to_cpu
 from mcore_ext.config import GatedTransformerConfig
 from mcore_ext.runtime import destroy_parallel, device, init_parallel
-from mcore_ext.specs import get_gpt_block_spec
+from mcore_ext.models import build_gpt_model
 from mcore_ext.training import checkpointing
 from mcore_ext.training.data import batch_iterator, build_datasets, prepare_tokenizer_and_data
 from mcore_ext.training.megatron_configs import (
@@ -63,16 +62,12 @@ def padded_vocab_size(vocab_size: int, cfg) -> int:
 def build_model(cfg, vocab_size: int) -> DistributedDataParallel:
     """This pipeline stage's GPTModel, in the compute dtype, wrapped in megatron's DDP."""
     config = transformer_config(cfg)
-    gpt = GPTModel(
+    gpt = build_gpt_model(
         config,
-        transformer_layer_spec=get_gpt_block_spec(config, cfg.model.attention_backend),
         vocab_size=vocab_size,
         max_sequence_length=cfg.model.seq_length,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
+        backend=cfg.model.attention_backend,
         share_embeddings_and_output_weights=not cfg.model.untie_embeddings_and_output_weights,
-        position_embedding_type="rope",
-        rotary_base=cfg.model.rotary_base,
     )
     gpt.to(device())
     if compute_dtype(cfg) is not torch.float32:

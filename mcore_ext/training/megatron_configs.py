@@ -33,6 +33,7 @@ def transformer_config(cfg, **runtime_fields) -> GatedTransformerConfig:
         add_bias_linear=False,
         add_qkv_bias=m.add_qkv_bias,
         normalization=m.normalization,
+        rotary_base=float(m.rotary_base),
         gated_linear_unit=m.swiglu,
         activation_func=F.silu if m.swiglu else F.gelu,
         init_method_std=m.init_method_std,

@@ -1,0 +1,113 @@
+"""Layers of several kinds in one megatron block (Step-3.5: full and sliding-window attention).
+
+megatron's TransformerBlock hands one config to every layer (or, for heterogeneous blocks, asks
+``config.get_config_for_layer``). ``KindTransformerLayer`` is megatron's TransformerLayer built
+with its own layer's config, whatever the block passes, plus the two things a per-layer config
+cannot express:
+
+- RoPE of its kind: GPTModel computes one rotary embedding (the full layers' base and fraction)
+  for all layers; a layer whose kind has another base or fraction computes its own.
+- HF's SwiGLU clamp, ``silu(gate).clamp(max=L) * up.clamp(-L, L)`` (megatron's
+  ``activation_func_clamp_value`` clamps the gate before the SiLU, a different function).
+
+Neither adds parameters, so checkpoint keys are megatron's.
+"""
+
+import copy
+import dataclasses
+import functools
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+
+class KindTransformerLayer(TransformerLayer):
+    """megatron's ``TransformerLayer`` built with ``layer_config`` (its kind's config).
+
+    ``model_rotary`` is the (base, fraction) of the rotary embedding GPTModel passes in; when
+    ``layer_config`` has another, this layer computes its own. ``swiglu_limit`` clamps its MLP.
+    """
+
+    def __init__(self, config, submodules, *args, layer_config=None,
+                 model_rotary: Optional[tuple] = None, swiglu_limit: Optional[float] = None,
+                 **kwargs):
+        layer_config = layer_config if layer_config is not None else config
+        super().__init__(layer_config, submodules, *args, **kwargs)
+        self.kind_rotary_pos_emb = None
+        own_rotary = (float(layer_config.rotary_base), float(layer_config.rotary_percent))
+        if model_rotary is not None and own_rotary != tuple(map(float, model_rotary)):
+            self.kind_rotary_pos_emb = RotaryEmbedding(
+                kv_channels=layer_config.kv_channels,
+                rotary_percent=layer_config.rotary_percent,
+                rotary_interleaved=layer_config.rotary_interleaved,
+                rotary_base=layer_config.rotary_base,
+                use_cpu_initialization=layer_config.use_cpu_initialization,
+            )
+        self.swiglu_limit = swiglu_limit
+        if swiglu_limit:
+            _clamp_swiglu(self.mlp, swiglu_limit)
+
+    def forward(self, *args, **kwargs):
+        emb = kwargs.get("rotary_pos_emb")
+        if self.kind_rotary_pos_emb is not None and emb is not None:
+            kwargs["rotary_pos_emb"] = self._kind_rotary_pos_emb(emb, kwargs)
+        return super().forward(*args, **kwargs)
+
+    def _kind_rotary_pos_emb(self, model_emb, kwargs):
+        """This kind's embedding for the positions ``model_emb`` [s, 1, 1, dim] covers."""
+        if isinstance(model_emb, tuple):  # (q, k) embeddings: megatron passes them for cross-attn
+            raise NotImplementedError("per-kind RoPE does not support separate q / k embeddings")
+        params = kwargs.get("packed_seq_params")
+        packed = params is not None and params.qkv_format == "thd"
+        seq_len = model_emb.size(0)
+        cp = parallel_state.get_context_parallel_world_size()
+        if cp > 1 and not packed:  # the model's embedding is this CP rank's slice of seq_len
+            seq_len *= cp
+        return self.kind_rotary_pos_emb(seq_len, packed_seq=packed)
+
+
+def clamped_swiglu(x: torch.Tensor, limit: float) -> torch.Tensor:
+    """[..., 2 f] (gate then up, megatron's fc1 layout) -> silu(gate).clamp(max=L) * up.clamp(-L, L)."""
+    gate, up = torch.chunk(x, 2, dim=-1)
+    return F.silu(gate).clamp(max=limit) * up.clamp(min=-limit, max=limit)
+
+
+def _clamp_swiglu(mlp, limit: float) -> None:
+    """Make megatron's MLP apply ``clamped_swiglu`` to the whole fc1 output.
+
+    megatron's MLP calls ``self.activation_func`` on the whole fc1 output (bias added) when its
+    config has ``use_te_activation_func``; this MLP reads a private copy of the config with that
+    flag on, as HeadWiseGatedSelfAttention does for its gate, and every other module keeps the
+    layer's config.
+    """
+    config = mlp.config
+    if not config.gated_linear_unit or config.activation_func is not F.silu:
+        raise ValueError(
+            f"swiglu_limits clamps a SwiGLU MLP (gated_linear_unit=True, activation_func=silu), "
+            f"got gated_linear_unit={config.gated_linear_unit}, "
+            f"activation_func={getattr(config.activation_func, '__name__', config.activation_func)}"
+        )
+    mlp.config = copy.copy(config)
+    mlp.config.use_te_activation_func = True
+    mlp.activation_func = functools.partial(clamped_swiglu, limit=float(limit))
+
+
+def kind_layer_spec(layer_spec: ModuleSpec, model_config, layer_number: int) -> ModuleSpec:
+    """``layer_spec`` (a TransformerLayer spec) as a ``KindTransformerLayer`` of global layer
+    ``layer_number`` (1-based) of ``model_config``."""
+    if layer_spec.module is not TransformerLayer:
+        raise NotImplementedError(
+            f"layer_types / swiglu_limits need megatron's TransformerLayer, got {layer_spec.module}"
+        )
+    params = dict(layer_spec.params or {})
+    params.update(
+        layer_config=model_config.get_config_for_layer(layer_number),
+        model_rotary=(model_config.rotary_base, model_config.rotary_percent),
+        swiglu_limit=model_config.swiglu_limit(layer_number),
+    )
+    return dataclasses.replace(layer_spec, module=KindTransformerLayer, params=params)

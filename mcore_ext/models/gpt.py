@@ -1,0 +1,46 @@
+"""``build_gpt_model``: megatron's GPTModel with mcore_ext's block spec and the config's RoPE."""
+
+from typing import Optional
+
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+
+from mcore_ext.config import GatedTransformerConfig
+from mcore_ext.specs import get_gpt_block_spec
+
+
+def build_gpt_model(
+    config: GatedTransformerConfig,
+    *,
+    vocab_size: int,
+    max_sequence_length: int,
+    backend: str = "auto",
+    share_embeddings_and_output_weights: bool = False,
+    pre_process: Optional[bool] = None,
+    post_process: Optional[bool] = None,
+    vp_stage: Optional[int] = None,
+) -> GPTModel:
+    """This rank's megatron ``GPTModel`` for ``config`` on ``backend`` (see ``get_gpt_block_spec``).
+
+    RoPE comes from the config (``rotary_base``, ``rotary_percent``: the full layers'; a layer
+    kind with other values computes its own), every layer is built with its kind's config, and
+    parameter names are megatron's. ``pre_process`` / ``post_process`` (embedding / output layer
+    on this rank) default to whether this is the first / last pipeline stage.
+    """
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    return GPTModel(
+        config,
+        transformer_layer_spec=get_gpt_block_spec(config, backend, vp_stage=vp_stage),
+        vocab_size=vocab_size,
+        max_sequence_length=max_sequence_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+        position_embedding_type="rope",
+        rotary_percent=config.rotary_percent,
+        rotary_base=config.rotary_base,
+        vp_stage=vp_stage,
+    )
