@@ -10,6 +10,7 @@ state, so training starts at iteration 0).
 rebuilds the model from its ``config.yaml``, and writes the HF layout with ``save_pretrained``.
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -52,13 +53,26 @@ def launcher_model_section(spec: Step35Config, seq_length: int, multiple: int) -
         untie_embeddings_and_output_weights=not spec.tie_word_embeddings,
         make_vocab_size_divisible_by=multiple,
     )
-    # The Step-3.5 keys, named as in GatedTransformerConfig.
+    # The Step-3.5 keys, named as in GatedTransformerConfig. A key the launcher's schema lacks is
+    # dropped only where the value is megatron's default (the launcher builds the same model).
+    from mcore_ext.config import GatedTransformerConfig
+    from mcore_ext.training.config import ModelConfig
+
+    schema = {f.name for f in dataclasses.fields(ModelConfig)}
+    defaults = {f.name: f.default for f in dataclasses.fields(GatedTransformerConfig)}
     for key in ("rotary_base", "rotary_percent", "layernorm_epsilon",
                 "layernorm_zero_centered_gamma", "qk_layernorm", "softmax_scale", "layer_types",
                 "sliding_window", "sliding_num_attention_heads", "sliding_num_query_groups",
                 "sliding_rotary_base", "sliding_rotary_percent", "swiglu_limits"):
-        if key in fields:
+        if key not in fields:
+            continue
+        if key in schema:
             section[key] = fields[key]
+        elif fields[key] != defaults.get(key):
+            raise HFConfigError(
+                f"the launcher's model section has no key {key!r}, which this model needs "
+                f"({key}={fields[key]!r})"
+            )
     return section
 
 
