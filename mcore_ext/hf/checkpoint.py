@@ -96,10 +96,6 @@ def import_checkpoint(hf_dir: str, ckpt_dir: str, *, dtype: torch.dtype | None =
                               "directory")
     dtype = dtype or file_dtype
     seq_length = seq_length or min(spec.max_position_embeddings, 4096)
-    model = load_pretrained(hf_dir, backend=backend, dtype=dtype,
-                            make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-                            max_sequence_length=seq_length)
-
     from mcore_ext.training.config import PretrainConfig
     from mcore_ext.training.config.overrides import build
 
@@ -108,6 +104,9 @@ def import_checkpoint(hf_dir: str, ckpt_dir: str, *, dtype: torch.dtype | None =
         "training": {"precision": _PRECISION[dtype]},
         "checkpoint": {"load": os.path.abspath(ckpt_dir), "finetune": True},
     })
+    model = load_pretrained(hf_dir, backend=backend, dtype=dtype,
+                            make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+                            max_sequence_length=seq_length)
     directory = iteration_dir(ckpt_dir, 0)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     failure = None
