@@ -1,8 +1,15 @@
-"""Core attention on ``torch.nn.functional.scaled_dot_product_attention``.
+"""Core attention on ``torch.nn.functional.scaled_dot_product_attention`` or ``flex_attention``.
 
 A drop-in for megatron's ``core_attention`` slot (same constructor and call signature as
-``megatron.core.transformer.dot_product_attention.DotProductAttention``) that runs on CPU and GPU:
-torch picks the flash / memory-efficient kernel on a GPU and the math kernel on a CPU.
+``megatron.core.transformer.dot_product_attention.DotProductAttention``) that runs on CPU and GPU.
+``config.attention_kernel`` picks the inner kernel, as torchtitan does:
+- "sdpa": torch SDPA; torch picks the flash / memory-efficient kernel on a GPU when no dense
+  mask is needed (plain causal), the math kernel on a CPU. A window (``config.window_size``) or a
+  bottom-right causal mask is a dense [sq, sk] mask, which sends SDPA to its slower paths.
+- "flex": torch ``flex_attention`` with a block mask for causal + window + packed documents:
+  blocks that are fully masked are skipped, so a window keeps long sequences fast (compiled on a
+  GPU; eager, for tests, on a CPU).
+Both build their masks from one position rule, ``allowed(q_pos, k_pos, ...)``.
 
 Shapes (megatron notation): sq / sk query / key length, b batch, np query heads and ng key-value
 groups on this rank, hn head dim, t tokens of a packed (THD) batch.
@@ -25,6 +32,24 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
 _CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal, AttnMaskType.causal_bottom_right)
+
+
+def allowed(q_pos, k_pos, causal: bool, window=None):
+    """Whether the query at position ``q_pos`` may attend the key at ``k_pos`` (tensors that
+    broadcast; True = attend).
+
+    ``causal``: keys at or before the query. ``window`` = megatron's (left, right): keys in
+    [q - left, q + right], a negative bound = unbounded. HF's ``sliding_window`` W is (W - 1, 0):
+    q - W < k <= q.
+    """
+    ok = k_pos <= q_pos if causal else torch.ones_like(k_pos <= q_pos)
+    if window is not None:
+        left, right = window
+        if left >= 0:
+            ok = ok & (k_pos >= q_pos - left)
+        if right >= 0:
+            ok = ok & (k_pos <= q_pos + right)
+    return ok
 
 
 class SDPAttention(MegatronModule):
@@ -61,6 +86,11 @@ class SDPAttention(MegatronModule):
             softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
         )
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.window = tuple(config.window_size) if config.window_size is not None else None
+        self.kernel = getattr(config, "attention_kernel", "sdpa")
+        if self.kernel == "flex":
+            _check_flex(config, self.dropout_p)
+        self._block_masks = {}  # flex: (sq, sk, causal, device) -> BlockMask, for unpacked batches
 
     def forward(
         self,
@@ -82,6 +112,8 @@ class SDPAttention(MegatronModule):
         )
         with rng:
             if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+                if self.kernel == "flex":
+                    return self._packed_flex(query, key, value, mask_type, packed_seq_params)
                 return self._packed(query, key, value, mask_type, dropout_p, packed_seq_params)
             # [s, b, n, hn] -> [b, n, s, hn]; SDPA accepts the strided view, no copy here.
             q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
@@ -90,7 +122,12 @@ class SDPAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(out.size(2), out.size(0), -1)
 
     def _attend(self, q, k, v, attention_mask, attention_bias, mask_type, dropout_p):
-        mask = _sdpa_mask(attention_mask, attention_bias, mask_type, q.size(-2), k.size(-2), q)
+        """[b, n, sq, hn] x [b, g, sk, hn] -> [b, n, sq, hn]."""
+        if self.kernel == "flex":
+            return self._flex(q, k, v, attention_mask, attention_bias, mask_type)
+        mask = _sdpa_mask(
+            attention_mask, attention_bias, mask_type, self.window, q.size(-2), k.size(-2), q
+        )
         return F.scaled_dot_product_attention(
             q,
             k,
@@ -117,26 +154,145 @@ class SDPAttention(MegatronModule):
         return out.reshape(out.size(0), -1)
 
 
+    # ------------------------------------------------------------------------------- flex
+
+    def _flex(self, q, k, v, attention_mask, attention_bias, mask_type):
+        if attention_bias is not None:
+            raise NotImplementedError("attention_kernel='flex' does not take an attention_bias")
+        sq, sk = q.size(-2), k.size(-2)
+        causal = mask_type in _CAUSAL
+        if attention_mask is not None and mask_type is not AttnMaskType.no_mask:
+            # A dense user mask [b or 1, 1, sq, sk] (True = masked out): one block mask per call.
+            keep = ~attention_mask.bool().expand(q.size(0), 1, sq, sk)
+            positions = self._mask_mod(sq, sk, causal)
+            block_mask = _create_block_mask(
+                lambda b, h, qi, ki: positions(b, h, qi, ki) & keep[b, 0, qi, ki],
+                q.size(0), sq, sk, q.device,
+            )
+        else:
+            cache_key = (sq, sk, causal, q.device)
+            block_mask = self._block_masks.get(cache_key)
+            if block_mask is None:
+                block_mask = _create_block_mask(self._mask_mod(sq, sk, causal), None, sq, sk,
+                                                q.device)
+                self._block_masks[cache_key] = block_mask
+        return _flex_attention(q, k, v, block_mask, self.softmax_scale)
+
+    def _mask_mod(self, sq, sk, causal):
+        """flex's mask_mod for megatron's bottom-right aligned masks: query i is at key position
+        i + sk - sq."""
+        offset, window = sk - sq, self.window
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return allowed(q_idx + offset, kv_idx, causal, window)
+
+        return mask_mod
+
+    def _packed_flex(self, query, key, value, mask_type, params):
+        """THD in one flex call: a key is visible within its own document only; padding slots
+        between documents belong to none and stay zero."""
+        if params.cu_seqlens_q is not params.cu_seqlens_kv and not torch.equal(
+            params.cu_seqlens_q, params.cu_seqlens_kv
+        ):
+            raise NotImplementedError("attention_kernel='flex' packs self-attention only")
+        t = query.size(0)
+        doc = _document_ids(params.cu_seqlens_q, params.cu_seqlens_q_padded, t, query.device)
+        causal, window = mask_type in _CAUSAL, self.window
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            # Within one document, global index differences are position differences.
+            same = (doc[q_idx] == doc[kv_idx]) & (doc[q_idx] >= 0)
+            return same & allowed(q_idx, kv_idx, causal, window)
+
+        block_mask = _create_block_mask(mask_mod, None, t, t, query.device)
+        # [t, n, hn] -> [1, n, t, hn]
+        q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))
+        out = _flex_attention(q, k, v, block_mask, self.softmax_scale)[0].transpose(0, 1)
+        out = out.masked_fill((doc < 0).view(-1, 1, 1), 0.0)
+        return out.reshape(t, -1)
+
+
+def _document_ids(cu_seqlens, cu_seqlens_padded, t, device):
+    """[t]: the document of each packed token, -1 for padding slots between documents."""
+    starts = _starts(cu_seqlens_padded, cu_seqlens)
+    lengths = cu_seqlens.diff().tolist()
+    doc = torch.full((t,), -1, dtype=torch.int32, device=device)
+    for i, (start, length) in enumerate(zip(starts, lengths)):
+        doc[start : start + length] = i
+    return doc
+
+
+def _create_block_mask(mask_mod, batch, sq, sk, device):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(mask_mod, batch, None, sq, sk, device=device)
+
+
+_compiled_flex = None
+
+
+def _flex_attention(q, k, v, block_mask, scale):
+    """torch flex_attention, compiled on a GPU (its eager form materializes the scores, which
+    is what it runs on a CPU, for tests: forward only, torch has no flex backward on a CPU)."""
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    fn = flex_attention
+    if not q.is_cuda and torch.is_grad_enabled() and any(
+        x.requires_grad for x in (q, k, v)
+    ):
+        raise NotImplementedError(
+            "attention_kernel='flex' runs forward only on a CPU (torch's flex_attention has no "
+            "CPU backward): train with attention_kernel='sdpa' on a CPU, or on a GPU"
+        )
+    if q.is_cuda:
+        if _compiled_flex is None:
+            _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        fn = _compiled_flex
+    return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.size(-3) != k.size(-3))
+
+
+def _check_flex(config, dropout_p):
+    try:
+        from torch.nn.attention import flex_attention  # noqa: F401
+    except ImportError:
+        raise ImportError(
+            f"attention_kernel='flex' needs torch.nn.attention.flex_attention (torch >= 2.5); "
+            f"this torch is {torch.__version__}"
+        ) from None
+    if dropout_p:
+        raise NotImplementedError(
+            f"attention_kernel='flex' has no attention dropout: attention_dropout={dropout_p} "
+            "needs attention_kernel='sdpa'"
+        )
+
+
 def _starts(cu_seqlens_padded, cu_seqlens):
     return (cu_seqlens_padded if cu_seqlens_padded is not None else cu_seqlens)[:-1].tolist()
 
 
-def _sdpa_mask(attention_mask, attention_bias, mask_type, sq, sk, like):
-    """One SDPA mask from megatron's boolean mask (True = masked out), mask type and bias.
+def _sdpa_mask(attention_mask, attention_bias, mask_type, window, sq, sk, like):
+    """One SDPA mask from megatron's boolean mask (True = masked out), mask type, window and bias.
 
     Returns None when SDPA's own ``is_causal`` (aligned top-left) or no mask is exact. Megatron's
-    causal masks, KV-cache decoding included, are aligned bottom-right, which differs when sq != sk.
+    causal and window masks, KV-cache decoding included, are aligned bottom-right (query i is at
+    key position i + sk - sq), which differs from is_causal when sq != sk.
     """
-    allowed = None  # True = attend
+    keep = None  # True = attend
     if attention_mask is not None and mask_type is not AttnMaskType.no_mask:
-        allowed = ~attention_mask.bool()
-    if mask_type in _CAUSAL and (allowed is not None or attention_bias is not None or sq != sk):
-        causal = torch.ones(sq, sk, dtype=torch.bool, device=like.device).tril(diagonal=sk - sq)
-        allowed = causal if allowed is None else allowed & causal
+        keep = ~attention_mask.bool()
+    causal = mask_type in _CAUSAL
+    if window is not None or (
+        causal and (keep is not None or attention_bias is not None or sq != sk)
+    ):
+        q_pos = torch.arange(sk - sq, sk, device=like.device).unsqueeze(1)
+        k_pos = torch.arange(sk, device=like.device).unsqueeze(0)
+        by_position = allowed(q_pos, k_pos, causal, window)  # [sq, sk]
+        keep = by_position if keep is None else keep & by_position
     if attention_bias is None:
-        return allowed
+        return keep
     bias = attention_bias.to(like.dtype)
-    return bias if allowed is None else bias.masked_fill(~allowed, float("-inf"))
+    return bias if keep is None else bias.masked_fill(~keep, float("-inf"))
 
 
 def _reject_unsupported(config: TransformerConfig) -> None:
@@ -145,9 +301,14 @@ def _reject_unsupported(config: TransformerConfig) -> None:
             f"SDPAttention does not support context_parallel_size={config.context_parallel_size}; "
             "use the 'te' backend for context parallelism"
         )
-    if config.window_size is not None:
+    if config.window_size is not None and (
+        len(config.window_size) != 2 or config.window_attn_skip_freq is not None
+    ):
         raise NotImplementedError(
-            f"SDPAttention does not support window_size={config.window_size}; use the 'te' backend"
+            f"SDPAttention takes window_size=(left, right) on every layer, got "
+            f"window_size={config.window_size}, window_attn_skip_freq="
+            f"{config.window_attn_skip_freq} (use layer_types / sliding_window for per-layer "
+            "windows)"
         )
     if config.softmax_type != "vanilla":
         raise NotImplementedError(
