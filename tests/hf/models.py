@@ -22,7 +22,7 @@ def tiny_config(**overrides):
 
     fields = dict(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_attention_heads=4, num_key_value_heads=4, head_dim=8,
         num_sliding_attention_heads=8, sliding_window=4,
         layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"],
         mlp_layer_types=["dense"] * 4,

@@ -35,7 +35,7 @@ def test_released_legacy_and_transformers_configs_read_the_same():
         assert dataclass_fields(a) == dataclass_fields(other)
     assert a.layer_types == ["full_attention", "sliding_attention", "sliding_attention",
                              "full_attention"]  # the legacy MTP entry was trimmed
-    assert (a.num_heads, a.num_sliding_heads, a.num_kv_heads) == (4, 8, 2)
+    assert (a.num_heads, a.num_sliding_heads, a.num_kv_heads) == (4, 8, 4)
     assert a.rope_theta == {"full_attention": 10000.0, "sliding_attention": 500.0}
     assert a.partial_rotary_factor == {"full_attention": 0.5, "sliding_attention": 1.0}
     assert a.swiglu_limits == [None, 1.0, 1.0, None]

@@ -51,12 +51,12 @@ def _full_logits(model, tokens):
     return torch.cat(parts, dim=-1)
 
 
-def _parity(hf_dir, tokens, tp, pp):
+def _parity(hf_dir, tokens, tp, pp, kernel="sdpa"):
     import mcore_ext
     from mcore_ext.hf import load_pretrained
 
     mcore_ext.init_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    model = load_pretrained(hf_dir, backend="sdpa").eval()
+    model = load_pretrained(hf_dir, backend="sdpa", attention_kernel=kernel).eval()
     logits = _full_logits(model, tokens)
     return None if logits is None else logits[..., : models.VOCAB]
 
@@ -74,6 +74,12 @@ def _check_parity(results, expected):
 def test_logits_match_transformers_on_2_ranks(run_distributed, hf_model, tp, pp):
     directory, tokens, expected = hf_model
     _check_parity(run_distributed(_parity, directory, tokens, tp, pp, world_size=2), expected)
+
+
+def test_logits_match_transformers_with_the_flex_kernel(run_distributed, hf_model):
+    directory, tokens, expected = hf_model
+    _check_parity(run_distributed(_parity, directory, tokens, 2, 1, "flex", world_size=2),
+                  expected)
 
 
 @pytest.mark.slow
