@@ -190,15 +190,21 @@ class GatedTransformerConfig(TransformerConfig):
             )
         heads = self.sliding_num_attention_heads or self.num_attention_heads
         groups = self.sliding_num_query_groups or self.num_query_groups
-        for field, value in (("sliding_num_attention_heads", heads),
-                             ("sliding_num_query_groups", groups)):
-            if value < 1:
-                raise ValueError(f"{field}={value} must be at least 1")
-            if value % tp:
-                raise ValueError(
-                    f"{field}={value} (sliding layers) must be divisible by "
-                    f"tensor_model_parallel_size ({tp})"
-                )
+        if heads < 1 or groups < 1:
+            raise ValueError(
+                f"sliding_num_attention_heads ({heads}) and sliding_num_query_groups ({groups}) "
+                "must be at least 1"
+            )
+        if heads % tp:
+            raise ValueError(
+                f"sliding_num_attention_heads={heads} (sliding layers) must be divisible by "
+                f"tensor_model_parallel_size ({tp})"
+            )
+        if groups % tp and tp % groups:  # megatron's rule for num_query_groups
+            raise ValueError(
+                f"sliding_num_query_groups={groups} (sliding layers) must be a multiple or divisor "
+                f"of tensor_model_parallel_size ({tp})"
+            )
         if heads % groups:
             raise ValueError(
                 f"sliding_num_attention_heads ({heads}) must be divisible by "

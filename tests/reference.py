@@ -55,3 +55,76 @@ def gated_attention(x_SBH, w_q, w_k, w_v, w_gate, w_o, num_heads, num_groups,
     gate_SBN = x_SBH @ w_gate.T + (b_gate if b_gate is not None else 0)
     gated = attn_SBND * torch.sigmoid(gate_SBN).unsqueeze(-1)
     return gated.reshape(s, b, -1) @ w_o.T
+
+
+# ------------------------------------------------------------------ Step-3.5 decoder (HF's formulas)
+# Written from transformers' Step3p7 text model (modeling_step3p7.py), not calling it. Weights are
+# a dict of global tensors with HF's names per layer: q/k/v/o/g_proj, q_norm, k_norm,
+# gate/up/down_proj, input_layernorm, post_attention_layernorm; plus embed, norm, lm_head.
+
+
+def zero_centered_rms_norm(x, weight, eps):
+    """Gemma / Step-3.5 RMSNorm: x / rms(x) * (1 + w), in fp32."""
+    x32 = x.float()
+    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * (1.0 + weight.float())).to(x.dtype)
+
+
+def rope(x_BNSD, base, fraction):
+    """RoPE on the first int(d * fraction) dims of each head (rotate_half layout), positions 0..s-1."""
+    s, d = x_BNSD.size(-2), x_BNSD.size(-1)
+    dim = int(d * fraction)
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    freqs = torch.arange(s, dtype=torch.float)[:, None] * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    rot, rest = x_BNSD[..., :dim], x_BNSD[..., dim:]
+    half = dim // 2
+    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+    return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
+
+
+def sliding_causal(s, window):
+    """[s, s]: query i sees key j iff i - window < j <= i (HF's sliding_window)."""
+    i = torch.arange(s).unsqueeze(1)
+    j = torch.arange(s).unsqueeze(0)
+    return (j <= i) & (j > i - window)
+
+
+def clamped_swiglu_mlp(x, w_gate, w_up, w_down, limit):
+    limit = limit or float("inf")
+    gate = torch.nn.functional.silu(x @ w_gate.T).clamp(max=limit)
+    up = (x @ w_up.T).clamp(min=-limit, max=limit)
+    return (gate * up) @ w_down.T
+
+
+def step35_logits(tokens_BS, weights, layers, eps):
+    """Logits [b, s, v] of a Step-3.5 text decoder (dense MLPs).
+
+    ``layers``: per layer a dict with heads, groups, window (None = full), rope_base,
+    rope_fraction, swiglu_limit (None = no clamp).
+    """
+    x = weights["embed"][tokens_BS]  # [b, s, h]
+    b, s, _ = x.shape
+    for i, kind in enumerate(layers):
+        w = weights["layers"][i]
+        n, g = kind["heads"], kind["groups"]
+        h_in = zero_centered_rms_norm(x, w["input_layernorm"], eps)
+        q = (h_in @ w["q_proj"].T).view(b, s, n, -1)
+        k = (h_in @ w["k_proj"].T).view(b, s, g, -1)
+        v = (h_in @ w["v_proj"].T).view(b, s, g, -1)
+        q = zero_centered_rms_norm(q, w["q_norm"], eps).transpose(1, 2)  # [b, n, s, d]
+        k = zero_centered_rms_norm(k, w["k_norm"], eps).transpose(1, 2)
+        q = rope(q, kind["rope_base"], kind["rope_fraction"])
+        k = rope(k, kind["rope_base"], kind["rope_fraction"])
+        allowed = causal(s, s) if kind["window"] is None else sliding_causal(s, kind["window"])
+        # reuse attention() above, which takes [s, b, heads, d]
+        attn = attention(q.permute(2, 0, 1, 3), k.permute(2, 0, 1, 3),
+                         v.transpose(0, 1), allowed)  # [s, b, n * d]
+        attn = attn.transpose(0, 1).reshape(b, s, n, -1)
+        gate = torch.sigmoid(h_in @ w["g_proj"].T).unsqueeze(-1)  # [b, s, n, 1]
+        x = x + (attn * gate).reshape(b, s, -1) @ w["o_proj"].T
+        h_mlp = zero_centered_rms_norm(x, w["post_attention_layernorm"], eps)
+        x = x + clamped_swiglu_mlp(h_mlp, w["gate_proj"], w["up_proj"], w["down_proj"],
+                                   kind["swiglu_limit"])
+    return zero_centered_rms_norm(x, weights["norm"], eps) @ weights["lm_head"].T

@@ -86,17 +86,23 @@ def flops_per_iteration(
 
     Counts every GEMM of the model ``config`` describes, including the gate rows of linear_qkv
     (``config.linear_qkv_rows``: the head-wise gate adds num_attention_heads output rows to the
-    QKV GEMM). Causal attention counts half the scores.
+    QKV GEMM), per layer kind (heads, window). Causal attention counts half the scores, a window
+    the scores inside it.
     """
-    h, heads, hn, s = config.hidden_size, config.num_attention_heads, config.kv_channels, seq_length
-    ffn = config.ffn_hidden_size
-    layer_macs = (
-        h * config.linear_qkv_rows  # linear_qkv (Q, K, V and gates)
-        + heads * hn * s  # Q K^T and P V, half of the s x s scores (causal)
-        + heads * hn * h  # linear_proj
-        + h * ffn * (2 if config.gated_linear_unit else 1) + ffn * h  # linear_fc1, linear_fc2
-    )
-    macs_per_token = config.num_layers * layer_macs + h * vocab_size  # + output layer
+    h, hn, s, ffn = config.hidden_size, config.kv_channels, seq_length, config.ffn_hidden_size
+    macs_per_token = h * vocab_size  # output layer
+    for number in range(1, config.num_layers + 1):
+        layer = config.get_config_for_layer(number)  # its kind's heads, groups and window
+        heads = layer.num_attention_heads
+        keys = s / 2  # keys a query sees on average: half of the s x s scores (causal)
+        if layer.window_size is not None:
+            keys = sum(min(i + 1, layer.window_size[0] + 1) for i in range(s)) / s
+        macs_per_token += (
+            h * layer.linear_qkv_rows  # linear_qkv (Q, K, V and gates)
+            + 2 * heads * hn * keys  # Q K^T and P V
+            + heads * hn * h  # linear_proj
+            + h * ffn * (2 if config.gated_linear_unit else 1) + ffn * h  # linear_fc1, linear_fc2
+        )
     return 3 * 2 * macs_per_token * global_batch_size * s
 
 

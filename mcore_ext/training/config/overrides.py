@@ -1,7 +1,8 @@
 """The generic half of the config: YAML file + ``section.key=value`` overrides -> typed dataclasses.
 
 Nothing here knows the launcher's keys: ``build`` works on any dataclass of section dataclasses.
-Values are checked against the fields' annotations (int, float, bool, str, Optional, Literal);
+Values are checked against the fields' annotations (int, float, bool, str, Optional, Literal,
+list);
 an unknown section or key, or a value of the wrong type, is a ``ConfigError`` naming the key and
 value, with a "did you mean" when a close name exists.
 """
@@ -119,8 +120,15 @@ def _unknown(key: str, valid: list[str], kind: str = "key") -> str:
 
 
 def _check_type(key: str, value, hint):
-    """``value`` if it fits ``hint`` (int, float, bool, str, Optional, Literal), else an error."""
+    """``value`` if it fits ``hint`` (int, float, bool, str, Optional, Literal, list), else an
+    error."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(
+                f"{key}={value!r} has type {type(value).__name__}, expected a list"
+            )
+        return [_check_type(f"{key}[{i}]", item, args[0]) for i, item in enumerate(value)]
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None

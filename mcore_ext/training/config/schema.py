@@ -60,8 +60,43 @@ class ModelConfig:
     swiglu: bool = True
     """SwiGLU MLP (gated SiLU); false -> GeLU MLP."""
 
-    rotary_base: int = 10000
-    """RoPE base."""
+    rotary_base: float = 10000
+    """RoPE base (of the full-attention layers when layer_types is set)."""
+
+    rotary_percent: float = 1.0
+    """Fraction of each head's dims that RoPE rotates (HF's partial_rotary_factor)."""
+
+    layer_types: Optional[list[str]] = None
+    """Step-3.5 layer kinds, one per layer: full_attention / sliding_attention; null = all full.
+    Sliding layers use sliding_window and the sliding_* values below."""
+
+    sliding_window: Optional[int] = None
+    """Keys a query of a sliding layer sees (HF's sliding_window: i - W < j <= i)."""
+
+    sliding_num_attention_heads: Optional[int] = None
+    """Query heads of sliding layers; null = num_attention_heads."""
+
+    sliding_num_query_groups: Optional[int] = None
+    """Key/value groups of sliding layers; null = num_query_groups."""
+
+    sliding_rotary_base: Optional[float] = None
+    """RoPE base of sliding layers; null = rotary_base."""
+
+    sliding_rotary_percent: Optional[float] = None
+    """Rotary fraction of sliding layers; null = rotary_percent."""
+
+    swiglu_limits: Optional[list[Optional[float]]] = None
+    """Per layer, HF's SwiGLU clamp L (silu(gate).clamp(max=L) * up.clamp(-L, L)); null or 0 =
+    none. Needs swiglu: true."""
+
+    layernorm_zero_centered_gamma: bool = False
+    """Norms scale by 1 + weight, weights start at 0 (Gemma / Step-3.5 RMSNorm), q/k norms too."""
+
+    qk_layernorm: bool = False
+    """Per-head norm of queries and keys before RoPE (normalization's kind)."""
+
+    layernorm_epsilon: float = 1.0e-5
+    """Epsilon of every norm (HF's rms_norm_eps)."""
 
     untie_embeddings_and_output_weights: bool = False
     """Separate input embedding and output projection."""
@@ -77,6 +112,11 @@ class ModelConfig:
 
     attention_backend: Literal["auto", "sdpa", "local", "te"] = "auto"
     """Attention implementation; auto: Transformer Engine on a GPU if installed, else SDPA."""
+
+    attention_kernel: Literal["sdpa", "flex"] = "sdpa"
+    """Inner kernel of the sdpa backend: torch SDPA (dense mask for windows) or flex_attention
+    (block mask: windows stay fast on long sequences; GPU for training, a CPU runs it forward
+    only)."""
 
     make_vocab_size_divisible_by: int = 128
     """Pad the vocab to a multiple of this; independent of TP so checkpoints reshard across TP."""

@@ -116,6 +116,20 @@ def validate(cfg: PretrainConfig, world_size: int) -> None:
     if c.finetune and not c.load:
         raise ConfigError("checkpoint.finetune=true needs checkpoint.load (the weights to use)")
 
+    if m.attention_kernel == "flex":
+        if m.attention_backend != "sdpa":
+            raise ConfigError(
+                f"model.attention_kernel=flex is the sdpa backend's kernel: set "
+                f"model.attention_backend=sdpa (got {m.attention_backend!r})"
+            )
+        if not on_gpu:
+            raise ConfigError(
+                "model.attention_kernel=flex trains on a GPU only (torch's flex_attention has no "
+                "CPU backward): use model.attention_kernel=sdpa on a CPU"
+            )
+    if m.swiglu_limits is not None and any(m.swiglu_limits) and not m.swiglu:
+        raise ConfigError("model.swiglu_limits clamps a SwiGLU MLP: it needs model.swiglu=true")
+
     # Last, let megatron's own config reject what it does not support (gate x TP, GQA, ...).
     from mcore_ext.training.megatron_configs import transformer_config
 
