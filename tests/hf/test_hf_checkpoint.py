@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.functional.test_pretrain import LAUNCHER, ROOT, check, losses, torchrun
+from mcore_ext.hf import HFConfigError
 from tests.hf import models
 from tests.hf.test_hf_parity import assert_same_tensors
 
@@ -106,9 +107,6 @@ BAD_INPUTS = {
                            "HFConfigError", "model_type='qwen3'"),
     "moe_layers": (dict(edit_config=lambda c: c.update(moe_layers_enum="2,3")), 2,
                    "HFConfigError", r"layers [2, 3] are MoE"),
-    "heads_not_divisible_by_tp": (dict(), 3, "HFConfigError",
-                                  "num_attention_heads=4 is not divisible by "
-                                  "tensor_model_parallel_size=3"),
     "config_weights_mismatch": (dict(edit_config=_shape_mismatch), 2, "HFConfigError",
                                 "mlp.gate_proj.weight: shape (48, 32) in the weights, (40, 32)"),
 }
@@ -119,12 +117,25 @@ def test_bad_input_is_refused_and_nothing_is_written(run_distributed, hf_dir, tm
     edits, tp, kind, message = BAD_INPUTS[case]
     bad = _bad_copy(hf_dir, str(tmp_path), case, **edits)
     ckpt = str(tmp_path / "ckpt")
-    world = 3 if tp == 3 else 2
-    results = run_distributed(_refuse, bad, ckpt, tp, world_size=world)
+    results = run_distributed(_refuse, bad, ckpt, tp, world_size=2)
     for error, text, wrote in results:
         assert error == kind, text
         assert message in text
         assert not wrote
+
+
+def test_head_counts_tp_does_not_divide_are_refused_before_anything_is_built(hf_dir):
+    # import_checkpoint / load_pretrained run this check before building or writing anything.
+    from mcore_ext.hf.convert import check_parallel, read_hf_config
+
+    _, spec = read_hf_config(hf_dir)
+    with pytest.raises(HFConfigError, match="num_attention_heads=4 is not divisible by "
+                                            "tensor_model_parallel_size=8"):
+        check_parallel(spec, 8)
+    with pytest.raises(HFConfigError, match="num_sliding_attention_heads=8 is not divisible by "
+                                            "tensor_model_parallel_size=3"):
+        check_parallel(spec.replace(num_heads=6), 3)
+    check_parallel(spec, 4)
 
 
 def test_cli_error_is_one_line_exit_2_nothing_written(hf_dir, tmp_path):
