@@ -160,6 +160,7 @@ def load_pretrained(
             backend=backend,
             share_embeddings_and_output_weights=spec.tie_word_embeddings,
         )
+        model.to(dtype)  # torch norms are built in fp32; the launcher's Float16Module casts too
         load_into(model, reader, spec, vocab)
     finally:
         reader.close()
@@ -245,13 +246,15 @@ def spec_of(model, vocab_size: int | None = None, extra: dict | None = None) -> 
 
 
 def save_pretrained(model, hf_dir: str, *, vocab_size: int | None = None,
-                    max_shard_bytes: int = 2 * 1024**3, extra_config: dict | None = None) -> None:
+                    max_shard_bytes: int = 2 * 1024**3, extra_config: dict | None = None,
+                    dtype: torch.dtype | None = None) -> None:
     """Write ``model`` (any TP / PP; called on every rank) to ``hf_dir`` in the released
     Step-3.5 layout: config.json and size-sharded safetensors with their index, written by global
     rank 0. ``vocab_size`` strips megatron's padded rows (default: the size ``load_pretrained``
     read, else the model's). Tied embeddings are written as an lm_head copy (the layout has an
     untied lm_head). Raises ``HFConfigError`` on every rank, before anything is written, when the
-    model does not fit the layout."""
+    model does not fit the layout. ``dtype``: of every written tensor (default: the first
+    stage's first parameter's, e.g. the embedding's)."""
     model = unwrap(model)
     spec = spec_of(model, vocab_size, extra_config)
     world_rank = dist.get_rank() if dist.is_initialized() else 0
@@ -266,14 +269,15 @@ def save_pretrained(model, hf_dir: str, *, vocab_size: int | None = None,
     for item in _units(model, spec, model.vocab_size):
         units.setdefault(_unit_of(item[3]), []).append(item)
     mine = {unit: world_rank for unit in units} if owner else {}
-    dtype = next(model.parameters()).dtype
     gathered = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
     if dist.is_initialized():
-        dist.all_gather_object(gathered, mine)
+        dist.all_gather_object(gathered, (mine, next(model.parameters()).dtype))
     else:
-        gathered = [mine]
+        gathered = [(mine, next(model.parameters()).dtype)]
+    # One dtype for the whole file: rank 0's first parameter's (the embedding's).
+    dtype = dtype or gathered[0][1]
     sender = {}
-    for table in gathered:
+    for table, _ in gathered:
         sender.update(table)
     order = _unit_order(spec)
     absent = [u for u in order if u not in sender and not (u == "lm_head" and "embed" in sender)]
@@ -300,9 +304,9 @@ def save_pretrained(model, hf_dir: str, *, vocab_size: int | None = None,
                 kept_embedding = tensors["model.embed_tokens.weight"]
             for name in _unit_names(unit, shapes):
                 if world_rank == 0 and source == 0:
-                    writer.write(name, tensors[name])
+                    writer.write(name, tensors[name].to(dtype))
                 elif world_rank == source:
-                    dist.send(tensors[name].contiguous(), dst=0)
+                    dist.send(tensors[name].to(dtype).contiguous(), dst=0)
                 elif world_rank == 0:
                     tensor = torch.empty(shapes[name], dtype=dtype)
                     dist.recv(tensor, src=source)
