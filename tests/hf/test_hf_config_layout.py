@@ -169,3 +169,20 @@ def test_truncated_and_missing_files_are_reported(tmp_path):
     path.unlink()
     with pytest.raises(SafetensorsError, match=f"{last}: missing"):
         SafetensorsReader(directory)
+
+
+def test_export_refuses_a_model_the_layout_cannot_hold_naming_each_field():
+    from mcore_ext.config import GatedTransformerConfig
+
+    # configs/tiny_cpu.yaml's model: QKV bias, plain RMSNorm, no q/k norms.
+    config = GatedTransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
+                                    head_wise_attn_gate=True, add_qkv_bias=True,
+                                    add_bias_linear=False, gated_linear_unit=True,
+                                    normalization="RMSNorm",
+                                    activation_func=torch.nn.functional.silu)
+    with pytest.raises(HFConfigError) as err:
+        Step35Config.from_transformer_config(config, vocab_size=257, max_position_embeddings=64,
+                                             position_embedding_type="learned_absolute")
+    for field in ("add_qkv_bias=True", "layernorm_zero_centered_gamma=False",
+                  "qk_layernorm=False", "position_embedding_type='learned_absolute'"):
+        assert field in str(err.value)
