@@ -238,6 +238,18 @@ def _window_edges_and_kernels():
         ref[rows] = reference.attention(q[rows, None], k[rows, None], v[rows, None],
                                         reference.sliding_causal(length, w))[:, 0]
     diffs = {kernel: (out - ref).abs().max().item() for kernel, out in packed.items()}
+    # A user's padding mask (True = masked out) on top of causal + window: flex equals sdpa.
+    q, k, v = (torch.randn(8, 2, n, 8, generator=gen) for n in (heads, groups, groups))
+    user_mask = torch.zeros(2, 1, 8, 8, dtype=torch.bool)
+    user_mask[1, :, :, :2] = True
+    masked = {}
+    for kernel in ("sdpa", "flex"):
+        config = builders.gated_config(head_wise_attn_gate=False, num_attention_heads=heads,
+                                       num_query_groups=groups, kv_channels=8, hidden_size=32,
+                                       window_size=(w - 1, 0), attention_kernel=kernel)
+        with torch.no_grad():
+            masked[kernel] = _attention_module(config, "sdpa")(q, k, v, user_mask)
+    diffs["user_mask_flex_vs_sdpa"] = (masked["flex"] - masked["sdpa"])[2:].abs().max().item()
     return dict(found=found, expected=expected, packed_diffs=diffs,
                 padding_zero=all(out[[5, 11]].abs().max().item() == 0 for out in packed.values()))
 
