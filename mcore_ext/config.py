@@ -28,6 +28,10 @@ class GatedTransformerConfig(TransformerConfig):
     init fields exist only here (upstream's init surgery, PR #4848, was not merged); dev's gates
     start near sigmoid(0) = 0.5: ``head_wise_attn_gate_init_weight_scale=1.0`` and
     ``head_wise_attn_gate_init_bias=0.0`` give the same init distribution.
+
+    The Step-3.5 fields (``layer_types`` and the ``sliding_*`` values, per-kind RoPE,
+    ``swiglu_limits``, ``attention_kernel``) give layers of two kinds in one model, with Hugging
+    Face's semantics; ``get_config_for_layer`` returns a layer's kind config (see layer_kinds.py).
     """
 
     head_wise_attn_gate: bool = False

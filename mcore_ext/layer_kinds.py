@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
@@ -53,6 +54,10 @@ class KindTransformerLayer(TransformerLayer):
             _clamp_swiglu(self.mlp, swiglu_limit)
 
     def forward(self, *args, **kwargs):
+        if self.config.window_size is not None and isinstance(
+            getattr(self.self_attention, "core_attention", None), DotProductAttention
+        ):
+            _check_local_window_mask(kwargs.get("attention_mask"), self.config.window_size)
         emb = kwargs.get("rotary_pos_emb")
         if self.kind_rotary_pos_emb is not None and emb is not None:
             kwargs["rotary_pos_emb"] = self._kind_rotary_pos_emb(emb, kwargs)
@@ -69,6 +74,22 @@ class KindTransformerLayer(TransformerLayer):
         if cp > 1 and not packed:  # the model's embedding is this CP rank's slice of seq_len
             seq_len *= cp
         return self.kind_rotary_pos_emb(seq_len, packed_seq=packed)
+
+
+def _check_local_window_mask(attention_mask, window_size):
+    """megatron's DotProductAttention replaces any attention mask by its window mask: refuse a
+    mask that hides a key the window shows (padding), rather than ignore it."""
+    if attention_mask is None:
+        return
+    sq, sk = attention_mask.shape[-2:]
+    q_pos = torch.arange(sk - sq, sk, device=attention_mask.device).unsqueeze(1)
+    k_pos = torch.arange(sk, device=attention_mask.device).unsqueeze(0)
+    in_window = (k_pos <= q_pos + window_size[1]) & (k_pos >= q_pos - window_size[0])
+    if (attention_mask.bool() & in_window).any():
+        raise NotImplementedError(
+            "the 'local' backend applies a sliding window by replacing the attention mask, so "
+            "a padding mask inside the window would be ignored: use the 'sdpa' backend"
+        )
 
 
 def clamped_swiglu(x: torch.Tensor, limit: float) -> torch.Tensor:

@@ -153,7 +153,6 @@ class SDPAttention(MegatronModule):
             out[rows_q] = self._attend(q, k, v, None, None, mask_type, dropout_p).transpose(0, 1)
         return out.reshape(out.size(0), -1)
 
-
     # ------------------------------------------------------------------------------- flex
 
     def _flex(self, q, k, v, attention_mask, attention_bias, mask_type):
@@ -175,6 +174,8 @@ class SDPAttention(MegatronModule):
             if block_mask is None:
                 block_mask = _create_block_mask(self._mask_mod(sq, sk, causal), None, sq, sk,
                                                 q.device)
+                if len(self._block_masks) >= 8:  # decoding grows sk every step: keep few
+                    self._block_masks.clear()
                 self._block_masks[cache_key] = block_mask
         return _flex_attention(q, k, v, block_mask, self.softmax_scale)
 

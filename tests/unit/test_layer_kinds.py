@@ -142,14 +142,34 @@ def _model_vs_reference(tp, runs):
                                               backend=backend)
             load_global_weights(model, config, weights)
             logits = _full_logits(model, tokens)
+            mask_checks = _mask_checks(model, tokens, logits) if backend != "sdpa" else {}
         unclamped = [dict(kind, swiglu_limit=None) for kind in layers]
         clamp_effect = (reference.step35_logits(tokens, weights, unclamped, EPS)
                         - expected).abs().max().item()
         results[(case, backend, kernel)] = dict(
             diff=(logits - expected).abs().max().item(), clamp_effect=clamp_effect,
-            scale=expected.abs().max().item(),
+            scale=expected.abs().max().item(), **mask_checks,
         )
     return results
+
+
+def _mask_checks(model, tokens, logits):
+    """local: an explicit causal mask gives the same logits; a padding mask inside a window is
+    refused (megatron's DotProductAttention would replace it by its window mask)."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    positions = torch.arange(SEQ).expand_as(tokens)
+    causal_mask = ~reference.causal(SEQ, SEQ).view(1, 1, SEQ, SEQ)  # True = masked out
+    padding_mask = causal_mask.clone().repeat(BATCH, 1, 1, 1)
+    padding_mask[1, :, :, 0] = True
+    with torch.no_grad():
+        same = gather_from_tensor_model_parallel_region(model(tokens, positions, causal_mask))
+        try:
+            model(tokens, positions, padding_mask)
+            refused = False
+        except NotImplementedError as err:
+            refused = "padding mask inside the window would be ignored" in str(err)
+    return dict(causal_mask_diff=(same - logits).abs().max().item(), padding_refused=refused)
 
 
 RUNS = [(case, backend, kernel) for case in CASES
@@ -158,7 +178,7 @@ RUNS = [(case, backend, kernel) for case in CASES
 
 @pytest.mark.parametrize("tp, world_size, runs", [
     (1, 2, RUNS),
-    (2, 2, RUNS),
+    pytest.param(2, 2, RUNS, marks=pytest.mark.smoke),  # also on megatron-core 0.16 - 0.18
     pytest.param(4, 4, [("gqa", "sdpa", "sdpa"), ("gqa", "local", "sdpa")], marks=pytest.mark.slow),
 ])
 def test_step35_model_matches_hf_formulas(run_distributed, tp, world_size, runs):
@@ -168,6 +188,8 @@ def test_step35_model_matches_hf_formulas(run_distributed, tp, world_size, runs)
             assert r["diff"] <= TOL, (rank, run, r)
             assert r["clamp_effect"] > 1e-3, (run, r)  # the clamp is really hit
             assert r["scale"] > 0.1, (run, r)
+            if run[1] == "local":
+                assert r["causal_mask_diff"] <= TOL and r["padding_refused"], (run, r)
 
 
 # ------------------------------------------------------------------------- window edge, kernels
@@ -238,6 +260,18 @@ def _window_edges_and_kernels():
         ref[rows] = reference.attention(q[rows, None], k[rows, None], v[rows, None],
                                         reference.sliding_causal(length, w))[:, 0]
     diffs = {kernel: (out - ref).abs().max().item() for kernel, out in packed.items()}
+    # A user's padding mask (True = masked out) on top of causal + window: flex equals sdpa.
+    q, k, v = (torch.randn(8, 2, n, 8, generator=gen) for n in (heads, groups, groups))
+    user_mask = torch.zeros(2, 1, 8, 8, dtype=torch.bool)
+    user_mask[1, :, :, :2] = True
+    masked = {}
+    for kernel in ("sdpa", "flex"):
+        config = builders.gated_config(head_wise_attn_gate=False, num_attention_heads=heads,
+                                       num_query_groups=groups, kv_channels=8, hidden_size=32,
+                                       window_size=(w - 1, 0), attention_kernel=kernel)
+        with torch.no_grad():
+            masked[kernel] = _attention_module(config, "sdpa")(q, k, v, user_mask)
+    diffs["user_mask_flex_vs_sdpa"] = (masked["flex"] - masked["sdpa"])[2:].abs().max().item()
     return dict(found=found, expected=expected, packed_diffs=diffs,
                 padding_zero=all(out[[5, 11]].abs().max().item() == 0 for out in packed.values()))
 
