@@ -186,3 +186,26 @@ def test_export_refuses_a_model_the_layout_cannot_hold_naming_each_field():
     for field in ("add_qkv_bias=True", "layernorm_zero_centered_gamma=False",
                   "qk_layernorm=False", "position_embedding_type='learned_absolute'"):
         assert field in str(err.value)
+
+
+def test_mtp_layers_are_skipped_and_other_extra_tensors_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    from mcore_ext.hf.convert import check_weights, read_hf_config
+
+    directory = models.save_released(models.build(), str(tmp_path / "hf"))
+    index_path = os.path.join(directory, INDEX_NAME)
+    index = json.load(open(index_path))
+    # The released checkpoint appends its MTP layers after the decoder's (here layer 4).
+    save_file({"model.layers.4.eh_proj.weight": torch.zeros(2, 2)},
+              os.path.join(directory, "mtp.safetensors"))
+    index["weight_map"]["model.layers.4.eh_proj.weight"] = "mtp.safetensors"
+    json.dump(index, open(index_path, "w"))
+    _, spec = read_hf_config(directory)
+    assert check_weights(SafetensorsReader(directory), spec) == torch.float32
+
+    save_file({"model.extra.weight": torch.zeros(2)}, os.path.join(directory, "x.safetensors"))
+    index["weight_map"]["model.extra.weight"] = "x.safetensors"
+    json.dump(index, open(index_path, "w"))
+    with pytest.raises(HFConfigError, match="not part of a dense Step-3.5 decoder.*model.extra"):
+        check_weights(SafetensorsReader(directory), spec)
