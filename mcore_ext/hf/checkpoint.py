@@ -20,6 +20,7 @@ import torch.distributed as dist
 import yaml
 from megatron.core import dist_checkpointing, parallel_state
 
+from mcore_ext._cpu_compat import cuda_to_cpu
 from mcore_ext.hf.config import HFConfigError, Step35Config
 from mcore_ext.hf.convert import (
     PROVENANCE_NAME,
@@ -221,13 +222,14 @@ def export_checkpoint(ckpt_dir: str, hf_dir: str, *, vocab_size: int | None = No
         config, vocab_size=vocab_size or embedding.global_shape[0],
         max_position_embeddings=cfg.model.seq_length)
 
-    model = build_gpt_model(
-        config,
-        vocab_size=embedding.global_shape[0],
-        max_sequence_length=cfg.model.seq_length,
-        backend=backend,
-        share_embeddings_and_output_weights=not cfg.model.untie_embeddings_and_output_weights,
-    )
+    with cuda_to_cpu():  # megatron moves tied output weights with .cuda() (no-op on GPUs)
+        model = build_gpt_model(
+            config,
+            vocab_size=embedding.global_shape[0],
+            max_sequence_length=cfg.model.seq_length,
+            backend=backend,
+            share_embeddings_and_output_weights=not cfg.model.untie_embeddings_and_output_weights,
+        )
     loaded = checkpoint.load({"model": model.sharded_state_dict()}, directory, in_place=True)
     model.load_state_dict(loaded["model"], strict=False)
     del loaded

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from mcore_ext._cpu_compat import cuda_to_cpu
 from mcore_ext.hf import layout
 from mcore_ext.hf.config import HFConfigError, Step35Config
 from mcore_ext.hf.safetensors_io import SafetensorsReader, ShardedSafetensorsWriter
@@ -153,13 +154,15 @@ def load_pretrained(
         dtype = dtype or file_dtype
         config = build_config(spec, dtype, **config_overrides)
         vocab = padded_vocab(spec.vocab_size, tp, make_vocab_size_divisible_by)
-        model = build_gpt_model(
-            config,
-            vocab_size=vocab,
-            max_sequence_length=max_sequence_length or spec.max_position_embeddings,
-            backend=backend,
-            share_embeddings_and_output_weights=spec.tie_word_embeddings,
-        )
+        # cuda_to_cpu: megatron moves tied output weights with .cuda() (a no-op context on GPUs).
+        with cuda_to_cpu():
+            model = build_gpt_model(
+                config,
+                vocab_size=vocab,
+                max_sequence_length=max_sequence_length or spec.max_position_embeddings,
+                backend=backend,
+                share_embeddings_and_output_weights=spec.tie_word_embeddings,
+            )
         model.to(dtype)  # torch norms are built in fp32; the launcher's Float16Module casts too
         load_into(model, reader, spec, vocab)
     finally:

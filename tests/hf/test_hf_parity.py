@@ -9,6 +9,7 @@ trip must give back every tensor bit for bit.
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -165,3 +166,28 @@ def test_packed_thd_batch_matches_transformers_per_document(run_distributed, hf_
     with torch.no_grad():  # the reference: each document on its own
         expected = torch.cat([model(doc) for doc in packed.split(DOCS, dim=1)], dim=1)
     _check_parity(run_distributed(_packed_parity, directory, packed, 2, world_size=2), expected)
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_tied_embeddings_export_as_an_lm_head_copy(run_distributed, hf_model, tmp_path, tp, pp):
+    from safetensors.torch import load_file, save_file
+
+    directory, _, _ = hf_model
+    tied = str(tmp_path / "tied")
+    shutil.copytree(directory, tied)
+    config = json.load(open(os.path.join(tied, "config.json")))
+    config["tie_word_embeddings"] = True
+    json.dump(config, open(os.path.join(tied, "config.json"), "w"))
+    index_path = os.path.join(tied, "model.safetensors.index.json")
+    index = json.load(open(index_path))
+    shard = os.path.join(tied, index["weight_map"].pop("lm_head.weight"))
+    save_file({k: v for k, v in load_file(shard).items() if k != "lm_head.weight"}, shard)
+    json.dump(index, open(index_path, "w"))
+
+    out = str(tmp_path / "out")
+    run_distributed(_round_trip, tied, out, tp, pp, world_size=2)
+    source, exported = _tensors(tied), _tensors(out)
+    assert torch.equal(exported.pop("lm_head.weight"), source["model.embed_tokens.weight"])
+    assert exported.keys() == source.keys()
+    assert all(torch.equal(exported[k], source[k]) for k in source)
+    assert json.load(open(os.path.join(out, "config.json")))["tie_word_embeddings"] is False
