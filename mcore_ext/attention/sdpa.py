@@ -8,6 +8,9 @@ Shapes (megatron notation): sq / sk query / key length, b batch, np query heads 
 groups on this rank, hn head dim, t tokens of a packed (THD) batch.
     query [sq, b, np, hn], key / value [sk, b, ng, hn]  ->  output [sq, b, np * hn]
     THD:  query [t, np, hn], key / value [t, ng, hn]    ->  output [t, np * hn]
+
+With context_parallel_size > 1 the inputs are this CP rank's tokens and ``context_parallel``
+does the attention (all-gathered K/V, masks from token positions).
 """
 
 import contextlib
@@ -23,6 +26,8 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
+
+from mcore_ext.attention import context_parallel
 
 _CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal, AttnMaskType.causal_bottom_right)
 
@@ -46,12 +51,13 @@ class SDPAttention(MegatronModule):
         pg_collection: Optional[ProcessGroupCollection] = None,
     ):
         super().__init__(config=config)
-        _reject_unsupported(config)
+        _reject_unsupported(config, cp_comm_type)
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         if pg_collection is None:
-            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         tp_size = pg_collection.tp.size()
+        self.cp_group = pg_collection.cp if config.context_parallel_size > 1 else None
         self.num_heads_per_partition = divide(config.num_attention_heads, tp_size)
         self.num_groups_per_partition = divide(config.num_query_groups, tp_size)
         # Megatron's scale: 1/sqrt(hn) unless given. apply_query_key_layer_scaling divides the
@@ -81,6 +87,11 @@ class SDPAttention(MegatronModule):
             else contextlib.nullcontext()
         )
         with rng:
+            if self.cp_group is not None:
+                return self._context_parallel(
+                    query, key, value, attention_mask, attention_bias, mask_type, dropout_p,
+                    packed_seq_params,
+                )
             if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
                 return self._packed(query, key, value, mask_type, dropout_p, packed_seq_params)
             # [s, b, n, hn] -> [b, n, s, hn]; SDPA accepts the strided view, no copy here.
@@ -101,6 +112,20 @@ class SDPAttention(MegatronModule):
             scale=self.softmax_scale,
             enable_gqa=q.size(-3) != k.size(-3),
         )
+
+    def _context_parallel(self, query, key, value, attention_mask, attention_bias, mask_type,
+                          dropout_p, packed_seq_params):
+        if attention_mask is not None or attention_bias is not None:
+            raise NotImplementedError(
+                "SDPAttention with context parallelism builds its masks from token positions: "
+                f"an explicit attention_mask ({attention_mask is not None}) or attention_bias "
+                f"({attention_bias is not None}) is not supported"
+            )
+        kwargs = dict(group=self.cp_group, causal=mask_type in _CAUSAL, scale=self.softmax_scale,
+                      dropout_p=dropout_p)
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            return context_parallel.packed_attention(query, key, value, packed_seq_params, **kwargs)
+        return context_parallel.attention(query, key, value, **kwargs)
 
     def _packed(self, query, key, value, mask_type, dropout_p, params):
         """THD: attend within each packed sequence; padding slots between sequences stay zero."""
@@ -139,12 +164,9 @@ def _sdpa_mask(attention_mask, attention_bias, mask_type, sq, sk, like):
     return bias if allowed is None else bias.masked_fill(~allowed, float("-inf"))
 
 
-def _reject_unsupported(config: TransformerConfig) -> None:
-    if config.context_parallel_size != 1:
-        raise NotImplementedError(
-            f"SDPAttention does not support context_parallel_size={config.context_parallel_size}; "
-            "use the 'te' backend for context parallelism"
-        )
+def _reject_unsupported(config: TransformerConfig, cp_comm_type) -> None:
+    if config.context_parallel_size > 1:
+        context_parallel.check_supported(config, cp_comm_type)
     if config.window_size is not None:
         raise NotImplementedError(
             f"SDPAttention does not support window_size={config.window_size}; use the 'te' backend"

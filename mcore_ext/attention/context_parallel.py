@@ -1,0 +1,215 @@
+"""Context parallelism (CP) for the sdpa backend: all-gather K/V, masks from token positions.
+
+megatron-core shards the sequence over the CP group with a load-balanced split: the sequence is cut
+into 2 x CP chunks and CP rank r holds chunks r and 2CP-1-r (so every rank gets as much causal
+work as the others). ``get_batch_on_this_cp_rank`` (megatron's) and RoPE's
+``get_pos_emb_on_this_cp_rank`` do that for the inputs and positions; this module does it for
+core attention:
+
+- every rank all-gathers K and V over the CP group (their gradients are reduce-scattered back),
+  ng groups of them, never repeated per query head;
+- each local query attends to the gathered keys under a mask built from the tokens' *global*
+  positions: allowed(q, k) = pos_k <= pos_q (causal), plus same document and a real (not padding)
+  key for packed THD batches, plus pos_q - pos_k < window when a window is given.
+
+Packed THD batches follow megatron's (and Transformer Engine's) convention: ``cu_seqlens_*`` and
+``cu_seqlens_*_padded`` describe the *whole* packed sequence; every document's padded length is a
+multiple of 2 x CP and each document is split into 2 x CP chunks on its own
+(``get_packed_batch_on_this_cp_rank``).
+
+Shapes (megatron notation): s local tokens (2 chunks), S = CP x s gathered tokens, b batch,
+np / ng heads / groups on this TP rank, hn head dim, t local tokens of a packed batch.
+"""
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from mcore_ext import _mcore_compat
+
+# cp_comm_type values that mean "all-gather K/V" (None is megatron's default).
+SUPPORTED_CP_COMM_TYPES = (None, "all_gather")
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along dim 0 over ``group``; backward reduce-scatters (sums) the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.contiguous()
+        out = x.new_empty(group.size() * x.size(0), *x.shape[1:])
+        dist.all_gather_into_tensor(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        out = grad.new_empty(grad.size(0) // ctx.group.size(), *grad.shape[1:])
+        dist.reduce_scatter_tensor(out, grad, group=ctx.group)
+        return out, None
+
+
+def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """[s, ...] on each CP rank -> [CP x s, ...] in rank order (dK / dV summed back in backward)."""
+    return _GatherSequence.apply(x, group)
+
+
+def zigzag_positions(local_len: int, cp_size: int, cp_rank: int, device=None) -> torch.Tensor:
+    """Global positions [local_len] of the tokens CP rank ``cp_rank`` holds: chunks r, 2CP-1-r."""
+    if local_len % 2:
+        raise ValueError(
+            f"a context-parallel rank holds 2 equal chunks, but its sequence length is {local_len} "
+            f"(the full sequence must be divisible by 2 x context_parallel_size = {2 * cp_size})"
+        )
+    chunk = local_len // 2
+    offsets = torch.arange(chunk, device=device)
+    return torch.cat([cp_rank * chunk + offsets, (2 * cp_size - 1 - cp_rank) * chunk + offsets])
+
+
+def allowed_mask(q_pos, k_pos, causal=True, window=None, q_doc=None, k_doc=None, k_valid=None):
+    """[sq, sk] boolean, True where query i may attend key j, from positions (and documents)."""
+    allowed = torch.ones(q_pos.size(0), k_pos.size(0), dtype=torch.bool, device=q_pos.device)
+    diff = q_pos.unsqueeze(1) - k_pos.unsqueeze(0)  # pos_q - pos_k
+    if causal:
+        allowed &= diff >= 0
+    if window is not None:
+        allowed &= diff < window
+    if q_doc is not None:
+        allowed &= q_doc.unsqueeze(1) == k_doc.unsqueeze(0)
+    if k_valid is not None:
+        allowed &= k_valid.unsqueeze(0)
+    return allowed
+
+
+def attention(query, key, value, *, group, causal, scale, dropout_p, window=None):
+    """Core attention of the local chunks against all-gathered keys.
+
+    query [s, b, np, hn], key / value [s, b, ng, hn] (local; strided views are fine)
+    -> [s, b, np * hn].
+    """
+    cp_size, cp_rank = group.size(), group.rank()
+    s = query.size(0)
+    q_pos = zigzag_positions(s, cp_size, cp_rank, query.device)
+    k_pos = torch.cat([zigzag_positions(s, cp_size, r, query.device) for r in range(cp_size)])
+    mask = allowed_mask(q_pos, k_pos, causal=causal, window=window)
+    # [S, b, ng, hn] -> [b, ng, S, hn]
+    k, v = (gather_sequence(x, group).permute(1, 2, 0, 3) for x in (key, value))
+    q = query.permute(1, 2, 0, 3)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
+        enable_gqa=q.size(1) != k.size(1),
+    )
+    # [b, np, s, hn] -> [s, b, np * hn]
+    return out.permute(2, 0, 1, 3).reshape(s, out.size(0), -1)
+
+
+def packed_attention(query, key, value, params, *, group, causal, scale, dropout_p, window=None):
+    """THD core attention under CP: query [t, np, hn], key / value [t, ng, hn] -> [t, np * hn].
+
+    ``params`` (megatron's PackedSeqParams) describes the whole packed sequence. Padding tokens
+    (past a document's real length) get a zero output, as without CP.
+    """
+    cp_size = group.size()
+    layout = [_packed_layout(params, cp_size, r, query.device) for r in range(cp_size)]
+    q_pos, q_doc, q_valid = layout[group.rank()]
+    k_pos, k_doc, k_valid = (torch.cat(parts) for parts in zip(*layout))
+    if q_pos.size(0) != query.size(0):
+        raise ValueError(
+            f"packed batch has {query.size(0)} tokens on this context-parallel rank, but its "
+            f"cu_seqlens_q_padded gives {q_pos.size(0)} (global padded total / "
+            f"context_parallel_size {cp_size})"
+        )
+    mask = allowed_mask(q_pos, k_pos, causal, window, q_doc, k_doc, k_valid)
+    # [t, n, hn] -> [n, t, hn]
+    k, v = (gather_sequence(x, group).transpose(0, 1) for x in (key, value))
+    q = query.transpose(0, 1)
+    # A padding query of a document with no real token before it would see no key (NaN rows):
+    # let every padding query see everything, then zero its output.
+    mask |= ~q_valid.unsqueeze(1)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
+        enable_gqa=q.size(0) != k.size(0),
+    )
+    out = out.transpose(0, 1) * q_valid.view(-1, 1, 1).to(out.dtype)
+    return out.reshape(out.size(0), -1)
+
+
+def _packed_layout(params, cp_size, cp_rank, device):
+    """(global position within its document, document index, real token?) per token of a rank."""
+    cu = params.cu_seqlens_q
+    cu_padded = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else cu
+    lengths, padded = cu.diff().tolist(), cu_padded.diff().tolist()
+    positions, docs = [], []
+    for doc, length in enumerate(padded):
+        if length % (2 * cp_size):
+            raise ValueError(
+                f"packed document {doc} has padded length {length}, not divisible by 2 x "
+                f"context_parallel_size = {2 * cp_size} (pad cu_seqlens_q_padded to it)"
+            )
+        pos = zigzag_positions(length // cp_size, cp_size, cp_rank, device)
+        positions.append(pos)
+        docs.append(torch.full_like(pos, doc))
+    pos, doc = torch.cat(positions), torch.cat(docs)
+    valid = pos < torch.tensor(lengths, device=device)[doc]
+    return pos, doc, valid
+
+
+# ------------------------------------------------------------------------------- batches
+
+
+def get_batch_on_this_cp_rank(batch: dict, cp_group=None) -> dict:
+    """This CP rank's tokens of a batch of [b, s] tensors (megatron's load-balanced split).
+
+    Checks the sequence length first (megatron's own split fails with a reshape error).
+    """
+    from megatron.core import parallel_state
+
+    group = cp_group or parallel_state.get_context_parallel_group()
+    cp_size = group.size()
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.size(1) % (2 * cp_size):
+            raise ValueError(
+                f"batch[{key!r}] has sequence length {value.size(1)}, not divisible by 2 x "
+                f"context_parallel_size = {2 * cp_size}"
+            )
+    return _mcore_compat.get_batch_on_this_cp_rank(batch, group)
+
+
+def get_packed_batch_on_this_cp_rank(tensor: torch.Tensor, cu_seqlens_padded, cp_group=None,
+                                     dim: int = 0) -> torch.Tensor:
+    """This CP rank's tokens of a packed tensor (all documents along ``dim``): every document
+    (padded to a multiple of 2 x CP) split into 2 x CP chunks, chunks r and 2CP-1-r kept.
+
+    megatron's per-document split needs Transformer Engine; this one is plain torch.
+    """
+    from megatron.core import parallel_state
+
+    group = cp_group or parallel_state.get_context_parallel_group()
+    cp_size, cp_rank = group.size(), group.rank()
+    index = []
+    for doc, (start, length) in enumerate(
+        zip(cu_seqlens_padded[:-1].tolist(), cu_seqlens_padded.diff().tolist())
+    ):
+        if length % (2 * cp_size):
+            raise ValueError(
+                f"packed document {doc} has padded length {length}, not divisible by 2 x "
+                f"context_parallel_size = {2 * cp_size}"
+            )
+        index.append(start + zigzag_positions(length // cp_size, cp_size, cp_rank))
+    return tensor.index_select(dim, torch.cat(index).to(tensor.device))
+
+
+def check_supported(config, cp_comm_type) -> None:
+    """Clear errors for CP options the sdpa backend does not implement."""
+    if cp_comm_type not in SUPPORTED_CP_COMM_TYPES:
+        raise NotImplementedError(
+            f"SDPAttention's context parallelism all-gathers K/V: cp_comm_type={cp_comm_type!r} is "
+            f"not supported (use None or 'all_gather', or the 'te' backend)"
+        )
+    if getattr(config, "hybrid_context_parallel", False):
+        raise NotImplementedError(
+            "SDPAttention does not support hybrid_context_parallel=True; use the 'te' backend"
+        )
