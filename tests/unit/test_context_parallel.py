@@ -178,3 +178,133 @@ def test_packed_thd_cp2_matches_cp1(run_distributed, groups):
     for r in run_distributed(_packed_cp2_vs_cp1, groups, world_size=2):
         assert r["local_tokens"] == 16, r
         assert r["logits"] <= TOL and r["grads"] <= TOL, r
+
+
+# ------------------------------------------------------------------------------------ errors
+
+
+def _errors():
+    from megatron.core.transformer.enums import AttnMaskType
+
+    import mcore_ext
+    from mcore_ext.attention import context_parallel
+    from mcore_ext.attention.sdpa import SDPAttention
+
+    mcore_ext.init_parallel(context_parallel_size=2)
+    messages = {}
+
+    def catch(name, fn):
+        try:
+            fn()
+        except (ValueError, NotImplementedError) as err:
+            messages[name] = str(err)
+
+    odd = dict(tokens=torch.zeros(2, 30, dtype=torch.long))  # 30 % (2 x CP = 4) != 0
+    catch("seq_length", lambda: context_parallel.get_batch_on_this_cp_rank(odd))
+    catch("local_backend", lambda: mcore_ext.get_gpt_layer_spec(_config(1, 2, 8), "local"))
+    catch("cp_comm_type", lambda: SDPAttention(_config(1, 2, 8), 1, AttnMaskType.causal, "self",
+                                              cp_comm_type="p2p"))
+    attn = SDPAttention(_config(1, 2, 8), 1, AttnMaskType.causal, "self")
+    q = torch.zeros(8, 1, 8, 8)
+    catch("attention_mask", lambda: attn(q, q, q, torch.zeros(1, 1, 8, 16, dtype=torch.bool)))
+    padded = torch.tensor([0, 6], dtype=torch.int32)  # a document of 6, not a multiple of 4
+    catch("packed", lambda: context_parallel.get_packed_batch_on_this_cp_rank(q, padded))
+    return messages
+
+
+def test_cp_errors_name_the_field_and_value(run_distributed):
+    for messages in run_distributed(_errors, world_size=2):
+        assert "sequence length 30" in messages["seq_length"], messages
+        assert "2 x context_parallel_size = 4" in messages["seq_length"], messages
+        assert "context_parallel_size=2 needs backend 'sdpa' or 'te'" in messages["local_backend"]
+        assert "cp_comm_type='p2p'" in messages["cp_comm_type"], messages
+        assert "attention_mask" in messages["attention_mask"], messages
+        assert "padded length 6" in messages["packed"], messages
+
+
+def test_launcher_refuses_bad_cp_layouts(tmp_path):
+    from mcore_ext.training.config import ConfigError, load_config
+
+    path = tmp_path / "run.yaml"
+    path.write_text("data:\n  source: mock\n")
+    cases = {
+        "model.seq_length (100) must be divisible by 2 x parallelism.context_parallel_size (4)":
+            ["parallelism.context_parallel_size=4", "model.seq_length=100"],
+        "ranks are not divisible": ["parallelism.context_parallel_size=3", "model.seq_length=96"],
+        "needs model.attention_backend 'sdpa' or 'te'":
+            ["parallelism.context_parallel_size=2", "model.attention_backend=local"],
+        "parallelism.context_parallel_size=0 must be at least 1":
+            ["parallelism.context_parallel_size=0"],
+    }
+    for message, overrides in cases.items():
+        with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            load_config(str(path), overrides, world_size=4)
+    cfg = load_config(str(path), ["parallelism.context_parallel_size=2"], world_size=4)
+    assert cfg.data_parallel_size == 2
+
+
+# ------------------------------------------------------------------------- the gate under CP
+
+
+def _gated_layer_cp2_vs_formula(groups):
+    """The gated self-attention layer at CP 2 against tests.reference on the full sequence."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    import mcore_ext
+    from mcore_ext.attention import context_parallel
+    from tests import reference
+
+    mcore_ext.init_parallel(context_parallel_size=2)
+    config = builders.gated_config(num_query_groups=groups, add_qkv_bias=True,
+                                   context_parallel_size=2)
+    attn = builders.build_self_attention(config)
+    heads, hn, h = config.num_attention_heads, config.kv_channels, config.hidden_size
+    g = torch.Generator().manual_seed(1)
+    w = dict(q=torch.randn(heads * hn, h, generator=g) * 0.2,
+             k=torch.randn(groups * hn, h, generator=g) * 0.2,
+             v=torch.randn(groups * hn, h, generator=g) * 0.2,
+             gate=torch.randn(heads, h, generator=g) * 0.3,
+             o=torch.randn(h, heads * hn, generator=g) * 0.2)
+    b_gate = torch.randn(heads, generator=g)
+    s = 16
+    x, upstream = torch.randn(s, 2, h, generator=g), torch.randn(s, 2, h, generator=g)
+    with torch.no_grad():
+        qkv = builders.interleave_qkv(w["q"], w["k"], w["v"], heads, groups)
+        attn.linear_qkv.weight.copy_(torch.cat([qkv, w["gate"]]))
+        attn.linear_qkv.bias.zero_()
+        attn.linear_qkv.bias[qkv.size(0):] = b_gate
+        attn.linear_proj.weight.copy_(w["o"])
+
+    # Sequence-first [s, b, h]: megatron's split works on dim 1, so split the transposed view.
+    def local(t):
+        return context_parallel.get_batch_on_this_cp_rank({"t": t.transpose(0, 1)})["t"].transpose(0, 1)
+
+    x_local = local(x).clone().requires_grad_(True)
+    out, _ = attn(x_local, attention_mask=None)
+    (out * local(upstream)).sum().backward()
+    gate_grad = attn.linear_qkv.weight.grad[qkv.size(0):].clone()
+    dist.all_reduce(gate_grad, group=parallel_state.get_context_parallel_group())
+
+    ref_w = {k: v.clone().requires_grad_(True) for k, v in w.items()}
+    x_ref = x.clone().requires_grad_(True)
+    ref_out = reference.gated_attention(x_ref, ref_w["q"], ref_w["k"], ref_w["v"], ref_w["gate"],
+                                        ref_w["o"], heads, groups, b_gate=b_gate)
+    (ref_out * upstream).sum().backward()
+    return dict(
+        output=(out - local(ref_out)).abs().max().item(),
+        input_grad=(x_local.grad - local(x_ref.grad)).abs().max().item(),
+        gate_grad=(gate_grad - ref_w["gate"].grad).abs().max().item(),
+        gate_grad_scale=ref_w["gate"].grad.abs().max().item(),
+    )
+
+
+@pytest.mark.parametrize("groups", [4, 2], ids=["mha", "gqa"])
+def test_gated_attention_cp2_matches_formula(run_distributed, groups):
+    """The gate reads only this rank's tokens (its logits are a per-token projection of the local
+    hidden states), so at CP 2 the gated layer is the formula's on the local rows, and the gate
+    rows' gradient summed over CP is the full sequence's."""
+    for r in run_distributed(_gated_layer_cp2_vs_formula, groups, world_size=2):
+        assert r["gate_grad_scale"] > 1e-2, r
+        for quantity in ("output", "input_grad", "gate_grad"):
+            assert r[quantity] <= TOL, (quantity, r)
