@@ -92,9 +92,13 @@ def attention(query, key, value, *, group, causal, scale, dropout_p, window=None
     """
     cp_size, cp_rank = group.size(), group.rank()
     s = query.size(0)
-    q_pos = zigzag_positions(s, cp_size, cp_rank, query.device)
-    k_pos = torch.cat([zigzag_positions(s, cp_size, r, query.device) for r in range(cp_size)])
-    mask = allowed_mask(q_pos, k_pos, causal=causal, window=window)
+
+    def build():
+        q_pos = zigzag_positions(s, cp_size, cp_rank, query.device)
+        k_pos = torch.cat([zigzag_positions(s, cp_size, r, query.device) for r in range(cp_size)])
+        return _additive(allowed_mask(q_pos, k_pos, causal=causal, window=window), query.dtype)
+
+    mask = _cached(("sbhd", s, cp_size, cp_rank, causal, window, query.dtype, query.device), build)
     # [S, b, ng, hn] -> [b, ng, S, hn]
     k, v = (gather_sequence(x, group).permute(1, 2, 0, 3) for x in (key, value))
     q = query.permute(1, 2, 0, 3)
@@ -112,29 +116,59 @@ def packed_attention(query, key, value, params, *, group, causal, scale, dropout
     ``params`` (megatron's PackedSeqParams) describes the whole packed sequence. Padding tokens
     (past a document's real length) get a zero output, as without CP.
     """
-    cp_size = group.size()
-    layout = [_packed_layout(params, cp_size, r, query.device) for r in range(cp_size)]
-    q_pos, q_doc, q_valid = layout[group.rank()]
-    k_pos, k_doc, k_valid = (torch.cat(parts) for parts in zip(*layout))
-    if q_pos.size(0) != query.size(0):
-        raise ValueError(
-            f"packed batch has {query.size(0)} tokens on this context-parallel rank, but its "
-            f"cu_seqlens_q_padded gives {q_pos.size(0)} (global padded total / "
-            f"context_parallel_size {cp_size})"
-        )
-    mask = allowed_mask(q_pos, k_pos, causal, window, q_doc, k_doc, k_valid)
+    cp_size, cp_rank = group.size(), group.rank()
+
+    def build():
+        layout = [_packed_layout(params, cp_size, r, query.device) for r in range(cp_size)]
+        q_pos, q_doc, q_valid = layout[cp_rank]
+        k_pos, k_doc, k_valid = (torch.cat(parts) for parts in zip(*layout))
+        if q_pos.size(0) != query.size(0):
+            raise ValueError(
+                f"packed batch has {query.size(0)} tokens on this context-parallel rank, but its "
+                f"cu_seqlens_q_padded gives {q_pos.size(0)} (global padded total / "
+                f"context_parallel_size {cp_size})"
+            )
+        allowed = allowed_mask(q_pos, k_pos, causal, window, q_doc, k_doc, k_valid)
+        # A padding query of a document with no real token before it would see no key (NaN
+        # rows): let every padding query see everything; its output is zeroed below.
+        allowed |= ~q_valid.unsqueeze(1)
+        return _additive(allowed, query.dtype), q_valid
+
+    cu_padded = params.cu_seqlens_q_padded
+    key_ = ("thd", tuple(params.cu_seqlens_q.tolist()),
+            None if cu_padded is None else tuple(cu_padded.tolist()), query.size(0), cp_size,
+            cp_rank, causal, window, query.dtype, query.device)
+    mask, q_valid = _cached(key_, build)
     # [t, n, hn] -> [n, t, hn]
     k, v = (gather_sequence(x, group).transpose(0, 1) for x in (key, value))
     q = query.transpose(0, 1)
-    # A padding query of a document with no real token before it would see no key (NaN rows):
-    # let every padding query see everything, then zero its output.
-    mask |= ~q_valid.unsqueeze(1)
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
         enable_gqa=q.size(0) != k.size(0),
     )
     out = out.transpose(0, 1) * q_valid.view(-1, 1, 1).to(out.dtype)
     return out.reshape(out.size(0), -1)
+
+
+# The masks of the last few layouts. Every layer of a step uses the same one, and SDPA saves the
+# mask it is given for backward: one shared tensor, not one per layer.
+_MASKS: dict = {}
+_MAX_MASKS = 4
+
+
+def _cached(key, build):
+    if key not in _MASKS:
+        if len(_MASKS) >= _MAX_MASKS:
+            _MASKS.pop(next(iter(_MASKS)))
+        _MASKS[key] = build()
+    return _MASKS[key]
+
+
+def _additive(allowed, dtype):
+    """0 where allowed, -inf elsewhere, in the compute dtype. SDPA would convert a boolean mask to
+    this itself, per call, and save the converted copy (4 bytes per query-key pair) per layer."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+        ~allowed, float("-inf"))
 
 
 def _packed_layout(params, cp_size, cp_rank, device):
