@@ -308,3 +308,50 @@ def test_gated_attention_cp2_matches_formula(run_distributed, groups):
         assert r["gate_grad_scale"] > 1e-2, r
         for quantity in ("output", "input_grad", "gate_grad"):
             assert r[quantity] <= TOL, (quantity, r)
+
+
+# ------------------------------------------------------------- core attention vs the formula
+
+
+def _core_attention_vs_formula(window):
+    """context_parallel.attention at CP 2 (GQA, 8 heads / 2 groups) against tests.reference on
+    the full sequence, with a sliding window (key visible iff 0 <= pos_q - pos_k < window)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    import mcore_ext
+    from mcore_ext.attention import context_parallel
+    from tests import reference
+
+    mcore_ext.init_parallel(context_parallel_size=2)
+    group = parallel_state.get_context_parallel_group()
+    g = torch.Generator().manual_seed(2)
+    s, b, n, ng, hn = 16, 2, 8, 2, 8
+    q, k, v = (torch.randn(s, b, heads, hn, generator=g) for heads in (n, ng, ng))
+    upstream = torch.randn(s, b, n * hn, generator=g)
+
+    def local(t):  # [s, ...] -> this rank's [s / 2, ...] rows
+        return t.index_select(0, context_parallel.zigzag_positions(s // 2, 2, group.rank()))
+
+    q_l, k_l, v_l = (local(t).requires_grad_(True) for t in (q, k, v))
+    out = context_parallel.attention(q_l, k_l, v_l, group=group, causal=True, scale=None,
+                                     dropout_p=0.0, window=window)
+    (out * local(upstream)).sum().backward()
+    # dK / dV of a rank's own rows, after the reduce-scatter, are those rows' full gradients.
+    ref = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    i, j = torch.arange(s).unsqueeze(1), torch.arange(s).unsqueeze(0)
+    allowed = (j <= i) & (i - j < (window or s))
+    ref_out = reference.attention(*ref, allowed)
+    (ref_out * upstream).sum().backward()
+    dist.barrier()
+    return dict(
+        output=(out - local(ref_out)).abs().max().item(),
+        grads=max((t.grad - local(r.grad)).abs().max().item()
+                  for t, r in zip((q_l, k_l, v_l), ref)),
+    )
+
+
+@pytest.mark.parametrize("window", [None, 5], ids=["causal", "window5"])
+def test_core_attention_cp2_matches_formula(run_distributed, window):
+    for r in run_distributed(_core_attention_vs_formula, window, world_size=2):
+        assert r["output"] <= TOL and r["grads"] <= TOL, r
