@@ -15,9 +15,11 @@ from tests import builders
 TOL = 1e-5
 SEQ, BATCH, VOCAB = 32, 2, 64
 
-CASES = {  # name: (tp, cp, num_query_groups)
+CASES = {  # name: (tp, cp, num_query_groups[, config overrides])
     "cp2_mha": (1, 2, 8),
     "cp2_gqa": (1, 2, 2),
+    # megatron's selective recompute of core attention re-runs the K/V all-gather in backward
+    "cp2_gqa_recompute_core_attn": (1, 2, 2, dict(recompute_granularity="selective")),
     "cp4_mha": (1, 4, 8),
     "cp4_gqa": (1, 4, 2),
     "tp2_cp2_gqa": (2, 2, 2),
@@ -60,7 +62,8 @@ def _gpt_cp_vs_cp1(names):
     positions = torch.arange(SEQ).expand_as(tokens)
     results = {}
     for name in names:
-        tp, cp, groups = CASES[name]
+        tp, cp, groups, *overrides = CASES[name]
+        overrides = overrides[0] if overrides else {}
         mcore_ext.init_parallel(tensor_model_parallel_size=tp)
         model = builders.build_gpt(_config(tp, 1, groups), VOCAB, SEQ, parallel_output=False)
         ref_logits, ref_grads = _run(model, tokens, positions, upstream)
@@ -68,7 +71,8 @@ def _gpt_cp_vs_cp1(names):
         mcore_ext.destroy_parallel()
 
         mcore_ext.init_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp, seed=99)
-        model = builders.build_gpt(_config(tp, cp, groups), VOCAB, SEQ, parallel_output=False)
+        model = builders.build_gpt(_config(tp, cp, groups, **overrides), VOCAB, SEQ,
+                                   parallel_output=False)
         model.load_state_dict(state)
         local = context_parallel.get_batch_on_this_cp_rank(
             dict(tokens=tokens, positions=positions, upstream=upstream, ref_logits=ref_logits)
@@ -77,6 +81,7 @@ def _gpt_cp_vs_cp1(names):
         for grad in grads.values():
             dist.all_reduce(grad, group=parallel_state.get_context_parallel_group())
         results[name] = dict(
+            recompute=model.decoder.layers[0].self_attention.checkpoint_core_attention,
             local_tokens=local["tokens"].size(1),
             logits=(logits - local["ref_logits"]).abs().max().item(),
             grads=max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads),
@@ -90,12 +95,13 @@ def _check(results, names, cp_of):
     for name in names:
         r = results[name]
         assert r["local_tokens"] == SEQ // cp_of[name], (name, r)
+        assert r["recompute"] == ("recompute" in name), (name, r)
         assert r["grad_scale"] > 1e-2, (name, r)  # the gradients compared are not all ~0
         assert r["logits"] <= TOL and r["grads"] <= TOL, (name, r)
 
 
 def test_gpt_cp2_matches_cp1_logits_and_grads(run_distributed):
-    names = ["cp2_mha", "cp2_gqa"]
+    names = ["cp2_mha", "cp2_gqa", "cp2_gqa_recompute_core_attn"]
     for rank_results in run_distributed(_gpt_cp_vs_cp1, names, world_size=2):
         _check(rank_results, names, {n: CASES[n][1] for n in names})
 
