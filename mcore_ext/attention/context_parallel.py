@@ -89,23 +89,41 @@ def attention(query, key, value, *, group, causal, scale, dropout_p, window=None
 
     query [s, b, np, hn], key / value [s, b, ng, hn] (local; strided views are fine)
     -> [s, b, np * hn].
+
+    Causal: the gathered K/V are put in sequence order, and each of the two local chunks attends
+    only to the keys up to its own end (a prefix view), so no work or mask is spent on the keys
+    after it: about half of the [s, S] score block.
     """
     cp_size, cp_rank = group.size(), group.rank()
-    s = query.size(0)
+    s, device = query.size(0), query.device
+    chunk = s // 2
+    # Gathered rows come rank by rank ([chunk j, chunk 2CP-1-j] each): sort them by position.
+    order = _cached(("order", s, cp_size, device), lambda: torch.cat(
+        [zigzag_positions(s, cp_size, r, device) for r in range(cp_size)]).argsort())
+    # [S, b, ng, hn] in sequence order -> [b, ng, S, hn]
+    k, v = (gather_sequence(x, group).index_select(0, order).permute(1, 2, 0, 3)
+            for x in (key, value))
+    q = query.permute(1, 2, 0, 3)  # [b, np, s, hn]
+    gqa = q.size(1) != k.size(1)
+    if not causal and window is None:
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale,
+                                             enable_gqa=gqa)
+        return out.permute(2, 0, 1, 3).reshape(s, out.size(0), -1)
+    outs = []
+    for half, index in enumerate((cp_rank, 2 * cp_size - 1 - cp_rank)):
+        end = (index + 1) * chunk if causal else k.size(2)  # keys after the chunk: all masked
 
-    def build():
-        q_pos = zigzag_positions(s, cp_size, cp_rank, query.device)
-        k_pos = torch.cat([zigzag_positions(s, cp_size, r, query.device) for r in range(cp_size)])
-        return _additive(allowed_mask(q_pos, k_pos, causal=causal, window=window), query.dtype)
+        def build():
+            q_pos = index * chunk + torch.arange(chunk, device=device)
+            k_pos = torch.arange(end, device=device)
+            return _additive(allowed_mask(q_pos, k_pos, causal, window), query.dtype)
 
-    mask = _cached(("sbhd", s, cp_size, cp_rank, causal, window, query.dtype, query.device), build)
-    # [S, b, ng, hn] -> [b, ng, S, hn]
-    k, v = (gather_sequence(x, group).permute(1, 2, 0, 3) for x in (key, value))
-    q = query.permute(1, 2, 0, 3)
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
-        enable_gqa=q.size(1) != k.size(1),
-    )
+        mask = _cached(("sbhd", chunk, index, end, causal, window, query.dtype, device), build)
+        outs.append(F.scaled_dot_product_attention(
+            q[:, :, half * chunk:(half + 1) * chunk], k[:, :, :end], v[:, :, :end],
+            attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=gqa,
+        ))
+    out = torch.cat(outs, dim=2)
     # [b, np, s, hn] -> [s, b, np * hn]
     return out.permute(2, 0, 1, 3).reshape(s, out.size(0), -1)
 
@@ -150,10 +168,10 @@ def packed_attention(query, key, value, params, *, group, causal, scale, dropout
     return out.reshape(out.size(0), -1)
 
 
-# The masks of the last few layouts. Every layer of a step uses the same one, and SDPA saves the
-# mask it is given for backward: one shared tensor, not one per layer.
+# The masks (and key orders) of the last few layouts. Every layer of a step uses the same ones, and
+# SDPA saves the mask it is given for backward: one shared tensor, not one per layer.
 _MASKS: dict = {}
-_MAX_MASKS = 4
+_MAX_MASKS = 8
 
 
 def _cached(key, build):
