@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
@@ -57,7 +57,16 @@ class SDPAttention(MegatronModule):
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         tp_size = pg_collection.tp.size()
-        self.cp_group = pg_collection.cp if config.context_parallel_size > 1 else None
+        cp_group = getattr(pg_collection, "cp", None) or (
+            parallel_state.get_context_parallel_group(check_initialized=False))
+        cp_size = cp_group.size() if cp_group is not None else 1
+        if cp_size != config.context_parallel_size:
+            # RoPE and the batch split follow the group: attending as if unsplit would be wrong.
+            raise ValueError(
+                f"context_parallel_size={config.context_parallel_size} but the context-parallel "
+                f"group has {cp_size} ranks (init_parallel(context_parallel_size=...))"
+            )
+        self.cp_group = cp_group if cp_size > 1 else None
         self.num_heads_per_partition = divide(config.num_attention_heads, tp_size)
         self.num_groups_per_partition = divide(config.num_query_groups, tp_size)
         # Megatron's scale: 1/sqrt(hn) unless given. apply_query_key_layer_scaling divides the

@@ -210,6 +210,8 @@ def _errors():
     catch("local_backend", lambda: mcore_ext.get_gpt_layer_spec(_config(1, 2, 8), "local"))
     catch("cp_comm_type", lambda: SDPAttention(_config(1, 2, 8), 1, AttnMaskType.causal, "self",
                                               cp_comm_type="p2p"))
+    catch("config_vs_group", lambda: SDPAttention(_config(1, 1, 8), 1, AttnMaskType.causal,
+                                                  "self"))
     attn = SDPAttention(_config(1, 2, 8), 1, AttnMaskType.causal, "self")
     q = torch.zeros(8, 1, 8, 8)
     catch("attention_mask", lambda: attn(q, q, q, torch.zeros(1, 1, 8, 16, dtype=torch.bool)))
@@ -226,6 +228,8 @@ def test_cp_errors_name_the_field_and_value(run_distributed):
         assert "cp_comm_type='p2p'" in messages["cp_comm_type"], messages
         assert "attention_mask" in messages["attention_mask"], messages
         assert "padded length 6" in messages["packed"], messages
+        assert "context_parallel_size=1 but the context-parallel group has 2 ranks" in (
+            messages["config_vs_group"])
 
 
 def test_launcher_refuses_bad_cp_layouts(tmp_path):
