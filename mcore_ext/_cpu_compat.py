@@ -73,7 +73,8 @@ def _install_rope_cp():
             raise ValueError("cp_group must be provided to get positional embedding per CP rank")
         cp_size, cp_rank = cp_group.size(), cp_group.rank()
         index = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
-        chunks = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1:])
+        shape = pos_emb.shape
+        chunks = pos_emb.view(*shape[:seq_dim], 2 * cp_size, -1, *shape[seq_dim + 1:])
         chunks = chunks.index_select(seq_dim, index)
         return chunks.view(*chunks.shape[:seq_dim], -1, *chunks.shape[seq_dim + 2:])
 

@@ -8,7 +8,9 @@ fp32 runs of the tiny gated config at seq 64 (2 micro-batches of 4 per step at D
     tp2_cp2   TP 2 x CP 2 (4 ranks) resuming cp2's step-5 checkpoint, to step 10
 
 megatron's dist_checkpointing treats CP ranks as data-parallel replicas, so the model and
-optimizer state saved at CP 2 is a layout-free checkpoint.
+optimizer state saved at CP 2 is a layout-free checkpoint. Measured on 2 busy CPU cores: CP 2 vs
+CP 1 differ by at most 2.4e-7 over 10 steps, the CP 1 and TP 2 x CP 2 resumes vs CP 2 by at most
+3.6e-7 (reduction order), well inside the 1e-5 bound.
 """
 
 import shutil

@@ -288,7 +288,8 @@ def _gated_layer_cp2_vs_formula(groups):
 
     # Sequence-first [s, b, h]: megatron's split works on dim 1, so split the transposed view.
     def local(t):
-        return context_parallel.get_batch_on_this_cp_rank({"t": t.transpose(0, 1)})["t"].transpose(0, 1)
+        split = context_parallel.get_batch_on_this_cp_rank({"t": t.transpose(0, 1)})
+        return split["t"].transpose(0, 1)
 
     x_local = local(x).clone().requires_grad_(True)
     out, _ = attn(x_local, attention_mask=None)

@@ -46,7 +46,8 @@ def validate(cfg: PretrainConfig, world_size: int) -> None:
             raise ConfigError(f"{key}={value} must be at least 1 (or null)")
 
     # Layout: world = TP x CP x PP x DP, global batch = micro batch x DP x micro-batches.
-    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    cp = p.context_parallel_size
     if world_size % (tp * pp * cp):
         raise ConfigError(
             f"parallel layout does not divide the world size: {world_size} ranks are not "
