@@ -7,6 +7,8 @@ megatron-core 0.19 assumes CUDA in a handful of places that every CPU run hits:
 - ``torch.cuda.synchronize()`` is called by dist-checkpoint save -> no-op.
 - The CUDA RNG tracker (``model_parallel_cuda_manual_seed`` and ``fork()`` around dropout and
   weight init) reads and writes CUDA generator state -> a tracker over the CPU generator.
+- RoPE under context parallelism (``get_pos_emb_on_this_cp_rank``) builds its chunk index in
+  pinned memory and moves it with ``.cuda()`` -> the index is built on the embedding's device.
 
 The training path (optimizers, grad clipping, pipeline schedules, DDP) adds about twenty places
 that allocate with a literal ``device="cuda"``, call ``.cuda()``, wait on CUDA streams, or accept a
@@ -56,8 +58,34 @@ def install() -> bool:
     # model_parallel_cuda_manual_seed() would call torch.cuda.manual_seed, which queues a lazy
     # CUDA call that fails later; seed the CPU generator instead.
     torch.cuda.manual_seed = lambda seed: None
+    _install_rope_cp()
     _installed = True
     return True
+
+
+def _install_rope_cp():
+    """Replace ``get_pos_emb_on_this_cp_rank`` (pinned memory + ``.cuda()``) where it is bound."""
+    import importlib
+
+    def get_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
+        # Same split as megatron's: 2 x CP chunks along seq_dim, this rank keeps r and 2CP-1-r.
+        if cp_group is None:
+            raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+        cp_size, cp_rank = cp_group.size(), cp_group.rank()
+        index = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
+        shape = pos_emb.shape
+        chunks = pos_emb.view(*shape[:seq_dim], 2 * cp_size, -1, *shape[seq_dim + 1:])
+        chunks = chunks.index_select(seq_dim, index)
+        return chunks.view(*chunks.shape[:seq_dim], -1, *chunks.shape[seq_dim + 2:])
+
+    prefix = "megatron.core.models.common.embeddings."
+    for name in ("rope_utils", "rotary_pos_embedding", "yarn_rotary_pos_embedding"):
+        try:
+            module = importlib.import_module(prefix + name)
+        except ImportError:  # yarn's module is not in every release
+            continue
+        if hasattr(module, "get_pos_emb_on_this_cp_rank"):
+            module.get_pos_emb_on_this_cp_rank = get_pos_emb_on_this_cp_rank
 
 
 def _cpu_tracker_class(cuda_tracker_class):

@@ -72,6 +72,11 @@ def get_gpt_layer_spec(config: TransformerConfig, backend: str = "auto") -> Modu
     work with sequence parallelism. Otherwise the spec is megatron-core's unchanged.
     """
     backend = resolve_backend(backend)
+    if backend is AttentionBackend.LOCAL and config.context_parallel_size > 1:
+        raise ValueError(
+            f"context_parallel_size={config.context_parallel_size} needs backend 'sdpa' or 'te': "
+            "megatron's local DotProductAttention has no context parallelism"
+        )
     options = dict(
         num_experts=config.num_moe_experts,
         moe_grouped_gemm=config.moe_grouped_gemm,

@@ -9,12 +9,16 @@ A drop-in for megatron's ``core_attention`` slot (same constructor and call sign
 - "flex": torch ``flex_attention`` with a block mask for causal + window + packed documents:
   blocks that are fully masked are skipped, so a window keeps long sequences fast (compiled on a
   GPU; eager, for tests, on a CPU).
-Both build their masks from one position rule, ``allowed(q_pos, k_pos, ...)``.
+Both build their masks from one position rule, ``masks.allowed(q_pos, k_pos, ...)``, as the
+context-parallel attention does.
 
 Shapes (megatron notation): sq / sk query / key length, b batch, np query heads and ng key-value
 groups on this rank, hn head dim, t tokens of a packed (THD) batch.
     query [sq, b, np, hn], key / value [sk, b, ng, hn]  ->  output [sq, b, np * hn]
     THD:  query [t, np, hn], key / value [t, ng, hn]    ->  output [t, np * hn]
+
+With context_parallel_size > 1 the inputs are this CP rank's tokens and ``context_parallel``
+does the attention (all-gathered K/V, masks from token positions).
 """
 
 import contextlib
@@ -23,7 +27,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
@@ -31,25 +35,10 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
+from mcore_ext.attention import context_parallel
+from mcore_ext.attention.masks import allowed
+
 _CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal, AttnMaskType.causal_bottom_right)
-
-
-def allowed(q_pos, k_pos, causal: bool, window=None):
-    """Whether the query at position ``q_pos`` may attend the key at ``k_pos`` (tensors that
-    broadcast; True = attend).
-
-    ``causal``: keys at or before the query. ``window`` = megatron's (left, right): keys in
-    [q - left, q + right], a negative bound = unbounded. HF's ``sliding_window`` W is (W - 1, 0):
-    q - W < k <= q.
-    """
-    ok = k_pos <= q_pos if causal else torch.ones_like(k_pos <= q_pos)
-    if window is not None:
-        left, right = window
-        if left >= 0:
-            ok = ok & (k_pos >= q_pos - left)
-        if right >= 0:
-            ok = ok & (k_pos <= q_pos + right)
-    return ok
 
 
 class SDPAttention(MegatronModule):
@@ -71,12 +60,22 @@ class SDPAttention(MegatronModule):
         pg_collection: Optional[ProcessGroupCollection] = None,
     ):
         super().__init__(config=config)
-        _reject_unsupported(config)
+        _reject_unsupported(config, cp_comm_type)
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         if pg_collection is None:
-            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         tp_size = pg_collection.tp.size()
+        cp_group = getattr(pg_collection, "cp", None) or (
+            parallel_state.get_context_parallel_group(check_initialized=False))
+        cp_size = cp_group.size() if cp_group is not None else 1
+        if cp_size != config.context_parallel_size:
+            # RoPE and the batch split follow the group: attending as if unsplit would be wrong.
+            raise ValueError(
+                f"context_parallel_size={config.context_parallel_size} but the context-parallel "
+                f"group has {cp_size} ranks (init_parallel(context_parallel_size=...))"
+            )
+        self.cp_group = cp_group if cp_size > 1 else None
         self.num_heads_per_partition = divide(config.num_attention_heads, tp_size)
         self.num_groups_per_partition = divide(config.num_query_groups, tp_size)
         # Megatron's scale: 1/sqrt(hn) unless given. apply_query_key_layer_scaling divides the
@@ -111,6 +110,11 @@ class SDPAttention(MegatronModule):
             else contextlib.nullcontext()
         )
         with rng:
+            if self.cp_group is not None:
+                return self._context_parallel(
+                    query, key, value, attention_mask, attention_bias, mask_type, dropout_p,
+                    packed_seq_params,
+                )
             if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
                 if self.kernel == "flex":
                     return self._packed_flex(query, key, value, mask_type, packed_seq_params)
@@ -138,6 +142,20 @@ class SDPAttention(MegatronModule):
             scale=self.softmax_scale,
             enable_gqa=q.size(-3) != k.size(-3),
         )
+
+    def _context_parallel(self, query, key, value, attention_mask, attention_bias, mask_type,
+                          dropout_p, packed_seq_params):
+        if attention_mask is not None or attention_bias is not None:
+            raise NotImplementedError(
+                "SDPAttention with context parallelism builds its masks from token positions: "
+                f"an explicit attention_mask ({attention_mask is not None}) or attention_bias "
+                f"({attention_bias is not None}) is not supported"
+            )
+        kwargs = dict(group=self.cp_group, causal=mask_type in _CAUSAL, scale=self.softmax_scale,
+                      dropout_p=dropout_p, window=self.window)
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            return context_parallel.packed_attention(query, key, value, packed_seq_params, **kwargs)
+        return context_parallel.attention(query, key, value, **kwargs)
 
     def _packed(self, query, key, value, mask_type, dropout_p, params):
         """THD: attend within each packed sequence; padding slots between sequences stay zero."""
@@ -296,12 +314,9 @@ def _sdpa_mask(attention_mask, attention_bias, mask_type, window, sq, sk, like):
     return bias if keep is None else bias.masked_fill(~keep, float("-inf"))
 
 
-def _reject_unsupported(config: TransformerConfig) -> None:
-    if config.context_parallel_size != 1:
-        raise NotImplementedError(
-            f"SDPAttention does not support context_parallel_size={config.context_parallel_size}; "
-            "use the 'te' backend for context parallelism"
-        )
+def _reject_unsupported(config: TransformerConfig, cp_comm_type) -> None:
+    if config.context_parallel_size > 1:
+        context_parallel.check_supported(config, cp_comm_type)
     if config.window_size is not None and (
         len(config.window_size) != 2 or config.window_attn_skip_freq is not None
     ):

@@ -43,15 +43,20 @@ def latest_iteration(root: str | None) -> int | None:
 
 
 def _layout() -> dict:
-    return {
+    layout = {
         "tp": parallel_state.get_tensor_model_parallel_world_size(),
         "pp": parallel_state.get_pipeline_model_parallel_world_size(),
         "dp": parallel_state.get_data_parallel_world_size(),
     }
+    cp = parallel_state.get_context_parallel_world_size()
+    if cp > 1:  # only then, so checkpoints saved before CP existed keep their layout
+        layout["cp"] = cp
+    return layout
 
 
 def _rng_state() -> ShardedObject:
-    """This rank's RNG streams, one entry of a (pp, tp, dp) grid of ranks."""
+    """This rank's RNG streams, one entry of a (pp, tp, dp) grid of ranks ((pp, tp, cp, dp)
+    with context parallelism: CP ranks are data-parallel replicas of the model, not of the RNG)."""
     state = {
         "random": random.getstate(),
         "numpy": np.random.get_state(),
@@ -60,13 +65,16 @@ def _rng_state() -> ShardedObject:
         "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
     }
     layout = _layout()
+    cp = [layout["cp"]] if "cp" in layout else []
+    cp_rank = [parallel_state.get_context_parallel_rank()] if cp else []
     return ShardedObject(
         "rng_state",
         state,
-        (layout["pp"], layout["tp"], layout["dp"]),
+        (layout["pp"], layout["tp"], *cp, layout["dp"]),
         (
             parallel_state.get_pipeline_model_parallel_rank(),
             parallel_state.get_tensor_model_parallel_rank(),
+            *cp_rank,
             parallel_state.get_data_parallel_rank(),
         ),
         replica_id=0,

@@ -5,7 +5,8 @@ own micro-batches from it, so no rank broadcasts data (megatron's ``broadcast_da
 The sample stream is cut into chunks of micro_batch_size x DP samples; data-parallel rank r takes
 the r-th micro-batch of every chunk. Sample k of the run is therefore the same sample at every
 parallel layout with the same global batch, and resuming at iteration i starts at sample
-i x global_batch_size.
+i x global_batch_size. With context parallelism every CP rank of a DP replica loads the same
+micro-batch and keeps its 2 chunks of each sequence (``cp_shard``).
 """
 
 import os
@@ -16,6 +17,7 @@ from megatron.core import parallel_state
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 
+from mcore_ext.attention.context_parallel import get_batch_on_this_cp_rank
 from mcore_ext.data.preprocess import preprocess, stdlib_sources
 from mcore_ext.data.tokenizers import load_tokenizer
 from mcore_ext.training.checkpointing import raise_unless_all_ok
@@ -99,3 +101,10 @@ def batch_iterator(dataset, cfg, start_sample: int = 0):
         persistent_workers=False,
     )
     return iter(loader)
+
+
+def cp_shard(batch: dict) -> dict:
+    """This CP rank's tokens of a micro-batch (megatron's load-balanced split; as is at CP 1)."""
+    if parallel_state.get_context_parallel_world_size() == 1:
+        return batch
+    return get_batch_on_this_cp_rank(batch)

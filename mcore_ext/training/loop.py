@@ -25,7 +25,12 @@ from mcore_ext.config import GatedTransformerConfig
 from mcore_ext.runtime import destroy_parallel, device, init_parallel
 from mcore_ext.models import build_gpt_model
 from mcore_ext.training import checkpointing
-from mcore_ext.training.data import batch_iterator, build_datasets, prepare_tokenizer_and_data
+from mcore_ext.training.data import (
+    batch_iterator,
+    build_datasets,
+    cp_shard,
+    prepare_tokenizer_and_data,
+)
 from mcore_ext.training.megatron_configs import (
     compute_dtype,
     ddp_config,
@@ -43,6 +48,7 @@ def pretrain(cfg) -> None:
     init_parallel(
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        context_parallel_size=p.context_parallel_size,
         seed=cfg.training.seed,
     )
     try:
@@ -108,7 +114,7 @@ def flops_per_iteration(
 
 def _forward_step(data_iterator, model):
     """One micro-batch: [b, s] tokens -> [b, s] per-token losses, and how to reduce them."""
-    batch = next(data_iterator)
+    batch = cp_shard(next(data_iterator))  # this CP rank's 2 chunks of every sequence
     dev = device()
     tokens = batch["tokens"].to(dev, non_blocking=True)  # [b, s]
     labels = batch["labels"].to(dev, non_blocking=True)  # [b, s]
@@ -120,8 +126,18 @@ def _forward_step(data_iterator, model):
 
 
 def _masked_mean(loss_mask, losses):
-    loss = (losses.float() * loss_mask).sum() / loss_mask.sum().clamp(min=1)
-    return loss, {"lm loss": loss.detach().clone()}  # the schedule divides loss in place
+    """This rank's share of the mean loss over the sequence's tokens on all CP ranks.
+
+    The schedule multiplies it by the CP size and DDP averages gradients over DP x CP, so the
+    gradient is the full sequence's mean-loss gradient.
+    """
+    total = (losses.float() * loss_mask).sum()
+    sums = torch.stack([total.detach(), loss_mask.sum()])
+    cp_group = parallel_state.get_context_parallel_group()
+    if cp_group.size() > 1:
+        dist.all_reduce(sums, group=cp_group)
+    loss = total / sums[1].clamp(min=1)
+    return loss, {"lm loss": sums[0] / sums[1].clamp(min=1)}  # the schedule scales loss in place
 
 
 class _Trainer:
@@ -175,9 +191,10 @@ class _Trainer:
         params = sum(p.numel() for p in self.model.parameters())
         tp = cfg.parallelism.tensor_model_parallel_size
         pp = cfg.parallelism.pipeline_model_parallel_size
+        cp = cfg.parallelism.context_parallel_size
         dp, t = cfg.data_parallel_size, cfg.training
         self._print(
-            f"[setup] world {cfg.world_size} = TP {tp} x PP {pp} x DP {dp}; global batch "
+            f"[setup] world {cfg.world_size} = TP {tp} x CP {cp} x PP {pp} x DP {dp}; global batch "
             f"{t.global_batch_size} = micro {t.micro_batch_size} x DP {dp} x "
             f"{cfg.num_microbatches} micro-batches; vocab {tokenizer.vocab_size} (padded "
             f"{self.vocab_size}); {params / 1e6:.2f}M parameters on rank 0; {t.precision} on "

@@ -57,6 +57,7 @@ def transformer_config(cfg, **runtime_fields) -> GatedTransformerConfig:
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
         sequence_parallel=p.sequence_parallel,
+        context_parallel_size=p.context_parallel_size,
         # Pipeline stages exchange [s, b, h] activations of this dtype.
         pipeline_dtype=dtype,
         params_dtype=dtype,

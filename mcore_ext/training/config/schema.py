@@ -142,6 +142,10 @@ class ParallelismConfig:
     sequence_parallel: bool = False
     """Shard norms/dropout activations along the sequence over TP ranks (needs TP > 1)."""
 
+    context_parallel_size: int = 1
+    """CP size: each sequence split over this many ranks (megatron's load-balanced 2 x CP
+    chunks; model.seq_length must be divisible by 2 x CP; sdpa backend or te)."""
+
 
 @dataclass
 class TrainingConfig:

@@ -31,6 +31,7 @@ def validate(cfg: PretrainConfig, world_size: int) -> None:
         ("model.num_attention_heads", m.num_attention_heads), ("model.seq_length", m.seq_length),
         ("parallelism.tensor_model_parallel_size", p.tensor_model_parallel_size),
         ("parallelism.pipeline_model_parallel_size", p.pipeline_model_parallel_size),
+        ("parallelism.context_parallel_size", p.context_parallel_size),
         ("training.micro_batch_size", t.micro_batch_size),
         ("training.global_batch_size", t.global_batch_size),
         ("training.train_iters", t.train_iters), ("logging.log_interval", cfg.logging.log_interval),
@@ -44,15 +45,26 @@ def validate(cfg: PretrainConfig, world_size: int) -> None:
         if value is not None and value < 1:
             raise ConfigError(f"{key}={value} must be at least 1 (or null)")
 
-    # Layout: world = TP x PP x DP, global batch = micro batch x DP x micro-batches.
+    # Layout: world = TP x CP x PP x DP, global batch = micro batch x DP x micro-batches.
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    if world_size % (tp * pp):
+    cp = p.context_parallel_size
+    if world_size % (tp * pp * cp):
         raise ConfigError(
             f"parallel layout does not divide the world size: {world_size} ranks are not "
             f"divisible by tensor_model_parallel_size ({tp}) x pipeline_model_parallel_size "
-            f"({pp}) = {tp * pp}"
+            f"({pp}) x context_parallel_size ({cp}) = {tp * pp * cp}"
         )
-    dp = world_size // (tp * pp)
+    if m.seq_length % (2 * cp):
+        raise ConfigError(
+            f"model.seq_length ({m.seq_length}) must be divisible by 2 x "
+            f"parallelism.context_parallel_size ({cp}) = {2 * cp}: each CP rank holds 2 chunks"
+        )
+    if cp > 1 and m.attention_backend == "local":
+        raise ConfigError(
+            f"parallelism.context_parallel_size={cp} needs model.attention_backend 'sdpa' or "
+            "'te' (or 'auto'); megatron's local attention has no context parallelism"
+        )
+    dp = world_size // (tp * pp * cp)
     if t.global_batch_size % (t.micro_batch_size * dp):
         raise ConfigError(
             f"training.global_batch_size ({t.global_batch_size}) must be divisible by "

@@ -1,0 +1,277 @@
+"""Context parallelism (CP) for the sdpa backend: all-gather K/V, masks from token positions.
+
+megatron-core shards the sequence over the CP group with a load-balanced split: the sequence is cut
+into 2 x CP chunks and CP rank r holds chunks r and 2CP-1-r (so every rank gets as much causal
+work as the others). ``get_batch_on_this_cp_rank`` (megatron's) and RoPE's
+``get_pos_emb_on_this_cp_rank`` do that for the inputs and positions; this module does it for
+core attention:
+
+- every rank all-gathers K and V over the CP group (their gradients are reduce-scattered back),
+  ng groups of them, never repeated per query head;
+- each local query attends to the gathered keys under a mask built from the tokens' *global*
+  positions (``masks.allowed``, the rule of the sdpa and flex kernels: causal, and megatron's
+  window (left, right) when the layer has one), plus same document and a real (not padding) key
+  for packed THD batches.
+
+Packed THD batches follow megatron's (and Transformer Engine's) convention: ``cu_seqlens_*`` and
+``cu_seqlens_*_padded`` describe the *whole* packed sequence; every document's padded length is a
+multiple of 2 x CP and each document is split into 2 x CP chunks on its own
+(``get_packed_batch_on_this_cp_rank``).
+
+Shapes (megatron notation): s local tokens (2 chunks), S = CP x s gathered tokens, b batch,
+np / ng heads / groups on this TP rank, hn head dim, t local tokens of a packed batch.
+"""
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from mcore_ext import _mcore_compat
+from mcore_ext.attention.masks import allowed
+
+# cp_comm_type values that mean "all-gather K/V" (None is megatron's default).
+SUPPORTED_CP_COMM_TYPES = (None, "all_gather")
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along dim 0 over ``group``; backward reduce-scatters (sums) the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.contiguous()
+        out = x.new_empty(group.size() * x.size(0), *x.shape[1:])
+        dist.all_gather_into_tensor(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        out = grad.new_empty(grad.size(0) // ctx.group.size(), *grad.shape[1:])
+        dist.reduce_scatter_tensor(out, grad, group=ctx.group)
+        return out, None
+
+
+def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """[s, ...] on each CP rank -> [CP x s, ...] in rank order (dK / dV summed back in backward)."""
+    return _GatherSequence.apply(x, group)
+
+
+def zigzag_positions(local_len: int, cp_size: int, cp_rank: int, device=None) -> torch.Tensor:
+    """Global positions [local_len] of the tokens CP rank ``cp_rank`` holds: chunks r, 2CP-1-r."""
+    if local_len % 2:
+        raise ValueError(
+            f"a context-parallel rank holds 2 equal chunks, but its sequence length is {local_len} "
+            f"(the full sequence must be divisible by 2 x context_parallel_size = {2 * cp_size})"
+        )
+    chunk = local_len // 2
+    offsets = torch.arange(chunk, device=device)
+    return torch.cat([cp_rank * chunk + offsets, (2 * cp_size - 1 - cp_rank) * chunk + offsets])
+
+
+def allowed_mask(q_pos, k_pos, causal=True, window=None, q_doc=None, k_doc=None, k_valid=None):
+    """[sq, sk] boolean, True where query i may attend key j: the shared position rule
+    (``masks.allowed``; ``window`` = megatron's (left, right)), plus same document and a real key
+    for packed batches."""
+    ok = allowed(q_pos.unsqueeze(1), k_pos.unsqueeze(0), causal, window)
+    ok = ok.expand(q_pos.size(0), k_pos.size(0)).clone()
+    if q_doc is not None:
+        ok &= q_doc.unsqueeze(1) == k_doc.unsqueeze(0)
+    if k_valid is not None:
+        ok &= k_valid.unsqueeze(0)
+    return ok
+
+
+def attention(query, key, value, *, group, causal, scale, dropout_p, window=None):
+    """Core attention of the local chunks against all-gathered keys.
+
+    query [s, b, np, hn], key / value [s, b, ng, hn] (local; strided views are fine)
+    -> [s, b, np * hn].
+
+    Causal: the gathered K/V are put in sequence order, and each of the two local chunks attends
+    only to the keys up to its own end (a prefix view), so no work or mask is spent on the keys
+    after it: about half of the [s, S] score block.
+    """
+    cp_size, cp_rank = group.size(), group.rank()
+    s, device = query.size(0), query.device
+    chunk = s // 2
+    # Gathered rows come rank by rank ([chunk j, chunk 2CP-1-j] each): sort them by position.
+    order = _cached(("order", s, cp_size, device), lambda: torch.cat(
+        [zigzag_positions(s, cp_size, r, device) for r in range(cp_size)]).argsort())
+    # [S, b, ng, hn] in sequence order -> [b, ng, S, hn]
+    k, v = (gather_sequence(x, group).index_select(0, order).permute(1, 2, 0, 3)
+            for x in (key, value))
+    q = query.permute(1, 2, 0, 3)  # [b, np, s, hn]
+    gqa = q.size(1) != k.size(1)
+    if not causal and window is None:
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale,
+                                             enable_gqa=gqa)
+        return out.permute(2, 0, 1, 3).reshape(s, out.size(0), -1)
+    left = window[0] if window is not None and window[0] >= 0 else None
+    outs = []
+    for half, index in enumerate((cp_rank, 2 * cp_size - 1 - cp_rank)):
+        # Keys after the chunk (causal) or left of its window are all masked: not attended at all.
+        end = (index + 1) * chunk if causal else k.size(2)
+        start = max(0, index * chunk - left) if left is not None else 0
+
+        def build():
+            q_pos = index * chunk + torch.arange(chunk, device=device)
+            k_pos = torch.arange(start, end, device=device)
+            return _additive(allowed_mask(q_pos, k_pos, causal, window), query.dtype)
+
+        mask = _cached(("sbhd", chunk, index, start, end, causal, window, query.dtype, device), build)
+        outs.append(F.scaled_dot_product_attention(
+            q[:, :, half * chunk:(half + 1) * chunk], k[:, :, start:end], v[:, :, start:end],
+            attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=gqa,
+        ))
+    out = torch.cat(outs, dim=2)
+    # [b, np, s, hn] -> [s, b, np * hn]
+    return out.permute(2, 0, 1, 3).reshape(s, out.size(0), -1)
+
+
+def packed_attention(query, key, value, params, *, group, causal, scale, dropout_p, window=None):
+    """THD core attention under CP: query [t, np, hn], key / value [t, ng, hn] -> [t, np * hn].
+
+    ``params`` (megatron's PackedSeqParams) describes the whole packed sequence. Padding tokens
+    (past a document's real length) get a zero output, as without CP.
+    """
+    cp_size, cp_rank = group.size(), group.rank()
+
+    def build():
+        layout = [_packed_layout(params, cp_size, r, query.device) for r in range(cp_size)]
+        q_pos, q_doc, q_valid = layout[cp_rank]
+        k_pos, k_doc, k_valid = (torch.cat(parts) for parts in zip(*layout))
+        if q_pos.size(0) != query.size(0):
+            raise ValueError(
+                f"packed batch has {query.size(0)} tokens on this context-parallel rank, but its "
+                f"cu_seqlens_q_padded gives {q_pos.size(0)} (global padded total / "
+                f"context_parallel_size {cp_size})"
+            )
+        allowed = allowed_mask(q_pos, k_pos, causal, window, q_doc, k_doc, k_valid)
+        # A padding query of a document with no real token before it would see no key (NaN
+        # rows): let every padding query see everything; its output is zeroed below.
+        allowed |= ~q_valid.unsqueeze(1)
+        return _additive(allowed, query.dtype), q_valid
+
+    cu_padded = params.cu_seqlens_q_padded
+    key_ = ("thd", tuple(params.cu_seqlens_q.tolist()),
+            None if cu_padded is None else tuple(cu_padded.tolist()), query.size(0), cp_size,
+            cp_rank, causal, window, query.dtype, query.device)
+    mask, q_valid = _cached(key_, build)
+    # [t, n, hn] -> [n, t, hn]
+    k, v = (gather_sequence(x, group).transpose(0, 1) for x in (key, value))
+    q = query.transpose(0, 1)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
+        enable_gqa=q.size(0) != k.size(0),
+    )
+    out = out.transpose(0, 1) * q_valid.view(-1, 1, 1).to(out.dtype)
+    return out.reshape(out.size(0), -1)
+
+
+# The masks (and key orders) of the last few layouts. Every layer of a step uses the same ones, and
+# SDPA saves the mask it is given for backward: one shared tensor, not one per layer.
+_MASKS: dict = {}
+_MAX_MASKS = 8
+
+
+def _cached(key, build):
+    if key not in _MASKS:
+        if len(_MASKS) >= _MAX_MASKS:
+            _MASKS.pop(next(iter(_MASKS)))
+        _MASKS[key] = build()
+    return _MASKS[key]
+
+
+def _additive(allowed, dtype):
+    """0 where allowed, -inf elsewhere, in the compute dtype. SDPA would convert a boolean mask to
+    this itself, per call, and save the converted copy (4 bytes per query-key pair) per layer."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+        ~allowed, float("-inf"))
+
+
+def _packed_layout(params, cp_size, cp_rank, device):
+    """(global position within its document, document index, real token?) per token of a rank."""
+    cu = params.cu_seqlens_q
+    cu_padded = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else cu
+    lengths, padded = cu.diff().tolist(), cu_padded.diff().tolist()
+    positions, docs = [], []
+    for doc, length in enumerate(padded):
+        if length % (2 * cp_size):
+            raise ValueError(
+                f"packed document {doc} has padded length {length}, not divisible by 2 x "
+                f"context_parallel_size = {2 * cp_size} (pad cu_seqlens_q_padded to it)"
+            )
+        pos = zigzag_positions(length // cp_size, cp_size, cp_rank, device)
+        positions.append(pos)
+        docs.append(torch.full_like(pos, doc))
+    pos, doc = torch.cat(positions), torch.cat(docs)
+    valid = pos < torch.tensor(lengths, device=device)[doc]
+    return pos, doc, valid
+
+
+# ------------------------------------------------------------------------------- batches
+
+
+def get_batch_on_this_cp_rank(batch: dict, cp_group=None) -> dict:
+    """This CP rank's tokens of a batch of [b, s] tensors (megatron's load-balanced split).
+
+    Checks the sequence length first (megatron's own split fails with a reshape error).
+    """
+    from megatron.core import parallel_state
+
+    group = cp_group or parallel_state.get_context_parallel_group()
+    cp_size = group.size()
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.size(1) % (2 * cp_size):
+            raise ValueError(
+                f"batch[{key!r}] has sequence length {value.size(1)}, not divisible by 2 x "
+                f"context_parallel_size = {2 * cp_size}"
+            )
+    return _mcore_compat.get_batch_on_this_cp_rank(batch, group)
+
+
+def get_packed_batch_on_this_cp_rank(tensor: torch.Tensor, cu_seqlens_padded, cp_group=None,
+                                     dim: int = 0) -> torch.Tensor:
+    """This CP rank's tokens of a packed tensor (all documents along ``dim``): every document
+    (padded to a multiple of 2 x CP) split into 2 x CP chunks, chunks r and 2CP-1-r kept.
+
+    megatron's per-document split needs Transformer Engine; this one is plain torch.
+    """
+    from megatron.core import parallel_state
+
+    group = cp_group or parallel_state.get_context_parallel_group()
+    cp_size, cp_rank = group.size(), group.rank()
+    index = []
+    for doc, (start, length) in enumerate(
+        zip(cu_seqlens_padded[:-1].tolist(), cu_seqlens_padded.diff().tolist())
+    ):
+        if length % (2 * cp_size):
+            raise ValueError(
+                f"packed document {doc} has padded length {length}, not divisible by 2 x "
+                f"context_parallel_size = {2 * cp_size}"
+            )
+        index.append(start + zigzag_positions(length // cp_size, cp_size, cp_rank))
+    return tensor.index_select(dim, torch.cat(index).to(tensor.device))
+
+
+def check_supported(config, cp_comm_type) -> None:
+    """Clear errors for CP options the sdpa backend does not implement."""
+    if cp_comm_type not in SUPPORTED_CP_COMM_TYPES:
+        raise NotImplementedError(
+            f"SDPAttention's context parallelism all-gathers K/V: cp_comm_type={cp_comm_type!r} is "
+            f"not supported (use None or 'all_gather', or the 'te' backend)"
+        )
+    if getattr(config, "hybrid_context_parallel", False):
+        raise NotImplementedError(
+            "SDPAttention does not support hybrid_context_parallel=True; use the 'te' backend"
+        )
+    kernel = getattr(config, "attention_kernel", "sdpa")
+    if kernel != "sdpa":
+        # The CP path attends each local chunk to a key range with a dense mask (sdpa kernel).
+        raise NotImplementedError(
+            f"attention_kernel={kernel!r} does not support context_parallel_size="
+            f"{config.context_parallel_size}: context parallelism uses the 'sdpa' kernel"
+        )

@@ -1,0 +1,400 @@
+"""Context parallelism on the sdpa backend, against a CP=1 run of the same weights (gloo).
+
+A 2-layer gated GPTModel (hidden 64, seq 32, RoPE) runs at CP=1 on the full sequence, then at
+CP > 1 on each rank's load-balanced chunks (megatron's split): the local logits must equal the
+CP=1 logits at those positions, and every parameter's gradient summed over the CP group must
+equal the CP=1 gradient (fp32, max abs diff <= 1e-5). CP=1 and CP > 1 share weights: the CP=1
+model's state dict (this TP rank's shard) is loaded into the CP model.
+"""
+
+import pytest
+import torch
+
+from tests import builders
+
+TOL = 1e-5
+SEQ, BATCH, VOCAB = 32, 2, 64
+
+CASES = {  # name: (tp, cp, num_query_groups[, config overrides])
+    "cp2_mha": (1, 2, 8),
+    "cp2_gqa": (1, 2, 2),
+    # megatron's selective recompute of core attention re-runs the K/V all-gather in backward
+    "cp2_gqa_recompute_core_attn": (1, 2, 2, dict(recompute_granularity="selective")),
+    "cp4_mha": (1, 4, 8),
+    "cp4_gqa": (1, 4, 2),
+    "tp2_cp2_gqa": (2, 2, 2),
+    "tp2_cp2_gqa_g1_lt_tp": (2, 2, 1),
+}
+
+# Model fields of both runs (CP=1 and CP > 1), by case. Step-3.5 layer kinds: sliding layers with
+# their own heads, window 5 (the chunks are 8 tokens at CP 2, so a chunk's window reaches into
+# the chunk before it), per-kind RoPE base and fraction (each kind slices its own embedding per
+# CP rank), zero-centered norms with q/k norms, a SwiGLU clamp.
+MODEL_FIELDS = {
+    "cp2_step35_kinds": dict(
+        num_layers=3, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        sliding_window=5, sliding_num_attention_heads=4, rotary_percent=0.5, rotary_base=5e5,
+        sliding_rotary_base=1e4, normalization="RMSNorm", layernorm_zero_centered_gamma=True,
+        qk_layernorm=True, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+        swiglu_limits=[None, 0.5, None],
+        bias_activation_fusion=False,
+    ),
+}
+CASES["cp2_step35_kinds"] = (1, 2, 2)
+
+
+def _build(config):
+    import mcore_ext
+
+    if config.layer_types is not None:  # RoPE per layer kind, from the config
+        return mcore_ext.build_gpt_model(config, vocab_size=VOCAB, max_sequence_length=SEQ,
+                                         backend="sdpa")
+    return builders.build_gpt(config, VOCAB, SEQ, parallel_output=False)
+
+
+def _config(tp, cp, groups, **overrides):
+    return builders.gated_config(
+        hidden_size=64, num_attention_heads=8, kv_channels=8, num_query_groups=groups,
+        add_qkv_bias=True, tensor_model_parallel_size=tp, context_parallel_size=cp, **overrides,
+    )
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    # d(loss)/d(logits), scaled as a mean over tokens is (gradients of order 1: fp32 sums of
+    # O(40) gradients in another order differ by ~1e-5, absolute).
+    upstream = torch.randn(BATCH, SEQ, VOCAB, generator=g) / (BATCH * SEQ)
+    return tokens, upstream
+
+
+def _run(model, tokens, positions, upstream, packed_seq_params=None):
+    """(logits, {name: grad}) of loss = sum(logits * upstream)."""
+    model.zero_grad()
+    logits = model(tokens, positions, None, packed_seq_params=packed_seq_params)
+    (logits * upstream).sum().backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _gpt_cp_vs_cp1(names):
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    import mcore_ext
+    from mcore_ext.attention import context_parallel
+
+    tokens, upstream = _inputs()
+    positions = torch.arange(SEQ).expand_as(tokens)
+    results = {}
+    for name in names:
+        tp, cp, groups, *overrides = CASES[name]
+        overrides = overrides[0] if overrides else {}
+        fields = MODEL_FIELDS.get(name, {})
+        mcore_ext.init_parallel(tensor_model_parallel_size=tp)
+        model = _build(_config(tp, 1, groups, **fields))
+        ref_logits, ref_grads = _run(model, tokens, positions, upstream)
+        state = model.state_dict()
+        mcore_ext.destroy_parallel()
+
+        mcore_ext.init_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp, seed=99)
+        model = _build(_config(tp, cp, groups, **fields, **overrides))
+        model.load_state_dict(state)
+        local = context_parallel.get_batch_on_this_cp_rank(
+            dict(tokens=tokens, positions=positions, upstream=upstream, ref_logits=ref_logits)
+        )
+        logits, grads = _run(model, local["tokens"], local["positions"], local["upstream"])
+        for grad in grads.values():
+            dist.all_reduce(grad, group=parallel_state.get_context_parallel_group())
+        results[name] = dict(
+            recompute=model.decoder.layers[0].self_attention.checkpoint_core_attention,
+            local_tokens=local["tokens"].size(1),
+            logits=(logits - local["ref_logits"]).abs().max().item(),
+            grads=max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads),
+            grad_scale=max(g.abs().max().item() for g in ref_grads.values()),
+        )
+        mcore_ext.destroy_parallel()
+    return results
+
+
+def _check(results, names, cp_of):
+    for name in names:
+        r = results[name]
+        assert r["local_tokens"] == SEQ // cp_of[name], (name, r)
+        assert r["recompute"] == ("recompute" in name), (name, r)
+        assert r["grad_scale"] > 1e-2, (name, r)  # the gradients compared are not all ~0
+        assert r["logits"] <= TOL and r["grads"] <= TOL, (name, r)
+
+
+def test_gpt_cp2_matches_cp1_logits_and_grads(run_distributed):
+    names = ["cp2_mha", "cp2_gqa", "cp2_gqa_recompute_core_attn", "cp2_step35_kinds"]
+    for rank_results in run_distributed(_gpt_cp_vs_cp1, names, world_size=2):
+        _check(rank_results, names, {n: CASES[n][1] for n in names})
+
+
+@pytest.mark.slow
+def test_gpt_cp4_and_tp2_cp2_match_cp1_logits_and_grads(run_distributed):
+    names = ["cp4_mha", "cp4_gqa", "tp2_cp2_gqa", "tp2_cp2_gqa_g1_lt_tp"]
+    for rank_results in run_distributed(_gpt_cp_vs_cp1, names, world_size=4):
+        _check(rank_results, names, {n: CASES[n][1] for n in names})
+
+
+# ------------------------------------------------------------------------------- packed THD
+
+DOC_LENGTHS = [5, 11, 8, 3]  # padded to multiples of 2 x CP = 4: 8, 12, 8, 4 (32 tokens)
+
+
+def _packed_params(cp):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    pad = 2 * cp
+    padded = [-(-n // pad) * pad for n in DOC_LENGTHS]
+    cu = torch.tensor([0] + DOC_LENGTHS, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    cu_padded = torch.tensor([0] + padded, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_padded,
+        cu_seqlens_kv_padded=cu_padded, max_seqlen_q=max(padded), max_seqlen_kv=max(padded),
+    )
+
+
+def _packed_cp2_vs_cp1(groups):
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    import mcore_ext
+    from mcore_ext.attention import context_parallel
+
+    cp = 2
+    params = _packed_params(cp)
+    total = int(params.cu_seqlens_q_padded[-1])
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, VOCAB, (1, total), generator=g)
+    upstream = torch.randn(1, total, VOCAB, generator=g) / total
+    positions = torch.arange(total).unsqueeze(0)  # unused by RoPE with packed sequences
+
+    mcore_ext.init_parallel()
+    model = builders.build_gpt(_config(1, 1, groups), VOCAB, SEQ, parallel_output=False)
+    ref_logits, ref_grads = _run(model, tokens, positions, upstream, params)
+    state = model.state_dict()
+    mcore_ext.destroy_parallel()
+
+    mcore_ext.init_parallel(context_parallel_size=cp, seed=99)
+    model = builders.build_gpt(_config(1, cp, groups), VOCAB, SEQ, parallel_output=False)
+    model.load_state_dict(state)
+
+    def local(x):
+        return context_parallel.get_packed_batch_on_this_cp_rank(x, params.cu_seqlens_q_padded,
+                                                                 dim=1)
+
+    logits, grads = _run(model, local(tokens), local(positions), local(upstream), params)
+    for grad in grads.values():
+        dist.all_reduce(grad, group=parallel_state.get_context_parallel_group())
+    # Real tokens only: a padding token's logits depend on nothing a user reads.
+    real = local(_real_tokens(params).unsqueeze(0))[0]
+    return dict(
+        local_tokens=logits.size(1),
+        logits=(logits - local(ref_logits))[:, real].abs().max().item(),
+        grads=max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads),
+    )
+
+
+def _real_tokens(params):
+    real = torch.zeros(int(params.cu_seqlens_q_padded[-1]), dtype=torch.bool)
+    for start, n in zip(params.cu_seqlens_q_padded[:-1].tolist(), DOC_LENGTHS):
+        real[start:start + n] = True
+    return real
+
+
+@pytest.mark.parametrize("groups", [8, 2], ids=["mha", "gqa"])
+def test_packed_thd_cp2_matches_cp1(run_distributed, groups):
+    for r in run_distributed(_packed_cp2_vs_cp1, groups, world_size=2):
+        assert r["local_tokens"] == 16, r
+        assert r["logits"] <= TOL and r["grads"] <= TOL, r
+
+
+# ------------------------------------------------------------------------------------ errors
+
+
+def _errors():
+    from megatron.core.transformer.enums import AttnMaskType
+
+    import mcore_ext
+    from mcore_ext.attention import context_parallel
+    from mcore_ext.attention.sdpa import SDPAttention
+
+    mcore_ext.init_parallel(context_parallel_size=2)
+    messages = {}
+
+    def catch(name, fn):
+        try:
+            fn()
+        except (ValueError, NotImplementedError) as err:
+            messages[name] = str(err)
+
+    odd = dict(tokens=torch.zeros(2, 30, dtype=torch.long))  # 30 % (2 x CP = 4) != 0
+    catch("seq_length", lambda: context_parallel.get_batch_on_this_cp_rank(odd))
+    catch("local_backend", lambda: mcore_ext.get_gpt_layer_spec(_config(1, 2, 8), "local"))
+    catch("cp_comm_type", lambda: SDPAttention(_config(1, 2, 8), 1, AttnMaskType.causal, "self",
+                                              cp_comm_type="p2p"))
+    catch("config_vs_group", lambda: SDPAttention(_config(1, 1, 8), 1, AttnMaskType.causal,
+                                                  "self"))
+    catch("flex", lambda: SDPAttention(_config(1, 2, 8, attention_kernel="flex"), 1,
+                                       AttnMaskType.causal, "self"))
+    attn = SDPAttention(_config(1, 2, 8), 1, AttnMaskType.causal, "self")
+    q = torch.zeros(8, 1, 8, 8)
+    catch("attention_mask", lambda: attn(q, q, q, torch.zeros(1, 1, 8, 16, dtype=torch.bool)))
+    padded = torch.tensor([0, 6], dtype=torch.int32)  # a document of 6, not a multiple of 4
+    catch("packed", lambda: context_parallel.get_packed_batch_on_this_cp_rank(q, padded))
+    return messages
+
+
+def test_cp_errors_name_the_field_and_value(run_distributed):
+    for messages in run_distributed(_errors, world_size=2):
+        assert "sequence length 30" in messages["seq_length"], messages
+        assert "2 x context_parallel_size = 4" in messages["seq_length"], messages
+        assert "context_parallel_size=2 needs backend 'sdpa' or 'te'" in messages["local_backend"]
+        assert "cp_comm_type='p2p'" in messages["cp_comm_type"], messages
+        assert "attention_mask" in messages["attention_mask"], messages
+        assert "padded length 6" in messages["packed"], messages
+        assert "attention_kernel='flex' does not support context_parallel_size=2" in (
+            messages["flex"])
+        assert "context_parallel_size=1 but the context-parallel group has 2 ranks" in (
+            messages["config_vs_group"])
+
+
+def test_launcher_refuses_bad_cp_layouts(tmp_path):
+    from mcore_ext.training.config import ConfigError, load_config
+
+    path = tmp_path / "run.yaml"
+    path.write_text("data:\n  source: mock\n")
+    cases = {
+        "model.seq_length (100) must be divisible by 2 x parallelism.context_parallel_size (4)":
+            ["parallelism.context_parallel_size=4", "model.seq_length=100"],
+        "ranks are not divisible": ["parallelism.context_parallel_size=3", "model.seq_length=96"],
+        "needs model.attention_backend 'sdpa' or 'te'":
+            ["parallelism.context_parallel_size=2", "model.attention_backend=local"],
+        "parallelism.context_parallel_size=0 must be at least 1":
+            ["parallelism.context_parallel_size=0"],
+    }
+    for message, overrides in cases.items():
+        with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            load_config(str(path), overrides, world_size=4)
+    cfg = load_config(str(path), ["parallelism.context_parallel_size=2"], world_size=4)
+    assert cfg.data_parallel_size == 2
+
+
+# ------------------------------------------------------------------------- the gate under CP
+
+
+def _gated_layer_cp2_vs_formula(groups):
+    """The gated self-attention layer at CP 2 against tests.reference on the full sequence."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    import mcore_ext
+    from mcore_ext.attention import context_parallel
+    from tests import reference
+
+    mcore_ext.init_parallel(context_parallel_size=2)
+    config = builders.gated_config(num_query_groups=groups, add_qkv_bias=True,
+                                   context_parallel_size=2)
+    attn = builders.build_self_attention(config)
+    heads, hn, h = config.num_attention_heads, config.kv_channels, config.hidden_size
+    g = torch.Generator().manual_seed(1)
+    w = dict(q=torch.randn(heads * hn, h, generator=g) * 0.2,
+             k=torch.randn(groups * hn, h, generator=g) * 0.2,
+             v=torch.randn(groups * hn, h, generator=g) * 0.2,
+             gate=torch.randn(heads, h, generator=g) * 0.3,
+             o=torch.randn(h, heads * hn, generator=g) * 0.2)
+    b_gate = torch.randn(heads, generator=g)
+    s = 16
+    x, upstream = torch.randn(s, 2, h, generator=g), torch.randn(s, 2, h, generator=g)
+    with torch.no_grad():
+        qkv = builders.interleave_qkv(w["q"], w["k"], w["v"], heads, groups)
+        attn.linear_qkv.weight.copy_(torch.cat([qkv, w["gate"]]))
+        attn.linear_qkv.bias.zero_()
+        attn.linear_qkv.bias[qkv.size(0):] = b_gate
+        attn.linear_proj.weight.copy_(w["o"])
+
+    # Sequence-first [s, b, h]: megatron's split works on dim 1, so split the transposed view.
+    def local(t):
+        split = context_parallel.get_batch_on_this_cp_rank({"t": t.transpose(0, 1)})
+        return split["t"].transpose(0, 1)
+
+    x_local = local(x).clone().requires_grad_(True)
+    out, _ = attn(x_local, attention_mask=None)
+    (out * local(upstream)).sum().backward()
+    gate_grad = attn.linear_qkv.weight.grad[qkv.size(0):].clone()
+    dist.all_reduce(gate_grad, group=parallel_state.get_context_parallel_group())
+
+    ref_w = {k: v.clone().requires_grad_(True) for k, v in w.items()}
+    x_ref = x.clone().requires_grad_(True)
+    ref_out = reference.gated_attention(x_ref, ref_w["q"], ref_w["k"], ref_w["v"], ref_w["gate"],
+                                        ref_w["o"], heads, groups, b_gate=b_gate)
+    (ref_out * upstream).sum().backward()
+    return dict(
+        output=(out - local(ref_out)).abs().max().item(),
+        input_grad=(x_local.grad - local(x_ref.grad)).abs().max().item(),
+        gate_grad=(gate_grad - ref_w["gate"].grad).abs().max().item(),
+        gate_grad_scale=ref_w["gate"].grad.abs().max().item(),
+    )
+
+
+@pytest.mark.parametrize("groups", [4, 2], ids=["mha", "gqa"])
+def test_gated_attention_cp2_matches_formula(run_distributed, groups):
+    """The gate reads only this rank's tokens (its logits are a per-token projection of the local
+    hidden states), so at CP 2 the gated layer is the formula's on the local rows, and the gate
+    rows' gradient summed over CP is the full sequence's."""
+    for r in run_distributed(_gated_layer_cp2_vs_formula, groups, world_size=2):
+        assert r["gate_grad_scale"] > 1e-2, r
+        for quantity in ("output", "input_grad", "gate_grad"):
+            assert r[quantity] <= TOL, (quantity, r)
+
+
+# ------------------------------------------------------------- core attention vs the formula
+
+
+def _core_attention_vs_formula(window):
+    """context_parallel.attention at CP 2 (GQA, 8 heads / 2 groups) against tests.reference on
+    the full sequence, with a sliding window in HF's terms (key visible iff 0 <= pos_q - pos_k <
+    window), given to CP attention as megatron's (left, right) = (window - 1, 0); with window 5 and
+    chunks of 4, a chunk's keys start inside an earlier chunk (the keys left of it are skipped)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    import mcore_ext
+    from mcore_ext.attention import context_parallel
+    from tests import reference
+
+    mcore_ext.init_parallel(context_parallel_size=2)
+    group = parallel_state.get_context_parallel_group()
+    g = torch.Generator().manual_seed(2)
+    s, b, n, ng, hn = 16, 2, 8, 2, 8
+    q, k, v = (torch.randn(s, b, heads, hn, generator=g) for heads in (n, ng, ng))
+    upstream = torch.randn(s, b, n * hn, generator=g)
+
+    def local(t):  # [s, ...] -> this rank's [s / 2, ...] rows
+        return t.index_select(0, context_parallel.zigzag_positions(s // 2, 2, group.rank()))
+
+    q_l, k_l, v_l = (local(t).requires_grad_(True) for t in (q, k, v))
+    out = context_parallel.attention(q_l, k_l, v_l, group=group, causal=True, scale=None,
+                                     dropout_p=0.0,
+                                     window=None if window is None else (window - 1, 0))
+    (out * local(upstream)).sum().backward()
+    # dK / dV of a rank's own rows, after the reduce-scatter, are those rows' full gradients.
+    ref = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    i, j = torch.arange(s).unsqueeze(1), torch.arange(s).unsqueeze(0)
+    allowed = (j <= i) & (i - j < (window or s))
+    ref_out = reference.attention(*ref, allowed)
+    (ref_out * upstream).sum().backward()
+    dist.barrier()
+    return dict(
+        output=(out - local(ref_out)).abs().max().item(),
+        grads=max((t.grad - local(r.grad)).abs().max().item()
+                  for t, r in zip((q_l, k_l, v_l), ref)),
+    )
+
+
+@pytest.mark.parametrize("window", [None, 5], ids=["causal", "window5"])
+def test_core_attention_cp2_matches_formula(run_distributed, window):
+    for r in run_distributed(_core_attention_vs_formula, window, world_size=2):
+        assert r["output"] <= TOL and r["grads"] <= TOL, r
