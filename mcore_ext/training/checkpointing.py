@@ -119,14 +119,20 @@ def save_checkpoint(
     }
 
     def finalize():
+        failure = None
         if dist.get_rank() == 0:
-            with open(os.path.join(directory, "config.yaml"), "w") as f:
-                f.write(cfg.to_yaml())
-            tmp = os.path.join(root, TRACKER + ".tmp")
-            with open(tmp, "w") as f:
-                f.write(str(iteration))
-            os.replace(tmp, os.path.join(root, TRACKER))  # atomic: never a half-written tracker
-        dist.barrier()
+            try:
+                with open(os.path.join(directory, "config.yaml"), "w") as f:
+                    f.write(cfg.to_yaml())
+                tmp = os.path.join(root, TRACKER + ".tmp")
+                with open(tmp, "w") as f:
+                    f.write(str(iteration))
+                os.replace(tmp, os.path.join(root, TRACKER))  # atomic: never half a tracker
+            except OSError as err:
+                failure = err
+        raise_unless_all_ok(
+            failure, f"writing the tracker of {directory} failed", CheckpointSaveError
+        )
 
     if async_queue is not None:
         request = dist_checkpointing.save(
