@@ -169,7 +169,8 @@ def _parent(pid) -> int:
 def attempts(metrics) -> list[dict[int, float]]:
     """Train losses per attempt: a new attempt starts where the iteration goes back."""
     runs = []
-    for line in Path(metrics).read_text().splitlines():
+    lines = Path(metrics).read_text().splitlines() if Path(metrics).exists() else []
+    for line in lines:
         record = json.loads(line)
         if record["kind"] != "train":
             continue
