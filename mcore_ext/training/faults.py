@@ -77,11 +77,13 @@ def install_checkpoint_writer_queue(async_save: bool) -> None:
     global _writer_manager
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if getattr(filesystem_async, "_results_queue", None) is not None:
-        return  # a save already ran (this process's first run of the loop set it)
+    current = filesystem_async._results_queue  # None until a save (or an earlier call) sets it
     if not async_save:
-        filesystem_async._results_queue = queue.Queue()
+        if current is None:
+            filesystem_async._results_queue = queue.Queue()
         return
+    if current is not None and not isinstance(current, queue.Queue):
+        return  # a Manager queue from an earlier run in this process
     from multiprocessing.managers import SyncManager
 
     manager = SyncManager(ctx=torch.multiprocessing.get_context("spawn"))

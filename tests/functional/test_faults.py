@@ -1,4 +1,4 @@
-"""Faults end to end: torchrun, 2 gloo ranks, the tiny gated config (about 4-5 minutes on 2 cores).
+"""Faults end to end: torchrun, 2 gloo ranks, the tiny gated config (4 min on 2 shared cores).
 
 Every run is a real torchrun started in a session of its own, with a marker in its environment
 that torchrun passes to its workers and they pass to any helper process: after torchrun returns,
@@ -150,7 +150,8 @@ class Run:
 
     def check(self, returncode=0):
         assert self.wait() == returncode, (
-            f"{self.name}: exit {self.proc.returncode}\n{self.stdout[-3000:]}\n{self.stderr[-5000:]}"
+            f"{self.name}: exit {self.proc.returncode}\n"
+            f"{self.stdout[-3000:]}\n{self.stderr[-5000:]}"
         )
         assert self.leftovers() == {}, f"{self.name} left processes behind"
         return self
@@ -193,7 +194,9 @@ def assert_exact(losses, reference):
 def wait_for(condition, run, what, timeout_s=TIMEOUT_S):
     deadline = time.monotonic() + timeout_s
     while not condition():
-        assert run.proc.poll() is None, f"{run.name} ended before {what}: {run.err.read_text()[-3000:]}"
+        assert run.proc.poll() is None, (
+            f"{run.name} ended before {what}: {run.err.read_text()[-3000:]}"
+        )
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
 
@@ -230,7 +233,8 @@ def test_sigkill_then_relaunch_resumes_exactly(faults_tmp, reference, point):
     killed.check(returncode=1)
     assert f"rank {rank}: SIGKILL at {point}" in killed.stderr
     latest = _latest_before(point, iteration)
-    assert tracker(ckpt) == (None if latest is None else str(latest)), (KILLS, killed.stdout[-2000:])
+    expected = None if latest is None else str(latest)
+    assert tracker(ckpt) == expected, (KILLS, killed.stdout[-2000:])
 
     again = Run(tmp, "again", *args, data=data).check()
     losses = attempts(killed.metrics) + attempts(again.metrics)
