@@ -57,9 +57,9 @@ def init_parallel(
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        timeout = datetime.timedelta(minutes=timeout_minutes)
         dist.init_process_group(
-            backend="nccl" if on_gpu else "gloo",
-            timeout=datetime.timedelta(minutes=timeout_minutes),
+            backend="nccl" if on_gpu else "gloo", timeout=timeout, **_restart_store(timeout)
         )
         _owns_default_group = True
 
@@ -112,6 +112,28 @@ def destroy_parallel() -> None:
     if _owns_default_group and dist.is_initialized():
         dist.destroy_process_group()
         _owns_default_group = False
+
+
+def _restart_store(timeout) -> dict:
+    """init_process_group arguments for a worker that torchrun restarted: its store, keyed apart.
+
+    torchrun's agent keeps one store for all attempts (static rendezvous: --master_addr/port),
+    and process groups publish their peers' addresses under names that repeat in every attempt:
+    a restarted worker would read the dead attempt's addresses and fail to connect, or hang.
+    """
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if not attempt or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    world_size = int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+        is_master=False, timeout=timeout,
+    )
+    return {
+        "store": dist.PrefixStore(f"mcore_ext/attempt_{attempt}", store),
+        "rank": int(os.environ["RANK"]),
+        "world_size": world_size,
+    }
 
 
 def _process_groups() -> list:

@@ -35,6 +35,9 @@ def main(argv=None) -> int:
         help="with --check: validate for this many ranks (default: $WORLD_SIZE, else 1)",
     )
     args = parser.parse_args(argv)
+    from mcore_ext.training.faults import CheckpointSaveError, die_with_torchrun
+
+    die_with_torchrun()  # a SIGKILL of torchrun ends its ranks too
     _quiet_known_noise()
     try:
         cfg = load_config(args.config, args.overrides, world_size=args.world_size)
@@ -49,7 +52,11 @@ def main(argv=None) -> int:
 
     from mcore_ext.training.loop import pretrain
 
-    pretrain(cfg)
+    try:
+        pretrain(cfg)
+    except CheckpointSaveError as err:  # raised on every rank with the same message
+        print(f"error: [rank {os.environ.get('RANK', '0')}] {err}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

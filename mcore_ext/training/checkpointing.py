@@ -4,7 +4,9 @@
     <save>/latest_checkpointed_iteration.txt  "10", written last
 
 The tracker is written by rank 0 only after every rank reports a completed save, so a save that
-fails (or a run killed while saving) leaves the previous checkpoint as the latest one.
+fails (or a run killed while saving) leaves the previous checkpoint as the latest one. A failed
+save raises ``CheckpointSaveError`` on every rank, naming the failing ranks and their errors, and
+removes its partial directory (space on a full disk).
 
 What is saved: the model's sharded state (layout-free: megatron and mcore_ext's gate sharding key
 every tensor by its global shape), the optimizer's (keyed by model parameter, the distributed
@@ -24,7 +26,7 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from mcore_ext import checkpoint
-from mcore_ext.runtime import device
+from mcore_ext.training.faults import CheckpointSaveError, fault_point, raise_unless_all_ok
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -108,7 +110,9 @@ def save_checkpoint(
             os.makedirs(directory)
         except OSError as err:
             failure = err
-    raise_unless_all_ok(failure, f"creating checkpoint directory {directory}")
+    raise_unless_all_ok(
+        failure, f"creating checkpoint directory {directory} failed", CheckpointSaveError
+    )
 
     model_state = model.module.sharded_state_dict()
     state = {
@@ -123,14 +127,20 @@ def save_checkpoint(
     }
 
     def finalize():
+        failure = None
         if dist.get_rank() == 0:
-            with open(os.path.join(directory, "config.yaml"), "w") as f:
-                f.write(cfg.to_yaml())
-            tmp = os.path.join(root, TRACKER + ".tmp")
-            with open(tmp, "w") as f:
-                f.write(str(iteration))
-            os.replace(tmp, os.path.join(root, TRACKER))  # atomic: never a half-written tracker
-        dist.barrier()
+            try:
+                with open(os.path.join(directory, "config.yaml"), "w") as f:
+                    f.write(cfg.to_yaml())
+                tmp = os.path.join(root, TRACKER + ".tmp")
+                with open(tmp, "w") as f:
+                    f.write(str(iteration))
+                os.replace(tmp, os.path.join(root, TRACKER))  # atomic: never half a tracker
+            except OSError as err:
+                failure = err
+        raise_unless_all_ok(
+            failure, f"writing the tracker of {directory} failed", CheckpointSaveError
+        )
 
     if async_queue is not None:
         request = dist_checkpointing.save(
@@ -142,20 +152,16 @@ def save_checkpoint(
 
     try:
         dist_checkpointing.save(state, directory)
+        fault_point("save", iteration)
     except Exception as err:  # reported below, after every rank has had its say
         failure = err
-    raise_unless_all_ok(failure, f"checkpoint save to {directory}")
+    try:
+        raise_unless_all_ok(failure, f"checkpoint save to {directory} failed", CheckpointSaveError)
+    except CheckpointSaveError:
+        if dist.get_rank() == 0:  # not a checkpoint: free its space (a full disk)
+            shutil.rmtree(directory, ignore_errors=True)
+        raise
     finalize()
-
-
-def raise_unless_all_ok(failure: Exception | None, what: str) -> None:
-    """Raise on every rank if ``what`` failed on any rank (instead of leaving peers waiting)."""
-    ok = torch.tensor([0 if failure else 1], dtype=torch.int32, device=device())
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    if failure is not None:
-        raise RuntimeError(f"{what} failed on this rank: {failure}") from failure
-    if not ok.item():
-        raise RuntimeError(f"{what} failed on another rank")
 
 
 def load_checkpoint(cfg, model, optimizer, scheduler) -> tuple[int, int]:

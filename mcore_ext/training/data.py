@@ -20,7 +20,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from mcore_ext.attention.context_parallel import get_batch_on_this_cp_rank
 from mcore_ext.data.preprocess import preprocess, stdlib_sources
 from mcore_ext.data.tokenizers import load_tokenizer
-from mcore_ext.training.checkpointing import raise_unless_all_ok
+from mcore_ext.training.faults import fault_point, raise_unless_all_ok
 
 
 def prepare_tokenizer_and_data(cfg):
@@ -28,6 +28,7 @@ def prepare_tokenizer_and_data(cfg):
     d = cfg.data
     if d.source == "stdlib" and not os.path.isfile(d.prefix + ".idx"):
         failure = None
+        fault_point("data")
         if dist.get_rank() == 0:  # assumes one node or a shared filesystem
             sources = stdlib_sources()
             print(f"[data] building {d.prefix}.bin/.idx from {len(sources)} stdlib files")
@@ -36,7 +37,7 @@ def prepare_tokenizer_and_data(cfg):
                 print(f"[data] {meta['documents']} documents, {meta['tokens']} tokens", flush=True)
             except (OSError, ValueError) as err:
                 failure = err
-        raise_unless_all_ok(failure, f"building the stdlib dataset at {d.prefix}")
+        raise_unless_all_ok(failure, f"building the stdlib dataset at {d.prefix} failed")
     return load_tokenizer(d.tokenizer)
 
 

@@ -24,7 +24,7 @@ from mcore_ext._cpu_compat import cuda_to_cpu
 from mcore_ext.config import GatedTransformerConfig
 from mcore_ext.runtime import destroy_parallel, device, init_parallel
 from mcore_ext.models import build_gpt_model
-from mcore_ext.training import checkpointing
+from mcore_ext.training import checkpointing, faults
 from mcore_ext.training.data import (
     batch_iterator,
     build_datasets,
@@ -43,7 +43,11 @@ _PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
 
 
 def pretrain(cfg) -> None:
-    """Run the training job described by a validated ``PretrainConfig`` on this torchrun rank."""
+    """Run the training job described by a validated ``PretrainConfig`` on this torchrun rank.
+
+    Raises ``faults.CheckpointSaveError`` on every rank when checkpoint.save cannot be written.
+    """
+    cfg = faults.resume_config(cfg)
     p = cfg.parallelism
     init_parallel(
         tensor_model_parallel_size=p.tensor_model_parallel_size,
@@ -51,9 +55,14 @@ def pretrain(cfg) -> None:
         context_parallel_size=p.context_parallel_size,
         seed=cfg.training.seed,
     )
+    signals = faults.ExitSignalHandler() if cfg.checkpoint.exit_on_signal else None
     try:
-        with cuda_to_cpu():  # CPU only: megatron's training path allocates on "cuda" literally
-            _Trainer(cfg).run()
+        with signals or contextlib.nullcontext(), cuda_to_cpu():
+            # cuda_to_cpu: CPU only, megatron's training path allocates on "cuda" literally.
+            if cfg.checkpoint.save:  # before hours of training, not at the first save
+                faults.check_writable(cfg.checkpoint.save)
+                faults.install_checkpoint_writer_queue(cfg.checkpoint.async_save)
+            _Trainer(cfg, signals).run()
     finally:
         destroy_parallel()
 
@@ -141,8 +150,9 @@ def _masked_mean(loss_mask, losses):
 
 
 class _Trainer:
-    def __init__(self, cfg):
+    def __init__(self, cfg, signals=None):
         self.cfg = cfg
+        self.signals = signals  # faults.ExitSignalHandler with checkpoint.exit_on_signal
         self.rank0 = dist.get_rank() == 0
         self._print(f"[config] resolved configuration:\n{cfg.to_yaml()}")
 
@@ -217,6 +227,8 @@ class _Trainer:
                 self._log(window, grad_norm, ok)
                 window = _Window()
             stop = _every(t.exit_interval, it)
+            signal_name = self.signals.agreed() if self.signals else None
+            stop = stop or signal_name is not None
             with window.paused():  # evaluation and saving are not step time
                 if t.eval_interval and (last or _every(t.eval_interval, it)):
                     self._evaluate()
@@ -225,7 +237,8 @@ class _Trainer:
                 if self.async_queue is not None:
                     self.async_queue.maybe_finalize_async_calls(blocking=False)
             if stop:
-                self._print(f"[train] stopping at iteration {it} (training.exit_interval)")
+                why = f"{signal_name} received" if signal_name else "training.exit_interval"
+                self._print(f"[train] stopping at iteration {it} ({why})")
                 break
         if self.async_queue is not None:
             self.async_queue.close()  # waits for the last checkpoint and writes its tracker
@@ -238,6 +251,7 @@ class _Trainer:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         losses = self._run_schedule(self.train_iterator, forward_only=False)
+        faults.fault_point("step", self.iteration + 1)
         ok, grad_norm, _ = self.optimizer.step()
         if ok:  # fp16 skips the step (and the schedule) when gradients overflow
             self.scheduler.step(increment=1)
@@ -266,6 +280,7 @@ class _Trainer:
         with torch.no_grad():
             for _ in range(cfg.training.eval_iters):
                 total += self._mean_loss(self._run_schedule(iterator, forward_only=True))
+                faults.fault_point("eval", self.iteration)
         self.model.train()
         loss = total / cfg.training.eval_iters
         self._print(

@@ -417,18 +417,27 @@ def _save_twice_second_fails_on_rank1(save_dir):
     try:
         checkpointing.save_checkpoint(cfg, 2, Model, Optimizer(), Scheduler(), 16)
     except RuntimeError as err:
-        return str(err)
+        message = str(err)
+    else:
+        message = None
     finally:
         checkpointing.dist_checkpointing.save = real_save
-    return None
+    # The previous checkpoint still loads, with this rank's values.
+    latest = checkpointing.iteration_dir(str(save_dir), checkpointing.latest_iteration(str(save_dir)))
+    empty = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(2, 3), (0, rank, 2))}
+    loaded = checkpointing.dist_checkpointing.load(empty, latest)
+    return message, latest, bool(torch.equal(loaded["w"], torch.full((2, 3), float(rank))))
 
 
 def test_failed_save_leaves_the_previous_checkpoint_latest(run_distributed, tmp_path):
-    errors = run_distributed(_save_twice_second_fails_on_rank1, str(tmp_path), world_size=2)
-    assert "failed on another rank" in errors[0]
-    assert "failed on this rank: disk full (simulated)" in errors[1]
+    results = run_distributed(_save_twice_second_fails_on_rank1, str(tmp_path), world_size=2)
+    # The same message on every rank, naming the failing rank and its error.
+    expected = (f"checkpoint save to {tmp_path / 'iter_0000002'} failed on rank 1 "
+                "(OSError: disk full (simulated))")
+    assert results == [(expected, str(tmp_path / "iter_0000001"), True)] * 2
     assert (tmp_path / TRACKER).read_text() == "1"
-    assert not (tmp_path / "iter_0000002" / "config.yaml").exists()
+    assert not (tmp_path / "iter_0000002").exists()  # the partial save is removed
+    assert (tmp_path / "iter_0000001" / "config.yaml").is_file()
 
 
 # --------------------------------------------------------------------------------- preprocessing

@@ -259,6 +259,10 @@ class CheckpointConfig:
     async_save: bool = False
     """GPU only: write checkpoints in the background."""
 
+    exit_on_signal: bool = False
+    """On SIGTERM / SIGINT to any rank, all ranks finish the current step, save a checkpoint
+    (with checkpoint.save) and exit 0 (preemption); otherwise such a signal ends the run at once."""
+
 
 @dataclass
 class LoggingConfig:

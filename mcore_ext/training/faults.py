@@ -1,0 +1,218 @@
+"""How a run ends when something goes wrong: no process outlives it, preemption saves, restarts
+resume, save errors are clear.
+
+- Helper processes. megatron's dist-checkpoint writer keeps its write results in a
+  ``multiprocessing`` Manager queue (spawn context, one server process per rank, started on the
+  first save: ``filesystem_async._results_queue``, the same global in megatron-core 0.16 - 0.19).
+  Nothing stops that server when its rank dies by SIGKILL, so every killed rank left one behind.
+  A synchronous save writes in the rank's own process and needs no Manager: an in-process queue
+  replaces it. An asynchronous save (GPU) needs one; ours dies with its rank (Linux parent-death
+  signal). Ranks started by torchrun die with torchrun the same way.
+- Preemption (``checkpoint.exit_on_signal``): SIGTERM / SIGINT only set a flag; at each step
+  boundary the ranks all-reduce it, and if any rank was signalled all of them save and exit 0
+  (Megatron-LM's ``--exit-signal-handler``; megatron-core ships no such handler).
+- Restarts: a worker restarted by ``torchrun --max-restarts`` resumes from the latest complete
+  checkpoint, from ``checkpoint.save`` when ``checkpoint.load`` is unset.
+- Save errors: every rank checks that it can write ``checkpoint.save`` before training, and a
+  failed save reports the failing ranks and their errors on every rank (``CheckpointSaveError``).
+- Fault injection for tests and drills: ``MCORE_EXT_KILL_AT=<point>,<iteration>,<rank>`` makes
+  that rank SIGKILL itself at ``fault_point(point, iteration)`` (first torchrun attempt only).
+"""
+
+import ctypes
+import dataclasses
+import os
+import queue
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+
+_PR_SET_PDEATHSIG = 1
+# Keeps an async save's Manager (and so its server process) alive as long as this process.
+_writer_manager = None
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written; the previous checkpoint is still the latest."""
+
+
+# ----------------------------------------------------------------------------- helper processes
+
+
+def die_with_parent(sig: int = signal.SIGKILL, parent: int | None = None) -> bool:
+    """Have Linux send ``sig`` to this process when its parent exits (prctl PR_SET_PDEATHSIG).
+
+    ``parent``: the pid the parent had when this process started; if it is already gone (it died
+    before this call), ``sig`` is sent now. Returns False where the kernel offers no such signal.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        return False
+    if parent is not None and os.getppid() != parent:
+        os.kill(os.getpid(), sig)
+    return True
+
+
+def die_with_torchrun() -> None:
+    """Under torchrun, end this rank (SIGKILL) when the torchrun agent that started it dies.
+
+    torchrun stops its workers itself when it exits normally or on SIGTERM / SIGINT; only a
+    SIGKILL of torchrun left them running. A rank already orphaned (re-parented to init) ends now.
+    """
+    if "TORCHELASTIC_RUN_ID" in os.environ and die_with_parent(signal.SIGKILL):
+        if os.getppid() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def install_checkpoint_writer_queue(async_save: bool) -> None:
+    """Give megatron's filesystem writer a results queue that no process outlives.
+
+    Call before the first save. Synchronous saves write in this process: a plain queue. Async
+    saves write in a forked child: a spawn-context Manager whose server dies with this rank.
+    """
+    global _writer_manager
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    current = filesystem_async._results_queue  # None until a save (or an earlier call) sets it
+    if not async_save:
+        if current is None:
+            filesystem_async._results_queue = queue.Queue()
+        return
+    if current is not None and not isinstance(current, queue.Queue):
+        return  # a Manager queue from an earlier run in this process
+    from multiprocessing.managers import SyncManager
+
+    manager = SyncManager(ctx=torch.multiprocessing.get_context("spawn"))
+    manager.start(initializer=die_with_parent, initargs=(signal.SIGKILL, os.getpid()))
+    _writer_manager = manager
+    filesystem_async._results_queue = manager.Queue()
+
+
+# ---------------------------------------------------------------------------------- preemption
+
+
+class ExitSignalHandler:
+    """Record SIGTERM / SIGINT instead of dying; ``agreed()`` tells all ranks at a step boundary.
+
+    A second signal restores the previous handlers and re-sends itself: an operator who insists
+    (a second Ctrl-C, a scheduler's kill after its grace period) still ends the process at once.
+    Install from the main thread (Python's signal handlers run there).
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.received: int = 0
+        self._previous = {}
+
+    def __enter__(self):
+        for sig in self.SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        self._restore()
+
+    def _restore(self):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def _handle(self, signum, frame):
+        if self.received:
+            self._restore()
+            os.kill(os.getpid(), signum)
+            return
+        self.received = signum
+
+    def agreed(self) -> str | None:
+        """Collective: the name of a signal some rank received (the highest number), or None."""
+        flag = torch.tensor([self.received], dtype=torch.int32, device=_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return signal.Signals(int(flag.item())).name if flag.item() else None
+
+
+# ------------------------------------------------------------------------------------ restarts
+
+
+def restart_count() -> int:
+    """How many times torchrun has restarted this worker group (0 outside torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def resume_config(cfg):
+    """``cfg``, loading from ``checkpoint.save`` when torchrun restarted the workers and
+    ``checkpoint.load`` is unset: a restarted worker continues the run instead of starting over."""
+    c = cfg.checkpoint
+    if restart_count() and c.save and not c.load:
+        return dataclasses.replace(cfg, checkpoint=dataclasses.replace(c, load=c.save))
+    return cfg
+
+
+# ---------------------------------------------------------------------------------- save errors
+
+
+def check_writable(directory: str) -> None:
+    """Collective: raise CheckpointSaveError on every rank unless every rank can write here.
+
+    Each rank writes its own checkpoint files, so each one checks (a node-local or read-only
+    mount fails on some ranks only).
+    """
+    failure = None
+    probe = os.path.join(directory, f".write_test.rank{dist.get_rank()}")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as err:
+        failure = err
+    raise_unless_all_ok(
+        failure, f"checkpoint.save={directory!r} is not writable", CheckpointSaveError
+    )
+
+
+def raise_unless_all_ok(failure: Exception | None, what: str, error=RuntimeError) -> None:
+    """Collective: if ``what`` failed on any rank, raise ``error`` on every rank with the same
+    message, "<what> on rank R (<its error>), ...", instead of leaving the other ranks waiting."""
+    ok = torch.tensor([0 if failure else 1], dtype=torch.int32, device=_device())
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if ok.item():
+        return
+    reports = [None] * dist.get_world_size()
+    mine = f"{type(failure).__name__}: {failure}" if failure is not None else None
+    dist.all_gather_object(reports, mine)
+    failed = ", ".join(f"rank {r} ({m})" for r, m in enumerate(reports) if m is not None)
+    raise error(f"{what} on {failed}") from failure
+
+
+# ----------------------------------------------------------------------------- fault injection
+
+
+def fault_point(point: str, iteration: int | None = None) -> None:
+    """SIGKILL this rank here if MCORE_EXT_KILL_AT names this point, iteration and rank.
+
+    ``MCORE_EXT_KILL_AT=save,8,1``: rank 1 dies in the save at iteration 8 (``*``: any
+    iteration). Only on torchrun's first attempt, so a restarted worker runs through.
+    """
+    spec = os.environ.get("MCORE_EXT_KILL_AT")
+    if not spec or restart_count():
+        return
+    name, at, rank = spec.split(",")
+    if (
+        name == point
+        and at in ("*", str(iteration))
+        and rank == os.environ.get("RANK", "0")
+    ):
+        print(f"[fault] rank {rank}: SIGKILL at {point} {iteration}", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _device():
+    from mcore_ext.runtime import device
+
+    return device()

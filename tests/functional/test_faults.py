@@ -1,0 +1,353 @@
+"""Faults end to end: torchrun, 2 gloo ranks, the tiny gated config (4 min on 2 shared cores).
+
+Every run is a real torchrun started in a session of its own, with a marker in its environment
+that torchrun passes to its workers and they pass to any helper process: after torchrun returns,
+no process may carry the marker or belong to the session. (torchrun starts each worker in a new
+session, so the session alone would not find them.)
+
+Kills are real SIGKILLs, sent by the rank to itself at a named point (``MCORE_EXT_KILL_AT``,
+``mcore_ext/training/faults.py``): in the first data build, in a training step between backward
+and the optimizer step, in an evaluation, and in a checkpoint save after the rank wrote its files.
+Which rank dies at which point, and at which iteration, is drawn from ``MCORE_EXT_FAULT_SEED``
+(default 12), so that both ranks die across the tests and a failure reproduces with the seed.
+
+All runs span ``train_iters=400`` (so the data order and schedule are the same whatever the
+interruption) and stop at 16 by ``exit_interval``, checkpointing and evaluating every 4 steps;
+every resumed run must reproduce the uninterrupted run's losses exactly.
+"""
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.functional.test_pretrain import LAUNCHER, ROOT, TINY, TRACKER, _free_port
+
+pytestmark = pytest.mark.slow
+
+SEED = int(os.environ.get("MCORE_EXT_FAULT_SEED", "12"))
+COMMON = [
+    "--config", TINY, "training.train_iters=400", "training.exit_interval=16",
+    "checkpoint.save_interval=4", "training.eval_interval=4", "training.eval_iters=1",
+    "logging.log_interval=1",
+]
+MARKER = "MCORE_EXT_TEST_RUN"
+TIMEOUT_S = 300
+
+
+def _draw_kills(seed):
+    """{point: (rank, iteration)}: each rank dies at two of the four points."""
+    rng = random.Random(seed)
+    ranks = [0, 0, 1, 1]
+    rng.shuffle(ranks)
+    iterations = {
+        "data": "*",  # before the first step
+        "step": rng.randint(5, 15),  # mid-step: the checkpoint before it is the latest
+        "eval": rng.choice([8, 12]),  # evaluation runs before the save of the same iteration
+        "save": rng.choice([8, 12]),
+    }
+    return {point: (rank, iterations[point]) for point, rank in zip(iterations, ranks)}
+
+
+KILLS = _draw_kills(SEED)
+
+
+def _latest_before(point, iteration):
+    """The latest complete checkpoint when a rank dies at ``point`` of ``iteration``."""
+    if point == "data":
+        return None
+    if point == "step":
+        return 4 * ((iteration - 1) // 4)
+    return iteration - 4  # eval and save at a multiple of 4: that iteration's save is not done
+
+
+class Run:
+    """One torchrun of the launcher, started in a new session, output in <tmp>/<name>.out/.err."""
+
+    def __init__(self, tmp, name, *overrides, torchrun_args=(), env=None, data=None,
+                 preexec_fn=None):
+        self.tmp, self.name = Path(tmp), name
+        self.marker = f"{name}-{uuid.uuid4().hex}"
+        self.metrics = self.tmp / f"{name}.jsonl"
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+            "--master_addr=127.0.0.1", f"--master_port={_free_port()}", *torchrun_args,
+            LAUNCHER, *COMMON, f"data.prefix={data}", f"logging.metrics_file={self.metrics}",
+            *overrides,
+        ]
+        self.out, self.err = self.tmp / f"{name}.out", self.tmp / f"{name}.err"
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            self.proc = subprocess.Popen(
+                command, cwd=ROOT, stdout=out, stderr=err, start_new_session=True,
+                env={**os.environ, "OMP_NUM_THREADS": "1", MARKER: self.marker, **(env or {})},
+                preexec_fn=preexec_fn,
+            )
+
+    def wait(self):
+        try:
+            self.proc.wait(TIMEOUT_S)
+        finally:
+            if self.proc.poll() is None:
+                self.kill_all()
+        self.stdout, self.stderr = self.out.read_text(), self.err.read_text()
+        return self.proc.returncode
+
+    def processes(self) -> dict[int, str]:
+        """pid -> command line of every live process of this run (marker or session)."""
+        found = {}
+        tag = f"{MARKER}={self.marker}".encode()
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            pid = int(entry)
+            try:
+                ours = os.getsid(pid) == self.proc.pid
+                if not ours:
+                    with open(f"/proc/{pid}/environ", "rb") as f:
+                        ours = tag in f.read().split(b"\0")
+                if ours and _state(pid) != "Z":
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        found[pid] = f.read().replace(b"\0", b" ").decode()[:200]
+            except OSError:  # gone meanwhile, or not ours to read
+                continue
+        return found
+
+    def leftovers(self, grace_s=10.0) -> dict[int, str]:
+        """Processes of the run still alive ``grace_s`` after it ended (then killed)."""
+        deadline = time.monotonic() + grace_s
+        while (left := self.processes()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if left:
+            self.kill_all()
+        return left
+
+    def kill_all(self):
+        for pid in self.processes():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+    def rank_pid(self, rank) -> int:
+        for pid in self.processes():
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    env = f.read().split(b"\0")
+            except OSError:
+                continue
+            if f"RANK={rank}".encode() in env and _parent(pid) == self.proc.pid:
+                return pid
+        raise AssertionError(f"rank {rank} of {self.name} is not running")
+
+    def check(self, returncode=0):
+        assert self.wait() == returncode, (
+            f"{self.name}: exit {self.proc.returncode}\n"
+            f"{self.stdout[-3000:]}\n{self.stderr[-5000:]}"
+        )
+        assert self.leftovers() == {}, f"{self.name} left processes behind"
+        return self
+
+
+def _state(pid) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def _parent(pid) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def attempts(metrics) -> list[dict[int, float]]:
+    """Train losses per attempt: a new attempt starts where the iteration goes back."""
+    runs = []
+    lines = Path(metrics).read_text().splitlines() if Path(metrics).exists() else []
+    for line in lines:
+        record = json.loads(line)
+        if record["kind"] != "train":
+            continue
+        if not runs or record["iteration"] <= max(runs[-1]):
+            runs.append({})
+        runs[-1][record["iteration"]] = record["loss"]
+    return runs
+
+
+def tracker(root) -> str | None:
+    path = Path(root) / TRACKER
+    return path.read_text() if path.exists() else None
+
+
+def assert_exact(losses, reference):
+    assert losses, "no training steps"
+    assert {it: reference[it] for it in losses} == losses
+
+
+def wait_for(condition, run, what, timeout_s=TIMEOUT_S):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert run.proc.poll() is None, (
+            f"{run.name} ended before {what}: {run.err.read_text()[-3000:]}"
+        )
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def faults_tmp(tmp_path_factory):
+    return tmp_path_factory.mktemp("faults")
+
+
+@pytest.fixture(scope="module")
+def reference(faults_tmp):
+    """The uninterrupted run: losses of steps 1..16 (it also builds the shared dataset)."""
+    data = faults_tmp / "data" / "stdlib_byte"
+    ckpt = faults_tmp / "reference"
+    run = Run(faults_tmp, "reference", f"checkpoint.save={ckpt}", f"checkpoint.load={ckpt}",
+              data=data).check()
+    (losses,) = attempts(run.metrics)
+    assert sorted(losses) == list(range(1, 17))
+    return {"losses": losses, "data": data, "ckpt": ckpt}
+
+
+@pytest.mark.parametrize("point", ["data", "save"])
+def test_sigkill_then_relaunch_resumes_exactly(faults_tmp, reference, point):
+    """Kill, then the same command again: nothing left behind, the resume is exact."""
+    rank, iteration = KILLS[point]
+    tmp = faults_tmp / f"kill_{point}"
+    tmp.mkdir()
+    ckpt = tmp / "ckpt"
+    # The first data build needs data that does not exist yet; the other points share it.
+    data = tmp / "data" / "stdlib_byte" if point == "data" else reference["data"]
+    args = (f"checkpoint.save={ckpt}", f"checkpoint.load={ckpt}")
+    killed = Run(tmp, "killed", *args, data=data,
+                 env={"MCORE_EXT_KILL_AT": f"{point},{iteration},{rank}"})
+    killed.check(returncode=1)
+    assert f"rank {rank}: SIGKILL at {point}" in killed.stderr
+    latest = _latest_before(point, iteration)
+    expected = None if latest is None else str(latest)
+    assert tracker(ckpt) == expected, (KILLS, killed.stdout[-2000:])
+
+    again = Run(tmp, "again", *args, data=data).check()
+    losses = attempts(killed.metrics) + attempts(again.metrics)
+    if latest is None:
+        assert "resumed from" not in again.stdout
+    else:
+        assert f"resumed from {ckpt / f'iter_{latest:07d}'} (iteration {latest})" in again.stdout
+    assert sorted(losses[-1]) == list(range((latest or 0) + 1, 17))
+    for attempt in losses:
+        assert_exact(attempt, reference["losses"])
+    assert tracker(ckpt) == "16"
+
+
+@pytest.mark.parametrize("point", ["step", "eval"])
+def test_max_restarts_resumes_by_itself(faults_tmp, reference, point):
+    """``torchrun --max-restarts=1`` and one kill: one command finishes the run with the
+    uninterrupted losses; checkpoint.load is unset, the restart resumes from checkpoint.save."""
+    rank, iteration = KILLS[point]
+    tmp = faults_tmp / f"restart_{point}"
+    tmp.mkdir()
+    ckpt = tmp / "ckpt"
+    run = Run(tmp, "run", f"checkpoint.save={ckpt}", "checkpoint.load=null",
+              torchrun_args=["--max-restarts=1"], data=reference["data"],
+              env={"MCORE_EXT_KILL_AT": f"{point},{iteration},{rank}"}).check()
+    assert f"rank {rank}: SIGKILL at {point} {iteration}" in run.stderr
+    latest = _latest_before(point, iteration)
+    assert f"resumed from {ckpt / f'iter_{latest:07d}'} (iteration {latest})" in run.stdout
+    first, second = attempts(run.metrics)
+    # A step killed before its optimizer step is not logged; an evaluation follows its step.
+    assert max(first) == (iteration - 1 if point == "step" else iteration)
+    assert sorted(second) == list(range(latest + 1, 17))
+    assert_exact(first, reference["losses"])
+    assert_exact(second, reference["losses"])
+    assert tracker(ckpt) == "16"
+
+
+def test_sigterm_with_exit_on_signal_saves_and_exits_0(faults_tmp, reference):
+    rank = random.Random(SEED).choice([0, 1])
+    tmp = faults_tmp / "sigterm"
+    tmp.mkdir()
+    ckpt, resumed = tmp / "ckpt", tmp / "resumed"
+    run = Run(tmp, "preempted", f"checkpoint.save={ckpt}", f"checkpoint.load={ckpt}",
+              "checkpoint.exit_on_signal=true", "training.exit_interval=null",
+              "checkpoint.save_interval=null", "training.eval_interval=null",
+              data=reference["data"])
+    wait_for(lambda: run.metrics.exists() and len(run.metrics.read_text().splitlines()) >= 2,
+             run, "step 2")
+    os.kill(run.rank_pid(rank), signal.SIGTERM)
+    run.check(returncode=0)
+    (first,) = attempts(run.metrics)
+    stop = max(first)
+    assert 2 <= stop < 16, stop
+    assert f"[train] stopping at iteration {stop} (SIGTERM received)" in run.stdout
+    assert tracker(ckpt) == str(stop) and sorted(os.listdir(ckpt)) == [f"iter_{stop:07d}", TRACKER]
+    assert_exact(first, reference["losses"])
+
+    again = Run(tmp, "resumed", f"checkpoint.load={ckpt}", f"checkpoint.save={resumed}",
+                data=reference["data"]).check()
+    (second,) = attempts(again.metrics)
+    assert sorted(second) == list(range(stop + 1, 17))
+    assert_exact(second, reference["losses"])
+
+
+def test_sigkill_of_torchrun_takes_its_ranks_along(faults_tmp, reference):
+    tmp = faults_tmp / "torchrun_killed"
+    tmp.mkdir()
+    run = Run(tmp, "run", f"checkpoint.save={tmp / 'ckpt'}", "training.exit_interval=null",
+              data=reference["data"])
+    wait_for(lambda: tracker(tmp / "ckpt") is not None, run, "the first checkpoint")
+    os.kill(run.proc.pid, signal.SIGKILL)
+    run.wait()
+    # Without a parent-death signal the ranks would train on for 400 steps.
+    assert run.leftovers(grace_s=15) == {}
+
+
+def _without_dac_override():
+    """preexec_fn: drop root's permission-bypass capabilities, so a 0o555 directory is read-only
+    for the child as it is for any other user (a no-op when not root)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in (1, 2, 3):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER
+        libc.prctl(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP: gone after exec
+
+
+def _tree_digest(root) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(Path(root).rglob("*")):
+        digest.update(str(path.relative_to(root)).encode())
+        if path.is_file():
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def test_read_only_save_directory_is_one_clear_error_on_every_rank(faults_tmp, reference):
+    tmp = faults_tmp / "read_only"
+    tmp.mkdir()
+    ckpt = tmp / "ckpt"
+    shutil.copytree(reference["ckpt"] / "iter_0000008", ckpt / "iter_0000008")
+    (ckpt / TRACKER).write_text("8")
+    before = _tree_digest(ckpt)
+    for path in [ckpt, *ckpt.rglob("*")]:
+        path.chmod(0o555 if path.is_dir() else 0o444)
+    try:
+        run = Run(tmp, "run", f"checkpoint.save={ckpt}", f"checkpoint.load={ckpt}",
+                  data=reference["data"], preexec_fn=_without_dac_override).check(returncode=1)
+    finally:
+        for path in [ckpt, *ckpt.rglob("*")]:
+            path.chmod(0o755 if path.is_dir() else 0o644)
+    for rank in (0, 1):
+        message = (f"error: [rank {rank}] checkpoint.save={str(ckpt)!r} is not writable on rank 0 "
+                   "(PermissionError: [Errno 13] Permission denied")
+        assert message in run.stderr, run.stderr[-3000:]
+    assert 'launch/pretrain.py", line' not in run.stderr  # no traceback from the ranks
+    assert not run.metrics.exists()  # refused before training
+    assert _tree_digest(ckpt) == before and tracker(ckpt) == "8"
