@@ -26,12 +26,7 @@ from mcore_ext.config import GatedTransformerConfig
 from mcore_ext.runtime import destroy_parallel, device, init_parallel
 from mcore_ext.specs import get_gpt_block_spec
 from mcore_ext.training import checkpointing
-from mcore_ext.training.data import (
-    batch_iterator,
-    build_datasets,
-    cp_shard,
-    prepare_tokenizer_and_data,
-)
+from mcore_ext.training.data import batch_iterator, build_datasets, cp_shard, prepare_tokenizer_and_data
 from mcore_ext.training.megatron_configs import (
     compute_dtype,
     ddp_config,
@@ -191,9 +186,10 @@ class _Trainer:
         tp = cfg.parallelism.tensor_model_parallel_size
         pp = cfg.parallelism.pipeline_model_parallel_size
         cp = cfg.parallelism.context_parallel_size
+        cp = f"CP {cp} x " if cp > 1 else ""
         dp, t = cfg.data_parallel_size, cfg.training
         self._print(
-            f"[setup] world {cfg.world_size} = TP {tp} x CP {cp} x PP {pp} x DP {dp}; global batch "
+            f"[setup] world {cfg.world_size} = TP {tp} x {cp}PP {pp} x DP {dp}; global batch "
             f"{t.global_batch_size} = micro {t.micro_batch_size} x DP {dp} x "
             f"{cfg.num_microbatches} micro-batches; vocab {tokenizer.vocab_size} (padded "
             f"{self.vocab_size}); {params / 1e6:.2f}M parameters on rank 0; {t.precision} on "
