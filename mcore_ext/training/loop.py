@@ -26,7 +26,12 @@ from mcore_ext.config import GatedTransformerConfig
 from mcore_ext.runtime import destroy_parallel, device, init_parallel
 from mcore_ext.specs import get_gpt_block_spec
 from mcore_ext.training import checkpointing
-from mcore_ext.training.data import batch_iterator, build_datasets, cp_shard, prepare_tokenizer_and_data
+from mcore_ext.training.data import (
+    batch_iterator,
+    build_datasets,
+    cp_shard,
+    prepare_tokenizer_and_data,
+)
 from mcore_ext.training.megatron_configs import (
     compute_dtype,
     ddp_config,
