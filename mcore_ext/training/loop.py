@@ -202,9 +202,10 @@ class _Trainer:
         tp = cfg.parallelism.tensor_model_parallel_size
         pp = cfg.parallelism.pipeline_model_parallel_size
         cp = cfg.parallelism.context_parallel_size
+        cp = f"CP {cp} x " if cp > 1 else ""
         dp, t = cfg.data_parallel_size, cfg.training
         self._print(
-            f"[setup] world {cfg.world_size} = TP {tp} x CP {cp} x PP {pp} x DP {dp}; global batch "
+            f"[setup] world {cfg.world_size} = TP {tp} x {cp}PP {pp} x DP {dp}; global batch "
             f"{t.global_batch_size} = micro {t.micro_batch_size} x DP {dp} x "
             f"{cfg.num_microbatches} micro-batches; vocab {tokenizer.vocab_size} (padded "
             f"{self.vocab_size}); {params / 1e6:.2f}M parameters on rank 0; {t.precision} on "
