@@ -7,7 +7,8 @@ work as the others). ``get_batch_on_this_cp_rank`` (megatron's) and RoPE's
 core attention:
 
 - every rank all-gathers K and V over the CP group (their gradients are reduce-scattered back),
-  ng groups of them, never repeated per query head;
+  ng groups of them, never repeated per query head, and keeps only its own K/V for backward,
+  where they are gathered again;
 - each local query attends to the gathered keys under a mask built from the tokens' *global*
   positions (``masks.allowed``, the rule of the sdpa and flex kernels: causal, and megatron's
   window (left, right) when the layer has one), plus same document and a real (not padding) key
@@ -59,6 +60,59 @@ def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
     return _GatherSequence.apply(x, group)
 
 
+class _GatherAgainInBackward:
+    """Saved-tensor hooks that keep SDPA from holding the gathered K/V (CP x the local K/V, per
+    layer) until backward: a saved view of a gathered tensor is packed as this rank's part and
+    the view's layout, and gathered again in backward (once per tensor, shared by every view).
+    Every CP rank runs the same backward, so the collectives match up. Other saved tensors (q,
+    the mask, SDPA's output and statistics) are kept as they are."""
+
+    def __init__(self, group, order=None):
+        self.group, self.order = group, order
+        self.sources = {}  # storage pointer of a gathered tensor -> _Gathered
+
+    def gathered(self, local):
+        """all-gather(local) [in sequence order], with autograd, registered for re-gathering."""
+        full = gather_sequence(local, self.group)
+        if self.order is not None:
+            full = full.index_select(0, self.order)
+        self.sources[full.untyped_storage().data_ptr()] = _Gathered(local.detach(), self)
+        return full
+
+    def pack(self, tensor):
+        source = self.sources.get(tensor.untyped_storage().data_ptr())
+        if source is None:
+            return tensor
+        source.views += 1
+        return source, tensor.storage_offset(), tensor.shape, tensor.stride()
+
+    @staticmethod
+    def unpack(packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        source, offset, shape, stride = packed
+        return source.full().as_strided(shape, stride, offset)
+
+
+class _Gathered:
+    def __init__(self, local, hooks):
+        self.local, self.hooks, self.views, self._full = local, hooks, 0, None
+
+    def full(self):
+        if self._full is None:
+            with torch.no_grad():
+                full = self.local.new_empty(self.hooks.group.size() * self.local.size(0),
+                                            *self.local.shape[1:])
+                dist.all_gather_into_tensor(full, self.local.contiguous(), group=self.hooks.group)
+                if self.hooks.order is not None:
+                    full = full.index_select(0, self.hooks.order)
+            self._full = full
+        full, self.views = self._full, self.views - 1
+        if self.views <= 0:  # the last saved view is unpacked: free it with SDPA's backward
+            self._full = None
+        return full
+
+
 def zigzag_positions(local_len: int, cp_size: int, cp_rank: int, device=None) -> torch.Tensor:
     """Global positions [local_len] of the tokens CP rank ``cp_rank`` holds: chunks r, 2CP-1-r."""
     if local_len % 2:
@@ -96,19 +150,26 @@ def attention(query, key, value, *, group, causal, scale, dropout_p, window=None
     """
     cp_size, cp_rank = group.size(), group.rank()
     s, device = query.size(0), query.device
-    chunk = s // 2
     # Gathered rows come rank by rank ([chunk j, chunk 2CP-1-j] each): sort them by position.
     order = _cached(("order", s, cp_size, device), lambda: torch.cat(
         [zigzag_positions(s, cp_size, r, device) for r in range(cp_size)]).argsort())
+    hooks = _GatherAgainInBackward(group, order)
     # [S, b, ng, hn] in sequence order -> [b, ng, S, hn]
-    k, v = (gather_sequence(x, group).index_select(0, order).permute(1, 2, 0, 3)
-            for x in (key, value))
+    k, v = (hooks.gathered(x).permute(1, 2, 0, 3) for x in (key, value))
     q = query.permute(1, 2, 0, 3)  # [b, np, s, hn]
+    with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
+        out = _attend_chunks(q, k, v, cp_size, cp_rank, causal, scale, dropout_p, window)
+    # [b, np, s, hn] -> [s, b, np * hn]
+    return out.permute(2, 0, 1, 3).reshape(s, out.size(0), -1)
+
+
+def _attend_chunks(q, k, v, cp_size, cp_rank, causal, scale, dropout_p, window):
+    """[b, np, s, hn] local queries x [b, ng, S, hn] gathered keys -> [b, np, s, hn]."""
+    chunk, device = q.size(2) // 2, q.device
     gqa = q.size(1) != k.size(1)
     if not causal and window is None:
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale,
-                                             enable_gqa=gqa)
-        return out.permute(2, 0, 1, 3).reshape(s, out.size(0), -1)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale,
+                                              enable_gqa=gqa)
     left = window[0] if window is not None and window[0] >= 0 else None
     outs = []
     for half, index in enumerate((cp_rank, 2 * cp_size - 1 - cp_rank)):
@@ -119,16 +180,14 @@ def attention(query, key, value, *, group, causal, scale, dropout_p, window=None
         def build():
             q_pos = index * chunk + torch.arange(chunk, device=device)
             k_pos = torch.arange(start, end, device=device)
-            return _additive(allowed_mask(q_pos, k_pos, causal, window), query.dtype)
+            return _additive(allowed_mask(q_pos, k_pos, causal, window), q.dtype)
 
-        mask = _cached(("sbhd", chunk, index, start, end, causal, window, query.dtype, device), build)
+        mask = _cached(("sbhd", chunk, index, start, end, causal, window, q.dtype, device), build)
         outs.append(F.scaled_dot_product_attention(
             q[:, :, half * chunk:(half + 1) * chunk], k[:, :, start:end], v[:, :, start:end],
             attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=gqa,
         ))
-    out = torch.cat(outs, dim=2)
-    # [b, np, s, hn] -> [s, b, np * hn]
-    return out.permute(2, 0, 1, 3).reshape(s, out.size(0), -1)
+    return torch.cat(outs, dim=2)
 
 
 def packed_attention(query, key, value, params, *, group, causal, scale, dropout_p, window=None):
@@ -160,13 +219,15 @@ def packed_attention(query, key, value, params, *, group, causal, scale, dropout
             None if cu_padded is None else tuple(cu_padded.tolist()), query.size(0), cp_size,
             cp_rank, causal, window, query.dtype, query.device)
     mask, q_valid = _cached(key_, build)
+    hooks = _GatherAgainInBackward(group)
     # [t, n, hn] -> [n, t, hn]
-    k, v = (gather_sequence(x, group).transpose(0, 1) for x in (key, value))
+    k, v = (hooks.gathered(x).transpose(0, 1) for x in (key, value))
     q = query.transpose(0, 1)
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
-        enable_gqa=q.size(0) != k.size(0),
-    )
+    with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
+            enable_gqa=q.size(0) != k.size(0),
+        )
     out = out.transpose(0, 1) * q_valid.view(-1, 1, 1).to(out.dtype)
     return out.reshape(out.size(0), -1)
 

@@ -125,6 +125,7 @@ def _check(results, names, cp_of):
         assert r["logits"] <= TOL and r["grads"] <= TOL, (name, r)
 
 
+@pytest.mark.smoke  # also run on the older megatron-core releases (their CP batch split differs)
 def test_gpt_cp2_matches_cp1_logits_and_grads(run_distributed):
     names = ["cp2_mha", "cp2_gqa", "cp2_gqa_recompute_core_attn", "cp2_step35_kinds"]
     for rank_results in run_distributed(_gpt_cp_vs_cp1, names, world_size=2):
@@ -398,3 +399,51 @@ def _core_attention_vs_formula(window):
 def test_core_attention_cp2_matches_formula(run_distributed, window):
     for r in run_distributed(_core_attention_vs_formula, window, world_size=2):
         assert r["output"] <= TOL and r["grads"] <= TOL, r
+
+
+# ------------------------------------------------- gathered K/V: gathered again in backward
+
+
+def _gathered_kv_not_kept():
+    """A saved view of a gathered tensor is packed as this rank's part (nothing of CP x its size is
+    kept between forward and backward) and gathered again in backward: the gradient equals that
+    of the same function on the plain gathered tensor."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    import mcore_ext
+    from mcore_ext.attention import context_parallel
+
+    mcore_ext.init_parallel(context_parallel_size=2)
+    group = parallel_state.get_context_parallel_group()
+    g = torch.Generator().manual_seed(4 + group.rank())
+    local = torch.randn(4, 3, generator=g)
+    order = torch.tensor([0, 4, 1, 5, 2, 6, 3, 7])
+
+    def run(hooked):
+        x = local.clone().requires_grad_(True)
+        hooks = context_parallel._GatherAgainInBackward(group, order)
+        full = hooks.gathered(x)
+        if hooked:
+            with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
+                y = full[1:6].permute(1, 0) * full[2:7].permute(1, 0)  # saves two views
+        else:
+            y = full[1:6].permute(1, 0) * full[2:7].permute(1, 0)
+        (source,) = hooks.sources.values()
+        state = dict(views=source.views, held=source._full is not None)
+        del full
+        y.sum().backward()
+        state.update(after=source.views, held_after=source._full is not None)
+        return x.grad, state
+
+    plain, _ = run(hooked=False)
+    grad, state = run(hooked=True)
+    dist.barrier()
+    return dict(state, diff=(grad - plain).abs().max().item(), scale=plain.abs().max().item())
+
+
+def test_gathered_kv_is_gathered_again_in_backward(run_distributed):
+    for r in run_distributed(_gathered_kv_not_kept, world_size=2):
+        assert r["views"] == 2 and not r["held"], r  # packed as recipes, no gathered copy kept
+        assert r["after"] == 0 and not r["held_after"], r  # freed once both views are unpacked
+        assert r["scale"] > 0.1 and r["diff"] <= TOL, r
