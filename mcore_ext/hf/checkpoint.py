@@ -40,28 +40,22 @@ def launcher_model_section(spec: Step35Config, seq_length: int, multiple: int) -
     """The launcher's ``model:`` keys for ``spec`` (see training/config/schema.py)."""
     fields = spec.transformer_config_fields()
     section = dict(
-        num_layers=spec.num_layers,
-        hidden_size=spec.hidden_size,
-        ffn_hidden_size=spec.intermediate_size,
-        num_attention_heads=spec.num_heads,
-        num_query_groups=spec.num_kv_heads,
-        kv_channels=spec.head_dim,
         seq_length=seq_length,
-        head_wise_attn_gate=True,
-        add_qkv_bias=False,
-        normalization="RMSNorm",
-        swiglu=True,
+        swiglu=fields["gated_linear_unit"],
         untie_embeddings_and_output_weights=not spec.tie_word_embeddings,
         make_vocab_size_divisible_by=multiple,
     )
-    # The Step-3.5 keys, named as in GatedTransformerConfig. A key the launcher's schema lacks is
-    # dropped only where the value is megatron's default (the launcher builds the same model).
+    # Keys named as in GatedTransformerConfig take the config's values. A Step-3.5 key the
+    # launcher's schema lacks is dropped only where the value is megatron's default (the launcher
+    # builds the same model).
     from mcore_ext.config import GatedTransformerConfig
     from mcore_ext.training.config import ModelConfig
 
     schema = {f.name for f in dataclasses.fields(ModelConfig)}
     defaults = {f.name: f.default for f in dataclasses.fields(GatedTransformerConfig)}
-    for key in ("rotary_base", "rotary_percent", "layernorm_epsilon",
+    for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                "num_query_groups", "kv_channels", "head_wise_attn_gate", "add_qkv_bias",
+                "normalization", "rotary_base", "rotary_percent", "layernorm_epsilon",
                 "layernorm_zero_centered_gamma", "qk_layernorm", "softmax_scale", "layer_types",
                 "sliding_window", "sliding_num_attention_heads", "sliding_num_query_groups",
                 "sliding_rotary_base", "sliding_rotary_percent", "swiglu_limits"):
