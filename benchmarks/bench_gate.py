@@ -1,12 +1,14 @@
 #!/usr/bin/env python
 """Cost of the head-wise attention output gate: time and memory of forward + backward.
 
-Three variants are built side by side in one process and measured interleaved (round r runs every
+The variants are built side by side in one process and measured interleaved (round r runs every
 variant once, in an order rotated each round), so that machine noise hits them alike:
 
     none       no output gate
     head-wise  mcore_ext's head-wise gate    (GatedTransformerConfig.head_wise_attn_gate=True)
     full       megatron's head_dim-wise gate (TransformerConfig.attention_output_gate=True)
+    none-2     (CPU, unless --no-control) a second, identical no-gate module: its ratio to none is
+               this run's noise floor, the difference two identical modules show
 
 at two scopes:
 
@@ -18,8 +20,8 @@ and in each dtype asked for (``--dtype fp32,bf16``: the CPU preset measures both
 other in one run).
 
 Time is the median over rounds of one forward + backward (input gradient and all weight gradients).
-Memory is measured once per variant, as the peak of one forward + backward plus the module's
-parameter bytes and the input's bytes:
+Memory is measured once per variant, after all timed rounds, as the peak of one forward + backward
+plus the module's parameter bytes and the input's bytes:
 
     GPU  torch.cuda.max_memory_allocated after reset_peak_memory_stats, minus what was allocated
          before the step.
@@ -27,8 +29,10 @@ parameter bytes and the input's bytes:
          read instead: /proc/self/clear_refs resets the kernel's high-water mark (VmHWM) before
          the step, and the peak is VmHWM after it minus VmRSS before it. glibc is told to serve
          every allocation of 64 KiB or more with mmap (mallopt), so freed tensors leave the
-         resident set at once and the mark follows live memory. Also reported: the bytes the
-         forward leaves allocated for backward (profiler memory events), exact but blind to
+         resident set at once and the mark follows live memory. That makes every large
+         allocation page-fault afresh, so it is set only after the timed rounds, which run with
+         glibc's default (freed memory reused, as in a training run). Also reported: the bytes
+         the forward leaves allocated for backward (profiler memory events), exact but blind to
          transients.
 
 Run ``python benchmarks/bench_gate.py --help``; see benchmarks/README.md.
@@ -39,7 +43,9 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import warnings
 
@@ -62,6 +68,7 @@ PRESETS = {
 }
 
 VARIANTS = ("none", "head-wise", "full")
+CONTROL = "none-2"  # a second no-gate module: the noise floor
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -105,6 +112,9 @@ def parse_args(argv=None):
     p.add_argument("--profile", action="store_true",
                    help="also profile one layer step of 'none' and 'head-wise' and print the ops "
                         "whose self time differs most (torch.profiler)")
+    p.add_argument("--no-control", action="store_true",
+                   help="CPU runs only: leave out the second no-gate module (none-2) that shows "
+                        "the run's noise floor")
     p.add_argument("--json", metavar="PATH", help="write every figure to PATH")
     return p.parse_args(argv)
 
@@ -166,7 +176,7 @@ def make_config(opts, variant, dtype):
         pipeline_dtype=dtype,
         bf16=dtype is torch.bfloat16,
         fp16=dtype is torch.float16,
-        head_wise_attn_gate=variant == "head-wise",
+        head_wise_attn_gate=variant == "head-wise",  # none and none-2: no gate
         attention_output_gate=variant == "full",
     )
 
@@ -223,6 +233,10 @@ class Case:
         for p in self.params:
             p.grad = None
         self.x.grad = None
+
+    def drop_module(self):
+        """Keep the timings only."""
+        self.module = self.x = self.dy = self.params = None
 
 
 # ------------------------------------------------------------------------------------ measure
@@ -288,10 +302,12 @@ def memory_cpu(case):
 
     The peak: reset the kernel's high-water mark (VmHWM), run the step, read it. With glibc's mmap
     threshold fixed at 64 KiB (``fix_malloc_threshold``), every tensor of that size or more is its
-    own mapping, returned to the kernel when freed, so resident memory follows live tensors. The
-    held bytes (allocated minus freed during the forward, from the profiler's memory events) are
+    own mapping, returned to the kernel when freed, so resident memory follows live tensors (set
+    at the start of the process: ``measure_memory`` runs this in a process of its own). The held
+    bytes (allocated minus freed during the forward, from the profiler's memory events) are
     exact, but blind to transients.
     """
+    case.step()  # a fresh module's first step also allocates what it keeps (workspaces, ...)
     case.release()
     activities = [torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
@@ -317,6 +333,53 @@ def memory_cpu(case):
         forward_held_bytes=forward_held,
         total_bytes=peak + case.param_bytes + inp,
     )
+
+
+def measure_memory(keys, variants, opts, backend, on_gpu):
+    """{key: {variant: memory figures}}, each on a freshly built module.
+
+    On a CPU in a child process that fixes glibc's mmap threshold before it allocates anything,
+    as the peak measure needs (``memory_cpu``). Every large allocation then page-faults afresh,
+    so the timed rounds do not run under it: they keep glibc's default, which reuses freed
+    memory as a training run does.
+    """
+    if on_gpu:
+        return {key: {v: memory_gpu(_case(key, v, opts, backend)) for v in variants}
+                for key in keys}
+    with tempfile.TemporaryDirectory() as tmp:
+        request = dict(keys=keys, variants=list(variants), opts=opts, backend=backend,
+                       out=os.path.join(tmp, "memory.json"))
+        env = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}  # the parent's store
+        subprocess.run([sys.executable, os.path.abspath(__file__), "--memory-child",
+                        json.dumps(request)], env=env, check=True)
+        with open(request["out"]) as f:
+            return json.load(f)
+
+
+def _memory_child(request):
+    import mcore_ext
+
+    fix_malloc_threshold()
+    warnings.filterwarnings("ignore")
+    opts = request["opts"]
+    if opts["threads"]:
+        torch.set_num_threads(opts["threads"])
+    mcore_ext.init_parallel(tensor_model_parallel_size=1)
+    try:
+        memory = {key: {v: memory_cpu(_case(key, v, opts, request["backend"]))
+                        for v in request["variants"]}
+                  for key in request["keys"]}
+    finally:
+        mcore_ext.destroy_parallel()
+    with open(request["out"], "w") as f:
+        json.dump(memory, f)
+
+
+def _case(key, variant, opts, backend):
+    import mcore_ext
+
+    dtype_name, scope = key.split()
+    return Case(opts, variant, scope, DTYPES[dtype_name], backend, mcore_ext.device())
 
 
 def fix_malloc_threshold(threshold=64 * 1024):
@@ -384,6 +447,7 @@ def profile_layer(cases, log, steps=8, rows=14):
 
 
 def summarize(cases, mem):
+    """Ratios against cases[0] (none); ``cases`` carry the timings, ``mem`` the memory figures."""
     base_t = statistics.median(cases[0].times)
     base_m = mem[cases[0].variant]["total_bytes"]
     rows = {}
@@ -439,6 +503,10 @@ def check_targets(results, opts, on_gpu, log):
             ok = value <= limit
             checks.append(dict(scope=key, what=what, ratio=value, target=limit, passed=ok))
             log(f"  {'PASS' if ok else 'MISS'}  {key:<10} {what:<6} {value:.4f} <= {limit}")
+        if CONTROL in rows:
+            c = rows[CONTROL]
+            log(f"        {key:<10} noise floor: {CONTROL} / none time {c['time_ratio']:.4f} "
+                f"(paired {c['time_ratio_paired_median']:.4f})")
     return checks
 
 
@@ -446,13 +514,14 @@ def check_targets(results, opts, on_gpu, log):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--memory-child"]:
+        return _memory_child(json.loads(argv[1]))
     args = parse_args(argv)
     on_gpu = torch.cuda.is_available()
     opts = resolve_options(args, on_gpu)
     if opts["threads"]:
         torch.set_num_threads(opts["threads"])
-    if not on_gpu:
-        fix_malloc_threshold()
     dtypes = opts["dtype"].split(",")
     log = lambda s="": print(s, flush=True)  # noqa: E731
 
@@ -484,30 +553,37 @@ def main(argv=None):
                 "mmap threshold 64 KiB) + parameter bytes + input bytes; held: bytes the forward "
                 "leaves allocated for backward")
 
-        results, profile = {}, None
+        variants = VARIANTS + (() if on_gpu or args.no_control else (CONTROL,))
+        timed, profile = {}, None
         for dtype_name in dtypes:
-            dtype = DTYPES[dtype_name]
             for scope in scopes:
                 key = f"{dtype_name} {scope}"
-                log(f"\n[{key}] building {', '.join(VARIANTS)}")
-                cases = [Case(opts, v, scope, dtype, backend, device) for v in VARIANTS]
+                log(f"\n[{key}] building {', '.join(variants)}")
+                cases = [Case(opts, v, scope, DTYPES[dtype_name], backend, device)
+                         for v in variants]
                 rounds = opts["rounds"] if scope == "layer" else opts["block_rounds"]
                 start = time.perf_counter()
                 run_rounds(cases, rounds, opts["warmup"], on_gpu, log, opts["clock"])
-                mem = {c.variant: (memory_gpu(c) if on_gpu else memory_cpu(c)) for c in cases}
-                results[key] = summarize(cases, mem)
                 log(f"[{key}] {time.perf_counter() - start:.0f} s")
-                print_table(results[key], on_gpu, log)
                 if args.profile and scope == "layer" and profile is None:
                     profile = profile_layer(cases, log)
-                del cases
+                for case in cases:
+                    case.drop_module()
+                timed[key] = cases
+
+        memory = measure_memory(list(timed), variants, opts, backend, on_gpu)
+        results = {}
+        for key, cases in timed.items():
+            results[key] = summarize(cases, memory[key])
+            log(f"\n[{key}]")
+            print_table(results[key], on_gpu, log)
         checks = check_targets(results, opts, on_gpu, log)
     finally:
         mcore_ext.destroy_parallel()
 
     if args.json:
         payload = dict(
-            argv=sys.argv[1:] if argv is None else list(argv),
+            argv=argv,
             device=device_name(device),
             host=platform.node(),
             torch=torch.__version__,

@@ -19,11 +19,7 @@ import typing
 import warnings
 
 import torch
-from megatron.core.transformer.attention import (
-    SelfAttention,
-    SelfAttentionSubmodules,
-    SplitAlongDim,
-)
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.utils import get_pg_rank
 from megatron.core.tensor_parallel.mappings import all_gather_last_dim_from_tensor_parallel_region
@@ -107,17 +103,7 @@ class HeadWiseGatedSelfAttention(SelfAttention):
 
         # [sq, b, qkv_r + np_r]: one GEMM for Q, K, V and the gates.
         mixed, _ = self.linear_qkv(hidden_states)
-        mixed_qkv, gate = mixed.split(
-            [self.qkv_rows_per_partition, self.gate_rows_per_partition], dim=-1
-        )
-        # Both parts are strided views of `mixed`. With copy_qkv_out the QKV part is copied, so
-        # that everything downstream (the split below, RoPE, core attention, the KV cache) gets
-        # exactly the tensors it gets without a gate. The gate copy is gate-sized; with both
-        # copied, no view keeps `mixed` alive.
-        if self.copy_qkv_out:
-            mixed_qkv = mixed_qkv.contiguous()
-        gate = gate.contiguous()
-        query, key, value = self._split_query_key_value(mixed_qkv)
+        query, key, value, gate = self._split_query_key_value_gate(mixed)
 
         if self.q_layernorm is not None:
             query = self.q_layernorm(query)
@@ -127,42 +113,43 @@ class HeadWiseGatedSelfAttention(SelfAttention):
             self.run_realtime_tests()
         return query, key, value, gate
 
-    def _split_query_key_value(self, mixed_qkv):
-        """Megatron's interleaved [q.. k v] per query group -> query, key, value.
+    def _split_query_key_value_gate(self, mixed):
+        """linear_qkv's output -> query [sq, b, np, hn], key / value [sq, b, ng, hn], gate logits.
 
-        The same operations as ``SelfAttention.get_query_key_value_tensors`` on the same
-        layout (with ``copy_qkv_out``), so query, key and value have the shapes and strides of the
-        ungated layer's; without it, the same views with a longer row stride.
+        Megatron's interleaved [q.. k v] layout per query group, split as the ungated layer splits
+        it. With ``copy_qkv_out`` q, k and v have the shapes and strides of the ungated layer's;
+        without it, they are the same views of ``mixed``, with a longer row stride.
         """
-        groups, tp = self.config.num_query_groups, self.world_size
-        if groups < tp:
-            # A rank's QKV rows cut through a query group: gather all groups, keep this rank's
-            # group. Rank r then computes query heads [r * H/tp, (r+1) * H/tp), the same heads
-            # as its local gate rows.
-            mixed_qkv = all_gather_last_dim_from_tensor_parallel_region(
-                mixed_qkv.contiguous(), group=self.pg_collection.tp
-            )
-            group = get_pg_rank(self.pg_collection.tp) // (tp // groups)
-            width = mixed_qkv.size(-1) // groups
-            mixed_qkv = mixed_qkv[..., group * width : (group + 1) * width]
-
         hn = self.hidden_size_per_attention_head
-        heads_per_group = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
-        # [sq, b, ng * (np/ng + 2) * hn] -> [sq, b, ng, (np/ng + 2) * hn]
-        mixed_qkv = mixed_qkv.view(*mixed_qkv.shape[:-1], self.num_query_groups_per_partition, -1)
-        sizes = [heads_per_group * hn, hn, hn]
-        if SplitAlongDim is not None:  # Transformer Engine's split, as megatron uses it
-            query, key, value = SplitAlongDim(mixed_qkv, 3, sizes)
-        else:
-            query, key, value = torch.split(mixed_qkv, sizes, dim=3)
-        # [sq, b, ng, np/ng * hn] -> [sq, b, np, hn]
-        query = query.reshape(*query.shape[:2], -1, hn)
+        groups, tp = self.config.num_query_groups, self.world_size
+        # Query heads per group, on this rank (after the gather below when groups < tp).
+        sizes = (self.num_attention_heads_per_partition // self.num_query_groups_per_partition * hn,
+                 hn, hn)
+        if groups >= tp:
+            query, key, value, gate = _SplitQKVGate.apply(
+                mixed, self.num_query_groups_per_partition, sizes, self.copy_qkv_out
+            )
+            # [sq, b, ng, np/ng * hn] -> [sq, b, np, hn]
+            return query.reshape(*query.shape[:2], -1, hn), key, value, gate
 
-        if groups < tp:
-            heads = self.config.num_attention_heads // tp
-            first = (get_pg_rank(self.pg_collection.tp) % (tp // groups)) * heads
-            query = query[:, :, first : first + heads]
-        return query, key, value
+        # A rank's QKV rows cut through a query group: gather all groups, keep this rank's group.
+        # Rank r then computes query heads [r * H/tp, (r+1) * H/tp), the same heads as its local
+        # gate rows.
+        mixed_qkv, gate = mixed.split(
+            [self.qkv_rows_per_partition, self.gate_rows_per_partition], dim=-1
+        )
+        mixed_qkv = all_gather_last_dim_from_tensor_parallel_region(
+            mixed_qkv.contiguous(), group=self.pg_collection.tp
+        )
+        rank = get_pg_rank(self.pg_collection.tp)
+        width = mixed_qkv.size(-1) // groups
+        group = rank // (tp // groups)
+        mixed_qkv = mixed_qkv[..., group * width : (group + 1) * width]
+        query, key, value = mixed_qkv.unflatten(-1, (1, -1)).split(sizes, dim=-1)
+        query = query.reshape(*query.shape[:2], -1, hn)
+        heads = self.config.num_attention_heads // tp
+        first = (rank % (tp // groups)) * heads
+        return query[:, :, first : first + heads], key, value, gate.contiguous()
 
     def forward(self, *args, **kwargs):
         """``SelfAttention.forward``, with the gated output recomputed in backward.
@@ -197,7 +184,7 @@ class HeadWiseGatedSelfAttention(SelfAttention):
             _gated_outputs.reset(token)
 
     def _apply_output_gate(self, core_attn_out, gate):
-        """core_attn_out [sq, b, np * hn] scaled per head by sigmoid(gate [sq, b, np]), in fp32."""
+        """core_attn_out [sq, b, np * hn] scaled per head by sigmoid(gate [sq, b, np]) (fp32)."""
         if not self.head_wise_attn_gate:
             return super()._apply_output_gate(core_attn_out, gate)
         attn = core_attn_out.unflatten(-1, (gate.size(-1), -1))  # [sq, b, np, hn]
@@ -246,12 +233,47 @@ class HeadWiseGatedSelfAttention(SelfAttention):
             )
 
 
-class _ScaleHeads(torch.autograd.Function):
-    """x [..., np, hn] * scale [..., np] (fp32): the product in fp32, the result in x's dtype.
+class _SplitQKVGate(torch.autograd.Function):
+    """mixed [sq, b, qkv_r + np_r] -> query [sq, b, ng, np/ng * hn], key / value [sq, b, ng, hn],
+    gate logits [sq, b, np_r] (contiguous, so no view keeps ``mixed`` alive through it).
 
-    ``torch.mul`` into an output of x's dtype casts on store (one kernel on a GPU), where
-    ``x * scale`` would first materialize an fp32 [..., np, hn] product in bf16 training. The
-    backward needs <grad_h, x_h> per head, reduced in fp32 without a full-size temporary.
+    q, k and v are views of ``mixed`` or, with ``copy_qkv``, of a contiguous copy of its QKV
+    columns. The backward writes the four gradients into one buffer: splitting off the gate and
+    then q, k, v with torch.split would concatenate them twice.
+    """
+
+    @staticmethod
+    def forward(ctx, mixed, groups, sizes, copy_qkv):
+        qkv_rows = groups * sum(sizes)
+        qkv, gate = mixed.split([qkv_rows, mixed.size(-1) - qkv_rows], dim=-1)
+        if copy_qkv:
+            qkv = qkv.contiguous()
+        ctx.set_materialize_grads(False)
+        ctx.layout = (mixed.shape, mixed.dtype, mixed.device, groups, sizes)
+        return (*qkv.unflatten(-1, (groups, -1)).split(sizes, dim=-1), gate.contiguous())
+
+    @staticmethod
+    def backward(ctx, *grads):
+        shape, dtype, device, groups, sizes = ctx.layout
+        grad = torch.empty(shape, dtype=dtype, device=device)
+        qkv_rows = groups * sum(sizes)
+        parts = grad[..., :qkv_rows].unflatten(-1, (groups, -1)).split(sizes, dim=-1)
+        for part, part_grad in zip((*parts, grad[..., qkv_rows:]), grads):
+            if part_grad is None:
+                part.zero_()
+            else:
+                part.copy_(part_grad)
+        return grad, None, None, None
+
+
+class _ScaleHeads(torch.autograd.Function):
+    """x [..., np, hn] * scale [..., np] (fp32 sigmoids): upstream megatron's gate arithmetic.
+
+    The scale is rounded to x's dtype and the product taken in x's dtype, as upstream dev's
+    native head-wise gate computes it (``core_attn_out * torch.sigmoid(gate.float()).to(dtype)``),
+    so the two gates give the same outputs bit for bit. No kernel mixes dtypes: a CPU would first
+    cast the whole of x to an fp32 copy. The fp32 scale is what the sigmoid saves anyway; the
+    backward reduces <grad_h, x_h> per head in fp32.
     """
 
     @staticmethod
@@ -270,31 +292,22 @@ class _ScaleHeads(torch.autograd.Function):
 
 
 def _scale_heads(x, scale):
-    """x [..., np, hn] * scale [..., np] (fp32), in x's dtype."""
-    out = torch.empty_like(x)
-    for rows in _slabs(x):
-        torch.mul(x[rows], scale[rows].unsqueeze(-1), out=out[rows])
-    return out
+    """x [..., np, hn] * scale [..., np], the scale rounded to x's dtype first."""
+    return x * scale.to(x.dtype).unsqueeze(-1)
 
 
 def _head_dots(a, b):
     """<a_h, b_h> per head, [..., np, hn] x2 -> [..., np] in fp32."""
     if a.is_cuda:  # a batched [1, hn] x [hn, 1] GEMM: fp32 accumulation, no [..., hn] temporary
         return (a.unsqueeze(-2) @ b.unsqueeze(-1)).flatten(-3).float()
+    # bf16 GEMMs this small are slow on a CPU; a product and a sum are not. Slabs of 2^16
+    # elements keep the product's temporary small and in the core's cache.
     out = a.new_empty(a.shape[:-1], dtype=torch.float32)
-    for rows in _slabs(a):  # bf16 GEMMs this small are slow on a CPU; a product is not
-        torch.sum(a[rows] * b[rows], dim=-1, dtype=torch.float32, out=out[rows])
+    rows = max(1, (1 << 16) // max(1, a[0].numel()))
+    for start in range(0, a.size(0), rows):
+        part = slice(start, start + rows)
+        torch.sum(a[part] * b[part], dim=-1, dtype=torch.float32, out=out[part])
     return out
-
-
-def _slabs(x, elements=1 << 18):
-    """Slices of dim 0 to work through. A GPU does it in one kernel. On a CPU, mixed-dtype
-    kernels first cast their inputs to full-size fp32 copies (and a product is a full-size
-    temporary), so slabs of about 2^18 elements keep those transients small."""
-    if x.is_cuda:
-        return [slice(None)]
-    rows = max(1, elements // max(1, x[0].numel()))
-    return [slice(start, start + rows) for start in range(0, x.size(0), rows)]
 
 
 # The gated outputs of the HeadWiseGatedSelfAttention.forward in flight, by storage. A context

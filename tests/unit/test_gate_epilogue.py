@@ -1,7 +1,12 @@
-"""The gate epilogue and its backward recompute, tested on their own (single process).
+"""The gate's own kernels and its backward recompute, tested on their own (single process).
 
-- ``_ScaleHeads``: attn * sigmoid(logits) per head, in fp32, stored in attn's dtype. Compared with
-  the formula computed in fp64 and rounded once; gradients with torch autograd on the formula.
+- ``_SplitQKVGate``: linear_qkv's output -> q, k, v, gate logits, and one gradient buffer back.
+  Compared with torch.split, forward and backward.
+
+- ``_ScaleHeads``: attn * sigmoid(logits) per head with upstream megatron's arithmetic (fp32
+  sigmoid rounded to attn's dtype, product in attn's dtype). Compared bit for bit with upstream
+  dev's formula written out, and with the formula in fp64; gradients with torch autograd on the
+  formula in fp64.
 - The recompute hooks: only a tensor that is the whole gated output (its storage from offset 0,
   contiguous, same dtype and size) is packed as a recipe, and unpacking rebuilds it bit for bit.
 """
@@ -28,21 +33,19 @@ def _gate(attn, logits):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_product_is_the_fp32_formula_rounded_once(dtype):
+def test_product_is_upstream_devs_arithmetic(dtype):
     attn, logits = _inputs(dtype)
     out = _gate(attn, logits)
-    exact = attn.double() * torch.sigmoid(logits.double()).unsqueeze(-1)
     assert out.dtype == dtype
-    if dtype is torch.bfloat16:
-        # The fp32 sigmoid and product are within 2^-23 of exact, so rounding them to bf16 gives
-        # the correctly rounded result except where exact sits on a rounding boundary.
-        mismatches = (out != exact.to(dtype)).float().mean().item()
-        assert mismatches <= 0.01, mismatches
-        # A sigmoid computed in bf16 rounds the scale first: about a third of outputs differ.
-        bf16_sigmoid = attn * torch.sigmoid(logits).unsqueeze(-1)
-        assert (bf16_sigmoid != exact.to(dtype)).float().mean().item() > 0.05
-    else:
-        assert (out.double() - exact).abs().max().item() <= 2 * 2.0**-24 * exact.abs().max().item()
+    # Upstream dev's native gate (megatron/core/transformer/attention.py, head_wise_gate):
+    #   core_attn_out * torch.sigmoid(gate.float()).to(core_attn_out.dtype)
+    upstream = attn * torch.sigmoid(logits.float()).to(dtype).unsqueeze(-1)
+    assert torch.equal(out, upstream)
+    # Against the exact value: the scale and the product are each rounded once, so the relative
+    # error is at most 2 u + u^2 (u = 2^-8 for bf16's 8 significant bits, 2^-24 for fp32).
+    exact = attn.double() * torch.sigmoid(logits.double()).unsqueeze(-1)
+    u = 2.0**-8 if dtype is torch.bfloat16 else 2.0**-24
+    assert ((out.double() - exact).abs() <= (2 * u + u * u) * exact.abs()).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -62,6 +65,33 @@ def test_gradients_match_autograd_on_the_formula(dtype):
     for ours, theirs in ((attn.grad, ref_attn.grad), (logits.grad, ref_logits.grad)):
         assert ours.dtype == dtype
         assert (ours.double() - theirs).abs().max().item() <= rel * theirs.abs().max().item()
+
+
+@pytest.mark.parametrize("copy_qkv", [False, True])
+def test_split_matches_torch_split_forward_and_backward(copy_qkv):
+    """2 query groups of 2 heads, hn 8, 4 gate columns. q, k, v are views of the fused output, or
+    of one copy of its QKV columns; the gate logits are a contiguous tensor of their own. A part
+    that gets no gradient (key, unused here) has zeros in the gradient buffer."""
+    groups, sizes, gate_columns = 2, (16, 8, 8), 4
+    g = torch.Generator().manual_seed(3)
+    mixed = torch.randn(5, 2, groups * sum(sizes) + gate_columns, generator=g, dtype=torch.float64,
+                        requires_grad=True)
+    ours = gated._SplitQKVGate.apply(mixed, groups, sizes, copy_qkv)
+    qkv, gate = mixed.split([groups * sum(sizes), gate_columns], dim=-1)
+    reference = (*qkv.reshape(5, 2, groups, -1).split(sizes, dim=-1), gate)
+    for a, b in zip(ours, reference):
+        assert a.shape == b.shape and torch.equal(a, b)
+    shares_storage = [t.untyped_storage().data_ptr() == mixed.untyped_storage().data_ptr()
+                      for t in ours]
+    assert shares_storage == [not copy_qkv] * 3 + [False] and ours[-1].is_contiguous()
+
+    weights = [torch.randn(t.shape, generator=g, dtype=torch.float64) for t in ours]
+    loss = lambda parts: sum((p * w).sum() for i, (p, w) in enumerate(zip(parts, weights)) if i != 1)
+    (grad,) = torch.autograd.grad(loss(ours), mixed)
+    (expected,) = torch.autograd.grad(loss(reference), mixed)
+    assert torch.equal(grad, expected)
+    key_columns = grad[..., : groups * sum(sizes)].unflatten(-1, (groups, -1))[..., 16:24]
+    assert key_columns.abs().sum() == 0 and grad.abs().sum() > 0
 
 
 def _recipe_for(out, attn, scale):
