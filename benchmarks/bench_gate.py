@@ -94,7 +94,7 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, help="layers of the block (default 4)")
     p.add_argument("--rounds", type=int, help="measured rounds for the layer (default 15 CPU, 30 GPU)")
     p.add_argument("--block-rounds", type=int,
-                   help="measured rounds for the block (default 5 CPU, 20 GPU)")
+                   help="measured rounds for the block (default 10 CPU, 20 GPU)")
     p.add_argument("--warmup", type=int, help="unmeasured rounds first (default 2 CPU, 3 GPU)")
     p.add_argument("--dtype", type=_dtypes,
                    help="one or more of fp32, bf16, fp16, comma-separated (default: the preset's; "
@@ -132,7 +132,7 @@ def resolve_options(args, on_gpu):
     preset = args.preset or ("gpu" if on_gpu else "cpu")
     opts = dict(PRESETS[preset])
     opts.update(groups=None, layers=4,
-                rounds=30 if on_gpu else 15, block_rounds=20 if on_gpu else 5,
+                rounds=30 if on_gpu else 15, block_rounds=20 if on_gpu else 10,
                 warmup=3 if on_gpu else 2)
     if args.quick:
         opts.update({k: v for k, v in PRESETS["quick"].items()})
