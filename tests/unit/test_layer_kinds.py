@@ -8,6 +8,15 @@ with ``tests.reference.step35_logits``, plain PyTorch written from HF's formulas
 visible: norm weights are non-zero (HF initializes them to 0, which hides the 1 + w convention)
 and layer 3's clamp is hit (the test checks that the unclamped reference differs).
 
+bf16: the model runs in bf16 on bf16-rounded weights, the reference in fp32 on the same weights,
+so the difference is the model's own rounding. bf16 keeps 8 significant bits (u = 2^-8 relative
+per rounding); the logits pass through about 64 rounded stages (about 15 per layer: norms, GEMMs,
+RoPE, scores, softmax, gate, residual adds; plus embedding, final norm, lm_head). Independent
+rounding errors add like a random walk, sqrt(64) u = 8 u, so the bound on the RMS difference is
+8 u x RMS(reference) (3.1 %); the largest of the 1024 logits may sit a few RMS out, so the max
+difference gets 16 u x max|reference| (6.3 %). As a control, dropping the sliding windows from
+the reference must move it by more than that bound.
+
 Window edge: with q = k = 0 every visible key gets the same weight, and v_j = one-hot(j) makes the
 output row of query i the indicator of the keys it sees / their count: it must be exactly
 {i - W + 1, ..., i}, the key at i - W excluded (HF's ``i - W < j <= i``).
@@ -124,33 +133,56 @@ def _full_logits(model, tokens):
         return gather_from_tensor_model_parallel_region(model(tokens, positions, None))
 
 
-def _model_vs_reference(tp, runs):
-    """For each (case, backend, kernel): max abs diff of the logits to the reference."""
+def _model_vs_reference(tp, runs, dtype="fp32"):
+    """For each (case, backend, kernel): max abs diff of the logits to the reference.
+
+    bf16: the model is built in bf16 on the bf16-rounded weights; the reference computes in fp32
+    on the same rounded weights. Also returned: the RMS of the difference, and the difference to
+    a reference without the sliding windows (a control the tolerance must see).
+    """
     import mcore_ext
     from mcore_ext._cpu_compat import cuda_to_cpu
 
     mcore_ext.init_parallel(tensor_model_parallel_size=tp)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(3))
+    bf16 = dtype == "bf16"
     results = {}
     for case, backend, kernel in runs:
-        config = _config(case, tp, attention_kernel=kernel)
+        overrides = dict(params_dtype=torch.bfloat16, bf16=True) if bf16 else {}
+        config = _config(case, tp, attention_kernel=kernel, **overrides)
         layers = _reference_layers(config)
         weights = _global_weights(layers)
+        if bf16:
+            weights = _rounded_to_bf16(weights)
         expected = reference.step35_logits(tokens, weights, layers, EPS)
         with cuda_to_cpu():  # the local backend allocates its masks on "cuda"
             model = mcore_ext.build_gpt_model(config, vocab_size=VOCAB, max_sequence_length=SEQ,
                                               backend=backend)
             load_global_weights(model, config, weights)
             logits = _full_logits(model, tokens)
-            mask_checks = _mask_checks(model, tokens, logits) if backend != "sdpa" else {}
+            mask_checks = _mask_checks(model, tokens, logits) if backend != "sdpa" and not bf16 else {}
         unclamped = [dict(kind, swiglu_limit=None) for kind in layers]
         clamp_effect = (reference.step35_logits(tokens, weights, unclamped, EPS)
                         - expected).abs().max().item()
+        unwindowed = [dict(kind, window=None) for kind in layers]
+        window_effect = (reference.step35_logits(tokens, weights, unwindowed, EPS)
+                         - logits.float()).abs().max().item()
+        diff = logits.float() - expected
         results[(case, backend, kernel)] = dict(
-            diff=(logits - expected).abs().max().item(), clamp_effect=clamp_effect,
-            scale=expected.abs().max().item(), **mask_checks,
+            diff=diff.abs().max().item(), rms_diff=diff.square().mean().sqrt().item(),
+            dtype=str(logits.dtype), clamp_effect=clamp_effect, window_effect=window_effect,
+            scale=expected.abs().max().item(), rms=expected.square().mean().sqrt().item(),
+            **mask_checks,
         )
     return results
+
+
+def _rounded_to_bf16(weights):
+    if isinstance(weights, dict):
+        return {k: _rounded_to_bf16(v) for k, v in weights.items()}
+    if isinstance(weights, list):
+        return [_rounded_to_bf16(v) for v in weights]
+    return weights.bfloat16().float()
 
 
 def _mask_checks(model, tokens, logits):
@@ -190,6 +222,20 @@ def test_step35_model_matches_hf_formulas(run_distributed, tp, world_size, runs)
             assert r["scale"] > 0.1, (run, r)
             if run[1] == "local":
                 assert r["causal_mask_diff"] <= TOL and r["padding_refused"], (run, r)
+
+
+BF16_U = 2.0**-8
+
+
+def test_step35_model_in_bf16_matches_hf_formulas_within_bf16_rounding(run_distributed):
+    for rank, results in enumerate(run_distributed(_model_vs_reference, 2, RUNS, "bf16",
+                                                   world_size=2)):
+        for run, r in results.items():
+            assert r["dtype"] == "torch.bfloat16", (run, r)
+            max_bound = 16 * BF16_U * r["scale"]
+            assert r["diff"] <= max_bound, (rank, run, r)
+            assert r["rms_diff"] <= 8 * BF16_U * r["rms"], (rank, run, r)
+            assert r["window_effect"] > max_bound, (run, r)  # the bound sees a missing window
 
 
 # ------------------------------------------------------------------------- window edge, kernels
