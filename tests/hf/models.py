@@ -120,7 +120,7 @@ def legacy_config_dict(modern: dict) -> dict:
         "bos_token_id": modern.get("bos_token_id"),
         "eos_token_id": modern.get("eos_token_id"),
         "pad_token_id": modern.get("pad_token_id"),
-        "torch_dtype": "float32",
+        "torch_dtype": modern.get("dtype", modern.get("torch_dtype", "float32")),
     }
 
 

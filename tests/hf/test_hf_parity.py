@@ -5,6 +5,12 @@ window of 4 < 12 tokens, RoPE base 10000 / 500 and rotary fraction 0.5 / 1.0 per
 clamp of 1.0 that its activations exceed, and random (non-zero) norm weights. Logits must match
 transformers' in fp32 within 1e-5 (max abs) at every parallel layout, and a load / save round
 trip must give back every tensor bit for bit.
+
+A bf16 checkpoint loads as a bf16 model: its logits are compared with transformers' in fp32 on the
+same bf16 weights, within bf16 rounding (u = 2^-8 per rounding, about 40 rounded stages adding
+like a random walk: RMS difference <= 8 u x RMS, max <= 16 u x max|logits|), and against
+transformers' own bf16 run of the same checkpoint: no more than 1.5 x its RMS difference. It
+round-trips bit for bit in bf16.
 """
 
 import json
@@ -88,6 +94,38 @@ def test_logits_match_transformers_with_the_flex_kernel(run_distributed, hf_mode
 def test_logits_match_transformers_on_4_ranks(run_distributed, hf_model, tp, pp):
     directory, tokens, expected = hf_model
     _check_parity(run_distributed(_parity, directory, tokens, tp, pp, world_size=4), expected)
+
+
+@pytest.fixture(scope="module")
+def hf_model_bf16(tmp_path_factory):
+    """(directory of a bf16 checkpoint, tokens, transformers' logits on its weights in fp32 and
+    in bf16)."""
+    model = models.build().to(torch.bfloat16)
+    directory = models.save_released(model, str(tmp_path_factory.mktemp("hf") / "tiny_bf16"))
+    tokens = models.tokens()
+    with torch.no_grad():
+        in_bf16 = model(tokens).float()
+        in_fp32 = model.float()(tokens)
+    return directory, tokens, in_fp32, in_bf16
+
+
+def test_bf16_checkpoint_loads_in_bf16_within_rounding_and_round_trips(run_distributed,
+                                                                        hf_model_bf16, tmp_path):
+    directory, tokens, expected, transformers_bf16 = hf_model_bf16
+    u = 2.0**-8
+    rms = lambda t: t.square().mean().sqrt().item()
+    results = run_distributed(_parity, directory, tokens, 2, 1, world_size=2)
+    assert len(results) == 2
+    for logits in results:
+        assert logits.dtype == torch.bfloat16
+        diff = logits.float() - expected
+        assert diff.abs().max() <= 16 * u * expected.abs().max(), diff.abs().max()
+        assert rms(diff) <= 8 * u * rms(expected), rms(diff)
+        assert 0 < rms(diff) <= 1.5 * rms(transformers_bf16 - expected), rms(diff)
+    out = str(tmp_path / "out")
+    run_distributed(_round_trip, directory, out, 2, 1, world_size=2)
+    assert_same_tensors(directory, out)  # dtypes included
+    assert json.loads(open(os.path.join(out, "config.json")).read())["torch_dtype"] == "bfloat16"
 
 
 def _round_trip(hf_dir, out_dir, tp, pp):
