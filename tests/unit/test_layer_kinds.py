@@ -125,12 +125,13 @@ def load_global_weights(model, config, weights):
             params[name].copy_(value)
 
 
-def _full_logits(model, tokens):
+def _full_logits(model, tokens, first_position=0, inference_context=None):
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    positions = torch.arange(tokens.size(1)).expand_as(tokens)
+    positions = torch.arange(first_position, first_position + tokens.size(1)).expand_as(tokens)
     with torch.no_grad():
-        return gather_from_tensor_model_parallel_region(model(tokens, positions, None))
+        return gather_from_tensor_model_parallel_region(
+            model(tokens, positions, None, inference_context=inference_context))
 
 
 def _model_vs_reference(tp, runs, dtype="fp32"):
@@ -236,6 +237,53 @@ def test_step35_model_in_bf16_matches_hf_formulas_within_bf16_rounding(run_distr
             assert r["diff"] <= max_bound, (rank, run, r)
             assert r["rms_diff"] <= 8 * BF16_U * r["rms"], (rank, run, r)
             assert r["window_effect"] > max_bound, (run, r)  # the bound sees a missing window
+
+
+# ------------------------------------------------------------------------ KV-cache decoding
+
+
+def _kv_cache_decode_vs_reference(tp, runs, prefill=5):
+    """megatron's static KV cache: prefill ``prefill`` tokens, then decode the rest one at a time
+    (query i against keys 0..i: a bottom-right aligned window). Max abs diff of all the logits to
+    the reference, and how far the decoded logits are from a reference without windows."""
+    import mcore_ext
+    from megatron.core.inference.contexts import StaticInferenceContext
+
+    from mcore_ext._cpu_compat import cuda_to_cpu
+
+    mcore_ext.init_parallel(tensor_model_parallel_size=tp)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(3))
+    results = {}
+    for case, backend, kernel in runs:
+        config = _config(case, tp, attention_kernel=kernel)
+        layers = _reference_layers(config)
+        weights = _global_weights(layers)
+        expected = reference.step35_logits(tokens, weights, layers, EPS)
+        unwindowed = reference.step35_logits(tokens, weights,
+                                             [dict(kind, window=None) for kind in layers], EPS)
+        with cuda_to_cpu():
+            model = mcore_ext.build_gpt_model(config, vocab_size=VOCAB, max_sequence_length=SEQ,
+                                              backend=backend).eval()
+            load_global_weights(model, config, weights)
+            context = StaticInferenceContext(max_batch_size=BATCH, max_sequence_length=SEQ)
+            steps = [slice(0, prefill)] + [slice(i, i + 1) for i in range(prefill, SEQ)]
+            logits = []
+            for step in steps:
+                logits.append(_full_logits(model, tokens[:, step], step.start, context))
+                context.sequence_len_offset += step.stop - step.start
+        logits = torch.cat(logits, dim=1)
+        results[(case, backend, kernel)] = dict(
+            diff=(logits - expected).abs().max().item(),
+            window_effect=(logits - unwindowed)[:, prefill:].abs().max().item(),
+        )
+    return results
+
+
+def test_kv_cache_decoding_keeps_the_window(run_distributed):
+    for results in run_distributed(_kv_cache_decode_vs_reference, 2, RUNS, world_size=2):
+        for run, r in results.items():
+            assert r["diff"] <= TOL, (run, r)
+            assert r["window_effect"] > 1e-2, (run, r)  # the decoded tokens' windows matter
 
 
 # ------------------------------------------------------------------------- window edge, kernels
