@@ -30,10 +30,10 @@ plus the module's parameter bytes and the input's bytes:
          the step, and the peak is VmHWM after it minus VmRSS before it. glibc is told to serve
          every allocation of 64 KiB or more with mmap (mallopt), so freed tensors leave the
          resident set at once and the mark follows live memory. That makes every large
-         allocation page-fault afresh, so it is set only after the timed rounds, which run with
-         glibc's default (freed memory reused, as in a training run). Also reported: the bytes
-         the forward leaves allocated for backward (profiler memory events), exact but blind to
-         transients.
+         allocation page-fault afresh, so it is set only in a child process that measures memory
+         after the timed rounds; they run with glibc's default (freed memory reused, as in a
+         training run). Also reported: the bytes the forward leaves allocated for backward
+         (profiler memory events), exact but blind to transients.
 
 Run ``python benchmarks/bench_gate.py --help``; see benchmarks/README.md.
 """
@@ -277,6 +277,7 @@ def run_rounds(cases, rounds, warmup, on_gpu, log, clock="wall"):
 
 
 def memory_gpu(case):
+    case.step()  # a fresh module's first step also allocates what it keeps (workspaces, ...)
     case.release()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
