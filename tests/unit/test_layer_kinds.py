@@ -309,6 +309,14 @@ def _visible_sets(out_SBNH, heads):
     return [set(torch.nonzero(row > 1e-6).flatten().tolist()) for row in rows]
 
 
+def _window_config(kernel, heads, groups, head_dim, **extra):
+    """A plain (ungated) attention config with the sliding window of WINDOW keys."""
+    return builders.gated_config(head_wise_attn_gate=False, num_attention_heads=heads,
+                                 num_query_groups=groups, kv_channels=head_dim,
+                                 hidden_size=4 * head_dim, window_size=(WINDOW - 1, 0),
+                                 attention_kernel=kernel, **extra)
+
+
 def _window_edges_and_kernels():
     import mcore_ext
     from mcore_ext._cpu_compat import cuda_to_cpu
@@ -319,10 +327,7 @@ def _window_edges_and_kernels():
     expected = [set(range(max(0, i - w + 1), i + 1)) for i in range(s)]
     found, diffs = {}, {}
     for backend, kernel in (("sdpa", "sdpa"), ("sdpa", "flex"), ("local", "sdpa")):
-        config = builders.gated_config(head_wise_attn_gate=False, num_attention_heads=heads,
-                                       num_query_groups=groups, kv_channels=s, hidden_size=4 * s,
-                                       window_size=(w - 1, 0), attention_kernel=kernel,
-                                       masked_softmax_fusion=False)
+        config = _window_config(kernel, heads, groups, s, masked_softmax_fusion=False)
         with cuda_to_cpu():
             attn = _attention_module(config, backend)
             q = torch.zeros(s, 1, heads, s)
@@ -341,9 +346,7 @@ def _window_edges_and_kernels():
     q, k, v = (torch.randn(12, n, 8, generator=gen) for n in (heads, groups, groups))
     packed = {}
     for kernel in ("sdpa", "flex"):
-        config = builders.gated_config(head_wise_attn_gate=False, num_attention_heads=heads,
-                                       num_query_groups=groups, kv_channels=8, hidden_size=32,
-                                       window_size=(w - 1, 0), attention_kernel=kernel)
+        config = _window_config(kernel, heads, groups, 8)
         with torch.no_grad():
             packed[kernel] = _attention_module(config, "sdpa")(q, k, v, None,
                                                                packed_seq_params=params)
@@ -360,9 +363,7 @@ def _window_edges_and_kernels():
     user_mask[1, :, :, :2] = True
     masked = {}
     for kernel in ("sdpa", "flex"):
-        config = builders.gated_config(head_wise_attn_gate=False, num_attention_heads=heads,
-                                       num_query_groups=groups, kv_channels=8, hidden_size=32,
-                                       window_size=(w - 1, 0), attention_kernel=kernel)
+        config = _window_config(kernel, heads, groups, 8)
         with torch.no_grad():
             masked[kernel] = _attention_module(config, "sdpa")(q, k, v, user_mask)
     diffs["user_mask_flex_vs_sdpa"] = (masked["flex"] - masked["sdpa"])[2:].abs().max().item()
