@@ -48,6 +48,19 @@ def build_gpt(config, vocab_size=64, seq_length=16, backend="sdpa", **kwargs):
     )
 
 
+def gated_attention_weights(heads, groups, head_dim, hidden, generator):
+    """Global weights of a gated attention layer, HF-style names: q, k, v, gate, o."""
+
+    def rand(*shape, std):
+        return torch.randn(*shape, generator=generator) * std
+
+    return dict(q=rand(heads * head_dim, hidden, std=0.2),
+                k=rand(groups * head_dim, hidden, std=0.2),
+                v=rand(groups * head_dim, hidden, std=0.2),
+                gate=rand(heads, hidden, std=0.3),
+                o=rand(hidden, heads * head_dim, std=0.2))
+
+
 def interleave_qkv(w_q, w_k, w_v, heads, groups):
     """Megatron's fused QKV rows: per query group, its query heads, then its key, then its value."""
     per_group = heads // groups

@@ -371,11 +371,7 @@ def _gated_layer_cp2_vs_formula(groups):
     attn = builders.build_self_attention(config)
     heads, hn, h = config.num_attention_heads, config.kv_channels, config.hidden_size
     g = torch.Generator().manual_seed(1)
-    w = dict(q=torch.randn(heads * hn, h, generator=g) * 0.2,
-             k=torch.randn(groups * hn, h, generator=g) * 0.2,
-             v=torch.randn(groups * hn, h, generator=g) * 0.2,
-             gate=torch.randn(heads, h, generator=g) * 0.3,
-             o=torch.randn(h, heads * hn, generator=g) * 0.2)
+    w = builders.gated_attention_weights(heads, groups, hn, h, g)
     b_gate = torch.randn(heads, generator=g)
     s = 16
     x, upstream = torch.randn(s, 2, h, generator=g), torch.randn(s, 2, h, generator=g)

@@ -80,11 +80,7 @@ def _compare_with_reference(tp, cases, sequence_parallel, packed=False, backend=
                                 config.kv_channels, config.hidden_size)
 
         g = torch.Generator().manual_seed(1)
-        w = dict(q=torch.randn(heads * hn, h, generator=g) * 0.2,
-                 k=torch.randn(groups * hn, h, generator=g) * 0.2,
-                 v=torch.randn(groups * hn, h, generator=g) * 0.2,
-                 gate=torch.randn(heads, h, generator=g) * 0.3,
-                 o=torch.randn(h, heads * hn, generator=g) * 0.2)
+        w = builders.gated_attention_weights(heads, groups, hn, h, g)
         b = dict(q=torch.randn(heads * hn, generator=g) * 0.1,
                  k=torch.randn(groups * hn, generator=g) * 0.1,
                  v=torch.randn(groups * hn, generator=g) * 0.1,
