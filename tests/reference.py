@@ -5,6 +5,10 @@ Shapes: s sequence, b batch, n query heads, g key-value groups, d head dim, h hi
 
 import torch
 
+# bf16 keeps 8 significant bits: rounding moves a value by at most this fraction of itself. The
+# bf16 tolerances of the tests are multiples of it.
+BF16_UNIT_ROUNDOFF = 2.0**-8
+
 
 def attention(q_SBND, k_SBGD, v_SBGD, allowed_BNQK=None, scale=None):
     """softmax(Q K^T * scale, masked where not allowed) V, GQA by repeating K/V per group.

@@ -20,6 +20,7 @@ import shutil
 import pytest
 import torch
 
+from tests import reference
 from tests.hf import models
 
 pytest.importorskip("transformers")
@@ -112,7 +113,7 @@ def hf_model_bf16(tmp_path_factory):
 def test_bf16_checkpoint_loads_in_bf16_within_rounding_and_round_trips(run_distributed,
                                                                         hf_model_bf16, tmp_path):
     directory, tokens, expected, transformers_bf16 = hf_model_bf16
-    u = 2.0**-8
+    u = reference.BF16_UNIT_ROUNDOFF
     rms = lambda t: t.square().mean().sqrt().item()
     results = run_distributed(_parity, directory, tokens, 2, 1, world_size=2)
     assert len(results) == 2

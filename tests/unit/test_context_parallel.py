@@ -10,7 +10,7 @@ model's state dict (this TP rank's shard) is loaded into the CP model.
 import pytest
 import torch
 
-from tests import builders
+from tests import builders, reference
 
 TOL = 1e-5
 SEQ, BATCH, VOCAB = 32, 2, 64
@@ -191,7 +191,7 @@ def test_gpt_cp2_in_bf16_is_as_close_to_fp32_as_cp1(run_distributed):
     add like a random walk: max |diff| <= 8 u max|fp32| for logits, 16 u for gradients (3.1 %
     and 6.3 %). CP changes where the attention sums are cut (each chunk attends to the gathered
     keys; dK/dV are reduce-scattered in bf16), not how many roundings there are."""
-    u = 2.0**-8
+    u = reference.BF16_UNIT_ROUNDOFF
     names = ["cp2_gqa", "cp2_step35_kinds"]
     for rank_results in run_distributed(_gpt_bf16_cp_and_cp1_vs_fp32, names, world_size=2):
         for name, r in rank_results.items():
@@ -363,7 +363,6 @@ def _gated_layer_cp2_vs_formula(groups):
 
     import mcore_ext
     from mcore_ext.attention import context_parallel
-    from tests import reference
 
     mcore_ext.init_parallel(context_parallel_size=2)
     config = builders.gated_config(num_query_groups=groups, add_qkv_bias=True,
@@ -430,7 +429,6 @@ def _core_attention_vs_formula(window):
 
     import mcore_ext
     from mcore_ext.attention import context_parallel
-    from tests import reference
 
     mcore_ext.init_parallel(context_parallel_size=2)
     group = parallel_state.get_context_parallel_group()

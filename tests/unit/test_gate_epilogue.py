@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from mcore_ext.attention import gated
+from tests import reference
 
 # [sq, b, np, hn]
 SHAPE = (6, 2, 4, 8)
@@ -44,7 +45,7 @@ def test_product_is_upstream_devs_arithmetic(dtype):
     # Against the exact value: the scale and the product are each rounded once, so the relative
     # error is at most 2 u + u^2 (u = 2^-8 for bf16's 8 significant bits, 2^-24 for fp32).
     exact = attn.double() * torch.sigmoid(logits.double()).unsqueeze(-1)
-    u = 2.0**-8 if dtype is torch.bfloat16 else 2.0**-24
+    u = reference.BF16_UNIT_ROUNDOFF if dtype is torch.bfloat16 else 2.0**-24
     assert ((out.double() - exact).abs() <= (2 * u + u * u) * exact.abs()).all()
 
 
@@ -61,7 +62,7 @@ def test_gradients_match_autograd_on_the_formula(dtype):
     (ref * upstream.double()).sum().backward()
     # fp32: a few roundings of O(1) values. bf16: the gradients are stored in bf16 (u = 2^-8),
     # the per-head dot product over hn = 8 is rounded once more: 4 u relative to the largest.
-    rel = 1e-6 if dtype is torch.float32 else 4 * 2.0**-8
+    rel = 1e-6 if dtype is torch.float32 else 4 * reference.BF16_UNIT_ROUNDOFF
     for ours, theirs in ((attn.grad, ref_attn.grad), (logits.grad, ref_logits.grad)):
         assert ours.dtype == dtype
         assert (ours.double() - theirs).abs().max().item() <= rel * theirs.abs().max().item()
@@ -86,7 +87,8 @@ def test_split_matches_torch_split_forward_and_backward(copy_qkv):
     assert shares_storage == [not copy_qkv] * 3 + [False] and ours[-1].is_contiguous()
 
     weights = [torch.randn(t.shape, generator=g, dtype=torch.float64) for t in ours]
-    loss = lambda parts: sum((p * w).sum() for i, (p, w) in enumerate(zip(parts, weights)) if i != 1)
+    loss = lambda parts: sum((p * w).sum() for i, (p, w) in enumerate(zip(parts, weights))
+                             if i != 1)
     (grad,) = torch.autograd.grad(loss(ours), mixed)
     (expected,) = torch.autograd.grad(loss(reference), mixed)
     assert torch.equal(grad, expected)

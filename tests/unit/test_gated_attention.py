@@ -26,8 +26,8 @@ import torch
 from tests import builders, reference
 
 TOL = 2e-5
-BF16_UNIT_ROUNDOFF = 2.0**-8
-BF16_REL_TOL = {"output": 8 * BF16_UNIT_ROUNDOFF, "grad": 16 * BF16_UNIT_ROUNDOFF}
+BF16_REL_TOL = {"output": 8 * reference.BF16_UNIT_ROUNDOFF,
+                "grad": 16 * reference.BF16_UNIT_ROUNDOFF}
 
 
 def _te_skip_reason():

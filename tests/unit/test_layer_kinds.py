@@ -161,7 +161,8 @@ def _model_vs_reference(tp, runs, dtype="fp32"):
                                               backend=backend)
             load_global_weights(model, config, weights)
             logits = _full_logits(model, tokens)
-            mask_checks = _mask_checks(model, tokens, logits) if backend != "sdpa" and not bf16 else {}
+            checked = backend != "sdpa" and not bf16
+            mask_checks = _mask_checks(model, tokens, logits) if checked else {}
         unclamped = [dict(kind, swiglu_limit=None) for kind in layers]
         clamp_effect = (reference.step35_logits(tokens, weights, unclamped, EPS)
                         - expected).abs().max().item()
@@ -225,17 +226,14 @@ def test_step35_model_matches_hf_formulas(run_distributed, tp, world_size, runs)
                 assert r["causal_mask_diff"] <= TOL and r["padding_refused"], (run, r)
 
 
-BF16_U = 2.0**-8
-
-
 def test_step35_model_in_bf16_matches_hf_formulas_within_bf16_rounding(run_distributed):
     for rank, results in enumerate(run_distributed(_model_vs_reference, 2, RUNS, "bf16",
                                                    world_size=2)):
         for run, r in results.items():
             assert r["dtype"] == "torch.bfloat16", (run, r)
-            max_bound = 16 * BF16_U * r["scale"]
+            max_bound = 16 * reference.BF16_UNIT_ROUNDOFF * r["scale"]
             assert r["diff"] <= max_bound, (rank, run, r)
-            assert r["rms_diff"] <= 8 * BF16_U * r["rms"], (rank, run, r)
+            assert r["rms_diff"] <= 8 * reference.BF16_UNIT_ROUNDOFF * r["rms"], (rank, run, r)
             assert r["window_effect"] > max_bound, (run, r)  # the bound sees a missing window
 
 
