@@ -277,7 +277,6 @@ def run_rounds(cases, rounds, warmup, on_gpu, log, clock="wall"):
 
 
 def memory_gpu(case):
-    case.step()  # a fresh module's first step also allocates what it keeps (workspaces, ...)
     case.release()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
@@ -308,7 +307,6 @@ def memory_cpu(case):
     bytes (allocated minus freed during the forward, from the profiler's memory events) are
     exact, but blind to transients.
     """
-    case.step()  # a fresh module's first step also allocates what it keeps (workspaces, ...)
     case.release()
     activities = [torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
@@ -345,7 +343,7 @@ def measure_memory(keys, variants, opts, backend, on_gpu):
     memory as a training run does.
     """
     if on_gpu:
-        return {key: {v: memory_gpu(_case(key, v, opts, backend)) for v in variants}
+        return {key: {v: memory_gpu(_warm_case(key, v, opts, backend)) for v in variants}
                 for key in keys}
     with tempfile.TemporaryDirectory() as tmp:
         request = dict(keys=keys, variants=list(variants), opts=opts, backend=backend,
@@ -367,7 +365,7 @@ def _memory_child(request):
         torch.set_num_threads(opts["threads"])
     mcore_ext.init_parallel(tensor_model_parallel_size=1)
     try:
-        memory = {key: {v: memory_cpu(_case(key, v, opts, request["backend"]))
+        memory = {key: {v: memory_cpu(_warm_case(key, v, opts, request["backend"]))
                         for v in request["variants"]}
                   for key in request["keys"]}
     finally:
@@ -377,10 +375,19 @@ def _memory_child(request):
 
 
 def _case(key, variant, opts, backend):
+    """The Case of one variant at ``key`` ("<dtype> <scope>")."""
     import mcore_ext
 
     dtype_name, scope = key.split()
     return Case(opts, variant, scope, DTYPES[dtype_name], backend, mcore_ext.device())
+
+
+def _warm_case(key, variant, opts, backend):
+    """A fresh Case after one step: a module's first step also allocates what it keeps
+    (workspaces, ...), which is no part of a step's peak."""
+    case = _case(key, variant, opts, backend)
+    case.step()
+    return case
 
 
 def fix_malloc_threshold(threshold=64 * 1024):
@@ -560,8 +567,7 @@ def main(argv=None):
             for scope in scopes:
                 key = f"{dtype_name} {scope}"
                 log(f"\n[{key}] building {', '.join(variants)}")
-                cases = [Case(opts, v, scope, DTYPES[dtype_name], backend, device)
-                         for v in variants]
+                cases = [_case(key, v, opts, backend) for v in variants]
                 rounds = opts["rounds"] if scope == "layer" else opts["block_rounds"]
                 start = time.perf_counter()
                 run_rounds(cases, rounds, opts["warmup"], on_gpu, log, opts["clock"])
