@@ -247,6 +247,23 @@ def process_mtp_loss(**kwargs):
     return _mtp.process_mtp_loss(**supported_kwargs(_mtp.process_mtp_loss, **kwargs))
 
 
+def take_mtp_losses(num_layers: int):
+    """This rank's MTP losses since the last call, one per depth, summed over micro-batches (as
+    megatron's MTPLossLoggingHelper tracks them in training: 'values' up to 0.17,
+    'loss_values' later), then cleared; None where nothing was tracked (other pipeline stages)."""
+    tracker = _mtp.MTPLossLoggingHelper.tracker
+    values = tracker.get("loss_values", tracker.get("values"))
+    if values is None or values.numel() != num_layers:
+        return None
+    losses = values.detach().clone()
+    helper = _mtp.MTPLossLoggingHelper
+    if hasattr(helper, "clean_metrics_in_tracker"):  # 0.18+
+        helper.clean_metrics_in_tracker()
+    else:
+        helper.clean_loss_in_tracker()
+    return losses
+
+
 def tp_group_kwargs(tp_group) -> dict:
     """``tp_group=`` for megatron's parallel linears where a group is given (every supported
     release takes it; None = megatron's default group)."""
