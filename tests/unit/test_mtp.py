@@ -70,12 +70,15 @@ def _weights(main_layers, mtp_layers, seed=0):
 
 
 def _mtp_local_weights(config, weights, step35):
+    from mcore_ext import _mcore_compat
+
+    inner = _mcore_compat.MTP_INNER_LAYER_FIELD  # megatron-core 0.16: transformer_layer
     rows = builders.rank_rows_of_this_rank
     local = {}
     for k, w in enumerate(weights["mtp"]):
         p = f"mtp.layers.{k}."
         local.update(kinds.local_layer_weights(
-            p + "mtp_model_layer.", w, config.get_config_for_layer(config.num_layers + k + 1)))
+            f"{p}{inner}.", w, config.get_config_for_layer(config.num_layers + k + 1)))
         local.update({p + "enorm.weight": w["enorm"], p + "hnorm.weight": w["hnorm"],
                       p + "eh_proj.weight": rows(w["eh_proj"]),
                       p + "final_layernorm.weight": w["shared_head_norm"]})
@@ -110,7 +113,11 @@ def _mtp_vs_reference(tp):
     positions = torch.arange(SEQ).expand_as(tokens)
     results = {}
     for step35 in (True, False):
-        model, weights, main_layers, mtp_layers = _build_loaded(tp, step35)
+        try:
+            model, weights, main_layers, mtp_layers = _build_loaded(tp, step35)
+        except NotImplementedError as err:  # Step's MTP on megatron-core 0.16
+            results[step35] = dict(refused=str(err))
+            continue
         with torch.no_grad():
             local = mtp_logits(model, tokens, positions)
             got = [gather_from_tensor_model_parallel_region(x) for x in local]
@@ -138,8 +145,15 @@ def _mtp_vs_reference(tp):
 
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.smoke)])
 def test_mtp_logits_match_reference(run_distributed, tp):
+    from mcore_ext import _mcore_compat
+
+    version = _mcore_compat.megatron_core_version()
     for rank, results in enumerate(run_distributed(_mtp_vs_reference, tp, world_size=2)):
         for step35, r in results.items():
+            if "refused" in r:  # only Step's MTP, only where megatron lacks process_mtp_loss
+                assert step35 and version.startswith("0.16"), (version, r)
+                assert f"megatron-core {version}" in r["refused"], r
+                continue
             assert r["depths"] == MTP_DEPTHS, r
             assert r["local_shape"] == (BATCH, SEQ, VOCAB // tp), r  # TP-split like the logits
             assert max(r["diffs"]) <= TOL, (rank, step35, r)
@@ -147,3 +161,32 @@ def test_mtp_logits_match_reference(run_distributed, tp):
             # Controls: either wrong variant is far outside the tolerance at every depth.
             assert min(r["post_norm_input"]) > 1e-2, r
             assert min(r["shared_head"]) > 1e-2, r
+
+
+# ------------------------------------------------------------------------------ config rules
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(layer_types=LAYER_TYPES[:5]), "layer_types has 5 entries, num_layers is 4, "
+                                        "mtp_num_layers is 2"),
+    (dict(swiglu_limits=SWIGLU_LIMITS + [1.0]), "swiglu_limits has 7 entries"),
+    (dict(mtp_detach_heads=True), "mtp_detach_heads=True is megatron's MTP option"),
+    (dict(mtp_use_repeated_layer=True), "mtp_use_repeated_layer=True"),
+    (dict(layer_types=["full_attention"] * 4, sliding_window=None, sliding_num_attention_heads=None,
+          sliding_rotary_base=None, sliding_rotary_percent=None),
+     "global layers [5, 6]; MTP layers without an entry are sliding"),
+])
+def test_bad_mtp_config_is_refused(overrides, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        _config(1, **overrides)
+
+
+def test_mtp_layers_take_their_kind_from_padded_or_main_only_lists():
+    padded = _config(1)
+    assert [padded.layer_type(n) for n in (5, 6)] == ["sliding_attention", "full_attention"]
+    assert [padded.swiglu_limit(n) for n in (5, 6)] == [0.05, None]
+    assert padded.get_config_for_layer(5).window_size == (kinds.WINDOW - 1, 0)
+    main_only = _config(1, layer_types=kinds.LAYER_TYPES, swiglu_limits=kinds.SWIGLU_LIMITS)
+    # Step's rule: MTP layers without entries are sliding and unclamped.
+    assert [main_only.layer_type(n) for n in (5, 6)] == ["sliding_attention"] * 2
+    assert [main_only.swiglu_limit(n) for n in (5, 6)] == [None, None]
