@@ -209,6 +209,10 @@ MTP_INNER_LAYER_FIELD = "mtp_model_layer" if "mtp_model_layer" in _MTP_LAYER_FIE
     "transformer_layer")
 
 
+# 0.16's GPTModel computes MTP losses inside _postprocess, from labels it requires.
+MTP_LOSS_NEEDS_LABELS = not hasattr(_mtp, "process_mtp_loss")
+
+
 def check_mtp_supported(step35_heads: bool) -> None:
     """Refuse Step-3.5's MTP on a release without megatron's ``process_mtp_loss`` (0.16), which
     computes its losses; megatron's own MTP runs on every supported release."""

@@ -41,6 +41,11 @@ class MTPGPTModel(GPTModel):
         pre_norm, self._pre_norm_hidden = self._pre_norm_hidden, None
         sink = self._mtp_logits_sink
         runs_mtp_here = self._step35 or sink is not None
+        if (mtp_in_postprocess and not runs_mtp_here and labels is None
+                and _mcore_compat.MTP_LOSS_NEEDS_LABELS and not self._in_inference(kwargs)):
+            # megatron 0.16's GPTModel computes MTP losses unconditionally and fails without
+            # labels: a logits-only forward skips MTP there.
+            return self._main_output(hidden_states, None, kwargs.get("runtime_gather_output"))
         if not mtp_in_postprocess or self._in_inference(kwargs) or not runs_mtp_here:
             # megatron's path: no MTP here, inference (Step's MTP is not used for inference),
             # or megatron's own MTP in training.
@@ -95,6 +100,10 @@ class MTPGPTModel(GPTModel):
                 input_ids=input_ids,
             )
             depth_heads.check_done(labels is not None)
+        return self._main_output(hidden_states, labels, runtime_gather_output)
+
+    def _main_output(self, hidden_states, labels, runtime_gather_output):
+        """GPTModel's training / eval tail: [b, s, v / TP] logits, or [b, s] losses with labels."""
         logits, _ = self.output_layer(
             hidden_states, weight=self._output_weight(), runtime_gather_output=runtime_gather_output
         )
