@@ -28,8 +28,9 @@ def build_gpt_model(
     kind with other values computes its own), every layer is built with its kind's config, and
     parameter names are megatron's. With ``config.mtp_num_layers`` the model is an ``MTPGPTModel``
     with MTP layers on the last pipeline stage (Step-3.5's with ``mtp_step35_heads``, see
-    mcore_ext/mtp.py; ``vocab_size`` also sizes their heads). ``pre_process`` / ``post_process`` (embedding / output layer
-    on this rank) default to whether this is the first / last pipeline stage.
+    mcore_ext/mtp.py; ``vocab_size`` also sizes their heads). ``pre_process`` /
+    ``post_process`` (embedding / output layer on this rank) default to whether this is the
+    first / last pipeline stage.
     """
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
