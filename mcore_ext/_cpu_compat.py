@@ -7,6 +7,8 @@ megatron-core 0.19 assumes CUDA in a handful of places that every CPU run hits:
 - ``torch.cuda.synchronize()`` is called by dist-checkpoint save -> no-op.
 - The CUDA RNG tracker (``model_parallel_cuda_manual_seed`` and ``fork()`` around dropout and
   weight init) reads and writes CUDA generator state -> a tracker over the CPU generator.
+- MTP (``MTPLossLoggingHelper``'s tracker, ``roll_tensor`` under context parallelism) allocates on
+  ``torch.cuda.current_device()`` too: covered by the same mapping, nothing else to patch.
 - RoPE under context parallelism (``get_pos_emb_on_this_cp_rank``) builds its chunk index in
   pinned memory and moves it with ``.cuda()`` -> the index is built on the embedding's device.
 

@@ -20,6 +20,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
+from mcore_ext import _mcore_compat
 from mcore_ext._cpu_compat import cuda_to_cpu
 from mcore_ext.config import GatedTransformerConfig
 from mcore_ext.runtime import destroy_parallel, device, init_parallel
@@ -102,11 +103,13 @@ def flops_per_iteration(
     Counts every GEMM of the model ``config`` describes, including the gate rows of linear_qkv
     (``config.linear_qkv_rows``: the head-wise gate adds num_attention_heads output rows to the
     QKV GEMM), per layer kind (heads, window). Causal attention counts half the scores, a window
-    the scores inside it.
+    the scores inside it. MTP depths count their layer (its kind), eh_proj and logits.
     """
     h, hn, s, ffn = config.hidden_size, config.kv_channels, seq_length, config.ffn_hidden_size
-    macs_per_token = h * vocab_size  # output layer
-    for number in range(1, config.num_layers + 1):
+    depths = config.mtp_num_layers or 0
+    # output layer, and per MTP depth: eh_proj [h, 2h] and the depth's logits
+    macs_per_token = h * vocab_size + depths * (2 * h * h + h * vocab_size)
+    for number in range(1, config.num_layers + depths + 1):  # MTP layers follow the main ones
         layer = config.get_config_for_layer(number)  # its kind's heads, groups and window
         heads = layer.num_attention_heads
         keys = s / 2  # keys a query sees on average: half of the s x s scores (causal)
@@ -223,7 +226,7 @@ class _Trainer:
             loss, grad_norm, ok = self._train_step()
             self.iteration += 1
             it, last = self.iteration, self.iteration == t.train_iters
-            window.add(loss)
+            window.add(loss, self._mean_mtp_losses())
             if it == first or last or _every(log_interval, it):
                 self._log(window, grad_norm, ok)
                 window = _Window()
@@ -305,6 +308,23 @@ class _Trainer:
         dist.all_reduce(total)
         return (total[0] / total[1]).item()
 
+    def _mean_mtp_losses(self):
+        """Per MTP depth, this step's loss (mean over micro-batches and data-parallel ranks), on
+        every rank; None without MTP. megatron tracks them on the last pipeline stage while
+        training (``MTPLossLoggingHelper``); the main loss does not include them."""
+        depths = self.cfg.model.mtp_num_layers
+        if not depths:
+            return None
+        local = _mcore_compat.take_mtp_losses(depths)
+        contributes = local is not None and parallel_state.get_tensor_model_parallel_rank() == 0
+        total = torch.zeros(depths + 1, dtype=torch.float64)
+        if contributes:
+            total[:depths] = local.double().cpu() / self.cfg.num_microbatches
+            total[depths] = 1.0
+        total = total.to(device())
+        dist.all_reduce(total)
+        return (total[:depths] / total[depths]).tolist()
+
     def _save(self):
         t0 = time.perf_counter()
         consumed = self.iteration * self.cfg.training.global_batch_size
@@ -343,6 +363,9 @@ class _Trainer:
             record["mfu"] = tflops / peak
         if not ok:
             record["skipped"] = True
+        mtp = window.mean_mtp()
+        if mtp is not None:
+            record["mtp_losses"] = mtp
         self._record(record)
 
         done = self.iteration / t.train_iters
@@ -351,7 +374,9 @@ class _Trainer:
         mfu = f" | MFU {record['mfu']:.1%}" if "mfu" in record else ""
         self._print(
             f"[{bar:<20}] {self.iteration:>{len(str(t.train_iters))}}/{t.train_iters} "
-            f"| loss {record['loss']:.4f} | lr {record['lr']:.2e} | grad norm "
+            f"| loss {record['loss']:.4f}"
+            + ("" if mtp is None else " | mtp loss " + " ".join(f"{x:.4f}" for x in mtp))
+            + f" | lr {record['lr']:.2e} | grad norm "
             f"{record['grad_norm'] or float('nan'):.3f} | {tokens_per_s:,.0f} tok/s | {tflops:.3f} "
             f"TFLOP/s/device{mfu} | mem {record['peak_memory_gb']:.2f} GB | eta {eta:.0f}s"
             + (" | step skipped (fp16 overflow)" if not ok else "")
@@ -364,6 +389,10 @@ class _Trainer:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and key != "iteration":
                     self.tensorboard.add_scalar(f"{record['kind']}/{key}", value, self.iteration)
+                elif key == "mtp_losses":
+                    for depth, loss in enumerate(value, start=1):
+                        self.tensorboard.add_scalar(f"{record['kind']}/mtp_{depth}_loss", loss,
+                                                    self.iteration)
 
     def _tensorboard(self):
         if not (self.rank0 and self.cfg.logging.tensorboard_dir):
@@ -387,7 +416,7 @@ class _Window:
     """Losses and step wall time since the last log line."""
 
     def __init__(self):
-        self.start, self.losses = time.perf_counter(), []
+        self.start, self.losses, self.mtp_losses = time.perf_counter(), [], []
 
     @contextlib.contextmanager
     def paused(self):
@@ -397,8 +426,16 @@ class _Window:
         finally:
             self.start += time.perf_counter() - began
 
-    def add(self, loss):
+    def add(self, loss, mtp_losses=None):
         self.losses.append(loss)
+        if mtp_losses is not None:
+            self.mtp_losses.append(mtp_losses)
+
+    def mean_mtp(self):
+        """Per MTP depth, the mean over the window's steps; None without MTP."""
+        if not self.mtp_losses:
+            return None
+        return [sum(depth) / len(depth) for depth in zip(*self.mtp_losses)]
 
     @property
     def steps(self):

@@ -118,6 +118,18 @@ class ModelConfig:
     (block mask: windows stay fast on long sequences; GPU for training, a CPU runs it forward
     only)."""
 
+    mtp_num_layers: Optional[int] = None
+    """Multi-token prediction depths (HF num_nextn_predict_layers), on the last pipeline stage;
+    null = none. Depth k predicts token t + k + 2 with its own layer (global layer
+    num_layers + k + 1 of layer_types / swiglu_limits, which may list them)."""
+
+    mtp_loss_scaling_factor: float = 0.1
+    """Weight of the MTP loss (the mean over depths) next to the main loss."""
+
+    mtp_step35_heads: bool = True
+    """Step-3.5's MTP (own output head and norm per depth, pre-final-norm input, pre-norm
+    chaining); false = megatron's own MTP (the main output layer for every depth)."""
+
     make_vocab_size_divisible_by: int = 128
     """Pad the vocab to a multiple of this; independent of TP so checkpoints reshard across TP."""
 

@@ -139,6 +139,10 @@ def validate(cfg: PretrainConfig, world_size: int) -> None:
                 "model.attention_kernel=flex trains on a GPU only (torch's flex_attention has no "
                 "CPU backward): use model.attention_kernel=sdpa on a CPU"
             )
+    if m.mtp_num_layers is not None and m.mtp_num_layers < 1:
+        raise ConfigError(
+            f"model.mtp_num_layers ({m.mtp_num_layers}) must be at least 1, or null for no MTP"
+        )
     if m.swiglu_limits is not None and any(m.swiglu_limits) and not m.swiglu:
         raise ConfigError("model.swiglu_limits clamps a SwiGLU MLP: it needs model.swiglu=true")
 
