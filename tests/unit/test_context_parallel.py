@@ -353,6 +353,23 @@ def test_launcher_refuses_bad_cp_layouts(tmp_path):
     assert cfg.data_parallel_size == 2
 
 
+@pytest.mark.parametrize("on_gpu", [False, True], ids=["cpu", "gpu"])
+def test_launcher_refuses_flex_kernel_with_cp(tmp_path, monkeypatch, on_gpu):
+    """CP attention runs the sdpa kernel only: the launcher says so before anything is built,
+    on a CPU and on a GPU (where flex itself would be allowed), naming both values."""
+    from mcore_ext.training.config import ConfigError, load_config, validation
+
+    monkeypatch.setattr(validation, "_cuda_available", lambda: on_gpu)
+    path = tmp_path / "run.yaml"
+    path.write_text("data:\n  source: mock\n")
+    overrides = ["parallelism.context_parallel_size=2", "model.attention_backend=sdpa",
+                 "model.attention_kernel=flex"]
+    with pytest.raises(ConfigError) as err:
+        load_config(str(path), overrides, world_size=2)
+    assert ("model.attention_kernel=flex does not support parallelism.context_parallel_size=2"
+            in str(err.value)), err.value
+
+
 # ------------------------------------------------------------------------- the gate under CP
 
 
