@@ -370,6 +370,41 @@ def test_launcher_refuses_flex_kernel_with_cp(tmp_path, monkeypatch, on_gpu):
             in str(err.value)), err.value
 
 
+def _split_by_given_group():
+    """get_batch_on_this_cp_rank with a group that is not the global CP group (which has 1 rank
+    here): the split and the length check follow the given 2-rank group."""
+    import torch.distributed as dist
+
+    import mcore_ext
+    from mcore_ext.attention import context_parallel
+
+    mcore_ext.init_parallel()  # global CP group: 1 rank
+    group = dist.new_group([0, 1])
+    rank = group.rank()
+    tokens = torch.arange(32).view(2, 16)
+    hidden = torch.arange(2 * 16 * 3).view(2, 16, 3)
+    split = context_parallel.get_batch_on_this_cp_rank(dict(tokens=tokens, hidden=hidden),
+                                                       cp_group=group)
+    # Chunks of 4 tokens; rank r keeps chunks r and 3 - r (written out, not megatron's code).
+    keep = [*range(4 * rank, 4 * rank + 4), *range(4 * (3 - rank), 4 * (3 - rank) + 4)]
+    try:
+        context_parallel.get_batch_on_this_cp_rank(dict(tokens=torch.zeros(2, 6)), cp_group=group)
+        error = None
+    except ValueError as err:
+        error = str(err)
+    return dict(tokens=torch.equal(split["tokens"], tokens[:, keep]),
+                hidden=torch.equal(split["hidden"], hidden[:, keep]), error=error)
+
+
+@pytest.mark.smoke  # every supported release takes cp_group and splits by it
+def test_batch_split_follows_the_given_cp_group(run_distributed):
+    """A non-default ``cp_group`` is honoured: megatron's split (0.16 - 0.19 all take the group)
+    and mcore_ext's length check both use it, not the global CP group."""
+    for r in run_distributed(_split_by_given_group, world_size=2):
+        assert r["tokens"] and r["hidden"], r
+        assert "2 x context_parallel_size = 4" in (r["error"] or ""), r
+
+
 # ------------------------------------------------------------------------- the gate under CP
 
 
