@@ -10,8 +10,8 @@ there were one megatron-core; each shim below says which releases need it and wh
 3. ``gpt_layer_specs.TENorm`` exists without Transformer Engine only from 0.17 (``TENorm``).
 4. The distributed optimizer over torch's Adam cannot load its own ``fully_reshardable``
    checkpoints correctly (``prepare_optimizer_for_loading``, ``load_optimizer_state_dict``).
-5. ``utils.get_batch_on_this_cp_rank`` gained ``is_hybrid_cp`` / ``cp_group`` arguments in later
-   releases (``get_batch_on_this_cp_rank``).
+5. ``utils.get_batch_on_this_cp_rank`` gained a required ``is_hybrid_cp`` argument in 0.18
+   (``get_batch_on_this_cp_rank``).
 6. MTP: the layer inside an MTP depth is ``transformer_layer`` in 0.16 and ``mtp_model_layer``
    from 0.17 (``MTP_INNER_LAYER_FIELD``); the MTP loss is a function (``process_mtp_loss``) only
    from 0.17, whose arguments grew in later releases; Step-3.5's MTP needs that function
@@ -184,17 +184,17 @@ def load_optimizer_state_dict(optimizer, state_dict) -> None:
 def get_batch_on_this_cp_rank(batch: dict, cp_group) -> dict:
     """megatron's load-balanced CP split of a batch of [b, s] tensors, on any supported release.
 
-    Without ``cu_seqlens`` every release splits each sequence into 2 x CP chunks; later releases
-    take ``is_hybrid_cp`` (required) and ``cp_group`` (else the global CP group).
+    Without ``cu_seqlens`` every release splits each sequence into 2 x CP chunks. 0.18 added a
+    required ``is_hybrid_cp``. Every supported release takes ``cp_group`` and splits by that
+    group when it is given (0.16 and 0.17: ``get_pg_size`` / ``get_pg_rank`` of it; 0.18 and
+    0.19: ``torch.distributed.get_world_size`` / ``get_rank`` of it, where None would mean the
+    *world*), so it is always passed.
     """
     from megatron.core import utils
 
-    parameters = inspect.signature(utils.get_batch_on_this_cp_rank).parameters
-    kwargs = {}
-    if "is_hybrid_cp" in parameters:
+    kwargs = {"cp_group": cp_group}
+    if "is_hybrid_cp" in inspect.signature(utils.get_batch_on_this_cp_rank).parameters:
         kwargs["is_hybrid_cp"] = False
-    if "cp_group" in parameters:
-        kwargs["cp_group"] = cp_group
     return utils.get_batch_on_this_cp_rank(dict(batch), **kwargs)
 
 

@@ -65,7 +65,12 @@ class _GatherAgainInBackward:
     layer) until backward: a saved view of a gathered tensor is packed as this rank's part and
     the view's layout, and gathered again in backward (once per tensor, shared by every view).
     Every CP rank runs the same backward, so the collectives match up. Other saved tensors (q,
-    the mask, SDPA's output and statistics) are kept as they are."""
+    the mask, SDPA's output and statistics) are kept as they are.
+
+    References only point from these hooks to their ``_Gathered`` parts (never back), so no
+    reference cycle holds the local K/V: they are freed with the autograd graph (after backward,
+    or when an evaluation's outputs die), also when the garbage collector is off.
+    """
 
     def __init__(self, group, order=None):
         self.group, self.order = group, order
@@ -76,7 +81,9 @@ class _GatherAgainInBackward:
         full = gather_sequence(local, self.group)
         if self.order is not None:
             full = full.index_select(0, self.order)
-        self.sources[full.untyped_storage().data_ptr()] = _Gathered(local.detach(), self)
+        if torch.is_grad_enabled():  # else nothing is saved for backward
+            self.sources[full.untyped_storage().data_ptr()] = _Gathered(
+                local.detach(), self.group, self.order)
         return full
 
     def pack(self, tensor):
@@ -95,17 +102,20 @@ class _GatherAgainInBackward:
 
 
 class _Gathered:
-    def __init__(self, local, hooks):
-        self.local, self.hooks, self.views, self._full = local, hooks, 0, None
+    """One rank's part of a gathered tensor and how to gather it again. It holds the group and
+    the order itself, not the hooks that hold it (that would be a cycle)."""
+
+    def __init__(self, local, group, order):
+        self.local, self.group, self.order, self.views, self._full = local, group, order, 0, None
 
     def full(self):
         if self._full is None:
             with torch.no_grad():
-                full = self.local.new_empty(self.hooks.group.size() * self.local.size(0),
+                full = self.local.new_empty(self.group.size() * self.local.size(0),
                                             *self.local.shape[1:])
-                dist.all_gather_into_tensor(full, self.local.contiguous(), group=self.hooks.group)
-                if self.hooks.order is not None:
-                    full = full.index_select(0, self.hooks.order)
+                dist.all_gather_into_tensor(full, self.local.contiguous(), group=self.group)
+                if self.order is not None:
+                    full = full.index_select(0, self.order)
             self._full = full
         full, self.views = self._full, self.views - 1
         if self.views <= 0:  # the last saved view is unpacked: free it with SDPA's backward

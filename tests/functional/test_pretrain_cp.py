@@ -4,16 +4,26 @@ fp32 runs of the tiny gated config at seq 64 (2 micro-batches of 4 per step at D
 
     cp1       CP 1 x DP 2, 10 steps
     cp2       CP 2, 10 steps, checkpoints at 5 and 10
+    cp2_dp2   CP 2 x DP 2 (4 ranks), 10 steps
     cp1_from  CP 1 x DP 2 resuming cp2's step-5 checkpoint, to step 10
     tp2_cp2   TP 2 x CP 2 (4 ranks) resuming cp2's step-5 checkpoint, to step 10
 
+Losses alone cannot show a wrong gradient scale: Adam is blind to a constant factor and clipping
+normalises the update, so a gradient CP x too large trains to the same losses. The grad norms the
+launcher logs every step (before clipping) are compared as well. Checked by hand: with the loss
+divided by the local instead of the CP-wide token count (gradient x 2), CP 2's losses still
+matched CP 1's within 4.8e-7, its grad norms were 2.00 x CP 1's.
+
 megatron's dist_checkpointing treats CP ranks as data-parallel replicas, so the model and
-optimizer state saved at CP 2 is a layout-free checkpoint. Measured on 2 busy CPU cores: CP 2 vs
-CP 1 differ by at most 2.4e-7 over 10 steps, the CP 1 and TP 2 x CP 2 resumes vs CP 2 by at most
-3.6e-7 (reduction order), well inside the 1e-5 bound.
+optimizer state saved at CP 2 is a layout-free checkpoint. Measured on 2 busy CPU cores: CP 2 and
+CP 2 x DP 2 vs CP 1 differ by at most 4.8e-7 in loss and 3.2e-7 (relative) in grad norm over 10
+steps, the CP 1 and TP 2 x CP 2 resumes vs CP 2 by at most 3.6e-7 in loss (reduction order),
+well inside the 1e-5 bounds.
 """
 
+import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -42,6 +52,8 @@ def cp_runs(tmp_path_factory):
     out["cp1"] = run("cp1", f"checkpoint.save={tmp / 'cp1'}", "checkpoint.load=null")
     out["cp2"] = run("cp2", "parallelism.context_parallel_size=2", f"checkpoint.save={tmp / 'cp2'}",
                      "checkpoint.load=null")
+    out["cp2_dp2"] = run("cp2_dp2", "parallelism.context_parallel_size=2", "checkpoint.save=null",
+                         "checkpoint.load=null", nproc=4)
     for name, nproc, layout in (
         ("cp1_from", 2, []),
         ("tp2_cp2", 4, ["parallelism.tensor_model_parallel_size=2",
@@ -55,12 +67,24 @@ def cp_runs(tmp_path_factory):
     return out
 
 
-def test_cp2_losses_match_cp1(cp_runs):
-    cp1, cp2 = (losses(cp_runs["tmp"] / f"{n}.jsonl") for n in ("cp1", "cp2"))
-    assert sorted(cp2) == list(range(1, 11)) and cp2[10] < cp2[1] - 0.5, cp2
+def grad_norms(path) -> dict[int, float]:
+    records = [json.loads(line) for line in Path(path).read_text().splitlines()]
+    return {r["iteration"]: r["grad_norm"] for r in records if r["kind"] == "train"}
+
+
+@pytest.mark.parametrize("name, layout", [("cp2", "TP 1 x CP 2 x PP 1 x DP 1"),
+                                          ("cp2_dp2", "TP 1 x CP 2 x PP 1 x DP 2")])
+def test_cp_losses_and_grad_norms_match_cp1(cp_runs, name, layout):
+    """Per step, the loss and the (pre-clipping) grad norm of CP 2 equal CP 1's (abs 1e-5 and
+    rel 1e-5: reduction order only)."""
+    cp1, cp = (losses(cp_runs["tmp"] / f"{n}.jsonl") for n in ("cp1", name))
+    norms1, norms = (grad_norms(cp_runs["tmp"] / f"{n}.jsonl") for n in ("cp1", name))
+    assert sorted(cp) == list(range(1, 11)) and cp[10] < cp[1] - 0.5, cp
+    assert sorted(norms) == list(range(1, 11)) and min(norms.values()) > 0.01, norms
     for step in range(1, 11):
-        assert cp2[step] == pytest.approx(cp1[step], abs=TOL, rel=0), (step, cp2, cp1)
-    assert "TP 1 x CP 2 x PP 1 x DP 1" in cp_runs["cp2"].stdout
+        assert cp[step] == pytest.approx(cp1[step], abs=TOL, rel=0), (step, cp, cp1)
+        assert norms[step] == pytest.approx(norms1[step], rel=TOL), (step, norms, norms1)
+    assert layout in cp_runs[name].stdout
 
 
 @pytest.mark.slow

@@ -129,6 +129,12 @@ def validate(cfg: PretrainConfig, world_size: int) -> None:
         raise ConfigError("checkpoint.finetune=true needs checkpoint.load (the weights to use)")
 
     if m.attention_kernel == "flex":
+        if cp > 1:  # no hardware helps: say it first
+            raise ConfigError(
+                f"model.attention_kernel=flex does not support parallelism.context_parallel_size="
+                f"{cp}: context parallelism uses the sdpa kernel (set model.attention_kernel=sdpa "
+                "or parallelism.context_parallel_size=1)"
+            )
         if m.attention_backend != "sdpa":
             raise ConfigError(
                 f"model.attention_kernel=flex is the sdpa backend's kernel: set "
