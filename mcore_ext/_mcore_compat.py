@@ -192,3 +192,47 @@ def get_batch_on_this_cp_rank(batch: dict, cp_group) -> dict:
     if "cp_group" in parameters:
         kwargs["cp_group"] = cp_group
     return utils.get_batch_on_this_cp_rank(dict(batch), **kwargs)
+
+
+# ------------------------------------------------------------------ 6. megatron.training
+#
+# The megatron-core wheel ships megatron.training from 0.17 (0.16's has only megatron.core), but
+# its model config / builder API (megatron.training.models.gpt) and today's pretrain() signature
+# (a config container first, no model_provider) only from 0.19: 0.17 takes (dataset provider,
+# model_provider, model_type, forward_step, extra_args_provider=...), 0.18 (config container,
+# dataset provider, model_provider, ...). mcore_ext.megatron_lm supports 0.19.
+
+MEGATRON_TRAINING_RELEASES = ">=0.19.0"
+
+
+def check_megatron_training() -> None:
+    """Refuse a megatron-core whose megatron.training mcore_ext.megatron_lm cannot drive."""
+    import importlib.util
+
+    version = megatron_core_version()
+    if importlib.util.find_spec("megatron.training") is None:
+        raise ImportError(
+            f"mcore_ext.megatron_lm needs megatron.training, which the megatron-core {version} "
+            f"wheel does not ship (it does from 0.17); install megatron-core"
+            f"{MEGATRON_TRAINING_RELEASES},<0.20"
+        )
+    if importlib.util.find_spec("megatron.training.models.gpt") is None:
+        raise ImportError(
+            f"mcore_ext.megatron_lm needs megatron.training's GPTModelConfig / GPTModelBuilder and "
+            f"the pretrain(config_container, ...) of megatron-core 0.19; megatron-core {version} "
+            "has neither (its pretrain() takes a model_provider): install megatron-core"
+            f"{MEGATRON_TRAINING_RELEASES},<0.20, or use mcore_ext's own launcher (launch/pretrain.py)"
+        )
+
+
+def skip_dataset_helper_compilation() -> None:
+    """megatron.training compiles megatron/core/datasets/helpers.cpp with ``make`` at start-up; the
+    wheel ships it compiled (helpers_cpp) and without the Makefile, so ``make`` fails and
+    megatron exits. Skip the compilation when the compiled module imports (every wheel)."""
+    from megatron.core.datasets import utils as dataset_utils
+
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+    except ImportError:
+        return  # a source tree: megatron compiles it as usual
+    dataset_utils.compile_helpers = lambda: None
