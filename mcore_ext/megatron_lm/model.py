@@ -124,6 +124,11 @@ def gated_gpt_config_from_args(args) -> GatedGPTModelConfig:
 
     from mcore_ext.megatron_lm.arguments import transformer_config_from_args
 
+    if getattr(args, "spec", None):  # megatron would import it, or fall back silently if it can't
+        raise ValueError(
+            f"--spec {' '.join(args.spec)} would replace mcore_ext's layer spec "
+            "(transformer_layer_spec): leave it out and pick the backend with --mcore-ext-backend"
+        )
     config = gpt_config_from_args(
         args, config=transformer_config_from_args(args), model_config_cls=GatedGPTModelConfig
     )
