@@ -12,6 +12,8 @@ there were one megatron-core; each shim below says which releases need it and wh
    checkpoints correctly (``prepare_optimizer_for_loading``, ``load_optimizer_state_dict``).
 5. ``utils.get_batch_on_this_cp_rank`` gained ``is_hybrid_cp`` / ``cp_group`` arguments in later
    releases (``get_batch_on_this_cp_rank``).
+6. megatron.training (mcore_ext.megatron_lm): 0.19 only (``check_megatron_training``); the wheel's
+   dataset helpers come compiled, without the Makefile megatron runs (``skip_dataset_helper_...``).
 
 This module adapts megatron-core to other releases; ``_cpu_compat`` adapts it to a CPU.
 """
@@ -207,22 +209,21 @@ MEGATRON_TRAINING_RELEASES = ">=0.19.0"
 
 def check_megatron_training() -> None:
     """Refuse a megatron-core whose megatron.training mcore_ext.megatron_lm cannot drive."""
-    import importlib.util
+    from packaging.version import Version
 
     version = megatron_core_version()
-    if importlib.util.find_spec("megatron.training") is None:
-        raise ImportError(
-            f"mcore_ext.megatron_lm needs megatron.training, which the megatron-core {version} "
-            f"wheel does not ship (it does from 0.17); install megatron-core"
-            f"{MEGATRON_TRAINING_RELEASES},<0.20"
-        )
-    if importlib.util.find_spec("megatron.training.models.gpt") is None:
-        raise ImportError(
-            f"mcore_ext.megatron_lm needs megatron.training's GPTModelConfig / GPTModelBuilder and "
-            f"the pretrain(config_container, ...) of megatron-core 0.19; megatron-core {version} "
-            "has neither (its pretrain() takes a model_provider): install megatron-core"
-            f"{MEGATRON_TRAINING_RELEASES},<0.20, or use mcore_ext's own launcher (launch/pretrain.py)"
-        )
+    if Version(version).release < (0, 17):
+        reason = "its wheel has no megatron.training (the wheel ships it from 0.17)"
+    elif Version(version).release < (0, 19):
+        reason = ("its megatron.training has no GPTModelConfig / GPTModelBuilder, and its "
+                  "pretrain() takes a model_provider (0.17: no config container, 0.18: after one)")
+    else:
+        return
+    raise ImportError(
+        f"mcore_ext.megatron_lm does not support megatron-core {version}: {reason}. Install "
+        f"megatron-core{MEGATRON_TRAINING_RELEASES},<0.20, or use mcore_ext's own launcher "
+        "(launch/pretrain.py), which supports 0.16 to 0.19"
+    )
 
 
 def skip_dataset_helper_compilation() -> None:
