@@ -13,7 +13,6 @@ forward step and the dataset provider. ``--mock-data``, ``--data-path`` / ``--*-
 On a machine without CUDA it runs on gloo with mcore_ext's CPU adaptations (tests, small runs).
 """
 
-import contextlib
 import functools
 import sys
 
@@ -127,8 +126,7 @@ def main(argv=None) -> None:
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
     _mcore_compat.skip_dataset_helper_compilation()
-    on_cpu = _cpu_compat.megatron_training_on_cpu() if not torch.cuda.is_available() else None
-    with on_cpu or contextlib.nullcontext():
+    with _cpu_compat.megatron_training_on_cpu():  # a no-op context with CUDA
         args = parse_and_validate_args(
             extra_args_provider=add_mcore_ext_args,
             args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
