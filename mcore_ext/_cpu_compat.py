@@ -209,3 +209,66 @@ class _NullStream:
 
     def synchronize(self):
         pass
+
+
+# ----------------------------------------------------------- megatron.training on a CPU
+#
+# megatron.training (Megatron-LM's training loop, in the megatron-core wheel) assumes CUDA
+# beyond megatron-core: initialize_megatron asserts it, creates megatron's parallel groups and
+# seeds the model-parallel RNG only when torch.cuda.device_count() > 0, validate_args reads the
+# GPU's architecture when TP > 1 and wants CUDA_DEVICE_MAX_CONNECTIONS=1, DDP is built on a
+# torch.cuda.Stream, and checkpoints and the rerun state machine save torch.cuda's RNG state.
+
+
+@contextlib.contextmanager
+def megatron_training_on_cpu():
+    """A context in which megatron.training's ``parse_and_validate_args`` and ``pretrain`` run on
+    a CPU-only machine (gloo). Everything inside runs under ``cuda_to_cpu()``; what it patches is
+    restored on exit. A no-op context when CUDA is available."""
+    if torch.cuda.is_available():
+        yield
+        return
+    import os
+
+    from megatron.training import arguments, training
+
+    install()
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    initialize_megatron = training.initialize_megatron
+
+    def initialize_megatron_on_cpu(*args, **kwargs):
+        from megatron.training.global_vars import get_args
+
+        get_args().distributed_backend = "gloo"
+        # With one "device", initialize_megatron creates megatron's parallel groups and seeds
+        # the model-parallel RNG (the CPU tracker of install()); set_device has nothing to set.
+        with _patched(torch.cuda, device_count=lambda: 1, set_device=lambda device: None):
+            return initialize_megatron(*args, **{**kwargs, "allow_no_cuda": True})
+
+    patches = [
+        _patched(training, initialize_megatron=initialize_megatron_on_cpu),
+        # Only picks CUDA-connection rules; a pre-Blackwell answer keeps megatron's defaults.
+        _patched(arguments, get_device_arch_version=lambda: 9),
+        _patched(torch.cuda, Stream=lambda *args, **kwargs: _NullStream(),
+                 stream=lambda stream=None: contextlib.nullcontext(),
+                 get_rng_state=lambda device="cuda": torch.get_rng_state(),
+                 set_rng_state=lambda state, device="cuda": torch.set_rng_state(state)),
+    ]
+    with contextlib.ExitStack() as stack:
+        for patch in patches:
+            stack.enter_context(patch)
+        stack.enter_context(cuda_to_cpu())
+        yield
+
+
+@contextlib.contextmanager
+def _patched(owner, **attributes):
+    """Set attributes of ``owner`` for the duration of the block."""
+    saved = {name: getattr(owner, name) for name in attributes}
+    for name, value in attributes.items():
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(owner, name, value)

@@ -16,6 +16,8 @@ there were one megatron-core; each shim below says which releases need it and wh
    from 0.17 (``MTP_INNER_LAYER_FIELD``); the MTP loss is a function (``process_mtp_loss``) only
    from 0.17, whose arguments grew in later releases; Step-3.5's MTP needs that function
    (``check_mtp_supported``).
+7. megatron.training (mcore_ext.megatron_lm): 0.19 only (``check_megatron_training``); the wheel's
+   dataset helpers come compiled, without the Makefile megatron runs (``skip_dataset_helper_...``).
 
 This module adapts megatron-core to other releases; ``_cpu_compat`` adapts it to a CPU.
 """
@@ -272,3 +274,46 @@ def tp_group_kwargs(tp_group) -> dict:
     """``tp_group=`` for megatron's parallel linears where a group is given (every supported
     release takes it; None = megatron's default group)."""
     return {} if tp_group is None else {"tp_group": tp_group}
+
+
+# ------------------------------------------------------------------ 7. megatron.training
+#
+# The megatron-core wheel ships megatron.training from 0.17 (0.16's has only megatron.core), but
+# its model config / builder API (megatron.training.models.gpt) and today's pretrain() signature
+# (a config container first, no model_provider) only from 0.19: 0.17 takes (dataset provider,
+# model_provider, model_type, forward_step, extra_args_provider=...), 0.18 (config container,
+# dataset provider, model_provider, ...). mcore_ext.megatron_lm supports 0.19.
+
+MEGATRON_TRAINING_RELEASES = ">=0.19.0"
+
+
+def check_megatron_training() -> None:
+    """Refuse a megatron-core whose megatron.training mcore_ext.megatron_lm cannot drive."""
+    from packaging.version import Version
+
+    version = megatron_core_version()
+    if Version(version).release < (0, 17):
+        reason = "its wheel has no megatron.training (the wheel ships it from 0.17)"
+    elif Version(version).release < (0, 19):
+        reason = ("its megatron.training has no GPTModelConfig / GPTModelBuilder, and its "
+                  "pretrain() takes a model_provider (0.17: no config container, 0.18: after one)")
+    else:
+        return
+    raise ImportError(
+        f"mcore_ext.megatron_lm does not support megatron-core {version}: {reason}. Install "
+        f"megatron-core{MEGATRON_TRAINING_RELEASES},<0.20, or use mcore_ext's own launcher "
+        "(launch/pretrain.py), which supports 0.16 to 0.19"
+    )
+
+
+def skip_dataset_helper_compilation() -> None:
+    """megatron.training compiles megatron/core/datasets/helpers.cpp with ``make`` at start-up; the
+    wheel ships it compiled (helpers_cpp) and without the Makefile, so ``make`` fails and
+    megatron exits. Skip the compilation when the compiled module imports (every wheel)."""
+    from megatron.core.datasets import utils as dataset_utils
+
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+    except ImportError:
+        return  # a source tree: megatron compiles it as usual
+    dataset_utils.compile_helpers = lambda: None

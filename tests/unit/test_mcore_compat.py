@@ -179,3 +179,20 @@ def test_optimizer_workarounds_apply_to_torch_adam_only(run_distributed):
         assert out["fused_state_after_prepare"] == 0, out
         assert out["fused_load_passed_through"] and out["fused_state_dict_untouched"], out
         assert out["plain_selected"] == [], out
+
+
+@pytest.mark.smoke
+def test_megatron_lm_entry_refuses_releases_before_0_19():
+    """mcore_ext.megatron_lm imports on 0.19; on 0.16 to 0.18 it refuses, naming the release."""
+    from mcore_ext import _mcore_compat
+
+    version = _mcore_compat.megatron_core_version()
+    result = subprocess.run(
+        [sys.executable, "-c", "import mcore_ext.megatron_lm"],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+    )
+    if version.startswith("0.19."):
+        assert result.returncode == 0, result.stderr[-3000:]
+    else:
+        assert result.returncode != 0
+        assert f"does not support megatron-core {version}" in result.stderr, result.stderr[-3000:]

@@ -1,0 +1,145 @@
+"""Megatron-LM's GPT pretraining with mcore_ext's model: Megatron-LM's flags plus the gate's.
+
+    torchrun --nproc_per_node=8 -m mcore_ext.megatron_lm.pretrain_gpt \\
+        <Megatron-LM pretrain_gpt.py flags> --head-wise-attn-gate [--mcore-ext-backend te]
+
+megatron.training (in the megatron-core wheel, >= 0.19 here) parses the flags, builds the
+optimizer, schedules, data loaders and checkpoints, and runs its training loop; this module gives
+it what Megatron-LM's repository-root ``pretrain_gpt.py`` would (not in the wheel): the flags of
+``GatedTransformerConfig``'s fields (arguments.py), the model config and builder (model.py), the
+forward step and the dataset provider. ``--mock-data``, ``--data-path`` / ``--*-data-path``,
+``--split`` and the tokenizer flags mean what they mean in Megatron-LM.
+
+On a machine without CUDA it runs on gloo with mcore_ext's CPU adaptations (tests, small runs).
+"""
+
+import functools
+import sys
+
+import torch
+
+import mcore_ext  # noqa: F401  (refuses a megatron-core with a native gate first)
+from mcore_ext import _cpu_compat, _mcore_compat
+
+_mcore_compat.check_megatron_training()
+
+from megatron.core.datasets.blended_megatron_dataset_builder import (  # noqa: E402
+    BlendedMegatronDatasetBuilder,
+)
+from megatron.core.datasets.gpt_dataset import (  # noqa: E402
+    GPTDataset,
+    GPTDatasetConfig,
+    MockGPTDataset,
+)
+from megatron.core.enums import ModelType  # noqa: E402
+from megatron.training import get_args, get_tokenizer, pretrain  # noqa: E402
+from megatron.training.utils import (  # noqa: E402
+    get_blend_and_blend_per_split,
+    print_rank_0,
+)
+
+from mcore_ext.megatron_lm.arguments import add_mcore_ext_args  # noqa: E402
+from mcore_ext.megatron_lm.model import gated_gpt_config_from_args  # noqa: E402
+
+
+def get_batch(data_iterator) -> dict:
+    """The next micro-batch on this rank's device.
+
+    Every rank reads its own data loader (the dataset provider is ``is_distributed``): tensor- and
+    pipeline-parallel ranks of one data-parallel rank read the same samples, so nothing is
+    broadcast.
+    """
+    batch = next(data_iterator)
+    device = mcore_ext.device()
+    return {
+        key: value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
+        for key, value in batch.items()
+    }
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Sum of the masked per-token losses, the token count, and megatron's [sum, count] report
+    (megatron.training averages the report over the tokens of the global batch)."""
+    losses = output_tensor.view(-1).float()
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.cat([loss.detach().view(1), num_tokens.detach().float().view(1)])
+    return loss, num_tokens, {"lm loss": report}
+
+
+def forward_step(data_iterator, model):
+    """megatron.training's forward step: the model's per-token loss and ``loss_func``."""
+    batch = get_batch(data_iterator)
+    output = model(
+        batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
+        labels=batch["labels"],
+    )
+    return output, functools.partial(loss_func, batch["loss_mask"])
+
+
+def dataset_config(args) -> GPTDatasetConfig:
+    """megatron's GPT dataset config from Megatron-LM's data and tokenizer flags."""
+    blend, blend_per_split = get_blend_and_blend_per_split(args)
+    return GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=blend,
+        blend_per_split=blend_per_split,
+        split=args.split,
+        multiple_validation_sets=getattr(args, "multiple_validation_sets", None),
+        full_validation=getattr(args, "full_validation", None),
+        num_dataset_builder_threads=args.num_dataset_builder_threads,
+        path_to_cache=args.data_cache_path,
+        mmap_bin_files=args.mmap_bin_files,
+        tokenizer=get_tokenizer(),
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=args.create_attention_mask_in_dataloader,
+        object_storage_cache_path=args.object_storage_cache_path,
+        mid_level_dataset_surplus=args.mid_level_dataset_surplus,
+        allow_ambiguous_pad_tokens=args.allow_ambiguous_pad_tokens,
+        context_parallel_size=args.context_parallel_size,
+    )
+
+
+def train_valid_test_datasets_provider(train_val_test_num_samples):
+    """Train, validation and test datasets (mock ones with ``--mock-data``)."""
+    args = get_args()
+    dataset_type = MockGPTDataset if args.mock_data else GPTDataset
+    print_rank_0(f"> building train, validation, and test datasets ({dataset_type.__name__}) ...")
+    return BlendedMegatronDatasetBuilder(
+        dataset_type, train_val_test_num_samples, lambda: True, dataset_config(args)
+    ).build()
+
+
+# Every rank builds the datasets and reads its own loader (see get_batch).
+train_valid_test_datasets_provider.is_distributed = True
+
+
+def main(argv=None) -> None:
+    """Parse Megatron-LM's flags and mcore_ext's, build the config, run ``pretrain``."""
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+    from megatron.training.arguments import parse_and_validate_args
+
+    if argv is not None:
+        sys.argv = [sys.argv[0], *argv]
+    _mcore_compat.skip_dataset_helper_compilation()
+    with _cpu_compat.megatron_training_on_cpu():  # a no-op context with CUDA
+        args = parse_and_validate_args(
+            extra_args_provider=add_mcore_ext_args,
+            args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
+        )
+        model_config = gated_gpt_config_from_args(args)
+        container = pretrain_cfg_container_from_args(args, model_config)
+        pretrain(
+            container,
+            train_valid_test_datasets_provider,
+            ModelType.encoder_or_decoder,
+            forward_step,
+        )
+
+
+if __name__ == "__main__":
+    main()
