@@ -495,7 +495,8 @@ def test_failed_save_leaves_the_previous_checkpoint_latest(
     target = tmp_path / f"iter_{second:07d}"
     assert error is not None and error[0] == "CheckpointSaveError", error
     if fault == "after_write":
-        assert error[1] == f"checkpoint save to {target} failed on rank 1 (OSError: disk full (simulated))"
+        expected = f"checkpoint save to {target} failed on rank 1 (OSError: disk full (simulated))"
+        assert error[1] == expected
     else:  # megatron wraps its writer's error in a RuntimeError of its own
         prefix = f"checkpoint save to {target} failed on rank 1 (RuntimeError: Worker failure: "
         cause = "[Errno 24] Too many open files" if fault == "no_file" else "OSError"
