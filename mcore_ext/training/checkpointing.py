@@ -3,10 +3,19 @@
     <save>/iter_0000010/                      megatron dist checkpoint + config.yaml
     <save>/latest_checkpointed_iteration.txt  "10", written last
 
-The tracker is written by rank 0 only after every rank reports a completed save, so a save that
-fails (or a run killed while saving) leaves the previous checkpoint as the latest one. A failed
-save raises ``CheckpointSaveError`` on every rank, naming the failing ranks and their errors, and
-removes its partial directory (space on a full disk).
+A save writes ``<save>/.saving.iter_0000010/``; once every rank reports a completed write, rank 0
+renames it to ``iter_0000010`` (an existing one, possibly the tracked one, is moved aside first
+and deleted after) and then writes the tracker. So a save that fails (or a run killed while
+saving) never touches the tracked checkpoint, which stays the latest one; what a killed save
+leaves is removed when the next run starts (``recover_save_dir``) and never loaded. A failed save,
+synchronous or asynchronous, in megatron's writer or after it, raises ``CheckpointSaveError`` on
+every rank, naming the failing ranks and their errors, and removes its partial directory (space
+on a full disk).
+
+Where a run starts (``load_checkpoint``): a complete checkpoint in ``checkpoint.save`` is the
+run's own and always wins, fully resumed, so a relaunch or a torchrun restart continues the run;
+``checkpoint.load`` (weights only with ``finetune``) only initialises a run whose ``save`` holds
+no checkpoint yet (Megatron-LM's ``--pretrained-checkpoint``).
 
 What is saved: the model's sharded state (layout-free: megatron and mcore_ext's gate sharding key
 every tensor by its global shape), the optimizer's (keyed by model parameter, the distributed
@@ -24,11 +33,15 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from torch.distributed.checkpoint.api import CheckpointException
 
 from mcore_ext import checkpoint
+from mcore_ext.runtime import device
 from mcore_ext.training.faults import CheckpointSaveError, fault_point, raise_unless_all_ok
 
 TRACKER = "latest_checkpointed_iteration.txt"
+# Prefixes of an iteration directory's name while it is written / while it is being replaced.
+_SAVING, _REPLACED = ".saving.", ".replaced."
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -97,21 +110,23 @@ def save_checkpoint(
 ):
     """Save at ``iteration`` under cfg.checkpoint.save; the tracker moves only if all ranks succeed.
 
-    With ``async_queue`` (GPU only) the write happens in the background and the tracker is written
-    when the queue finalizes the request on all ranks.
+    With ``async_queue`` the write happens in the background; the directory is renamed and the
+    tracker written when the queue finalizes the request on all ranks, which raises
+    ``CheckpointSaveError`` there if the write failed.
     """
     root = cfg.checkpoint.save
     directory = iteration_dir(root, iteration)
+    partial = _partial_dir(directory)
     failure = None
     if dist.get_rank() == 0:
         try:
             # Leftovers of an earlier failed save at this iteration are not a checkpoint.
-            shutil.rmtree(directory, ignore_errors=True)
-            os.makedirs(directory)
+            shutil.rmtree(partial, ignore_errors=True)
+            os.makedirs(partial)
         except OSError as err:
             failure = err
     raise_unless_all_ok(
-        failure, f"creating checkpoint directory {directory} failed", CheckpointSaveError
+        failure, f"creating checkpoint directory {partial} failed", CheckpointSaveError
     )
 
     model_state = model.module.sharded_state_dict()
@@ -126,59 +141,174 @@ def save_checkpoint(
         "rng_state": _rng_state(),
     }
 
-    def finalize():
+    def publish():
+        """Every rank has written: rename into place, then move the tracker (rank 0)."""
         failure = None
         if dist.get_rank() == 0:
             try:
-                with open(os.path.join(directory, "config.yaml"), "w") as f:
+                with open(os.path.join(partial, "config.yaml"), "w") as f:
                     f.write(cfg.to_yaml())
+                _replace_dir(partial, directory)
                 tmp = os.path.join(root, TRACKER + ".tmp")
                 with open(tmp, "w") as f:
                     f.write(str(iteration))
                 os.replace(tmp, os.path.join(root, TRACKER))  # atomic: never half a tracker
+                shutil.rmtree(_replaced_dir(directory), ignore_errors=True)
             except OSError as err:
                 failure = err
-        raise_unless_all_ok(
-            failure, f"writing the tracker of {directory} failed", CheckpointSaveError
-        )
+        _raise_unless_saved(failure, partial, f"publishing {directory} failed")
 
     if async_queue is not None:
         request = dist_checkpointing.save(
-            state, directory, async_sharded_save=True, async_strategy=_async_strategy()
+            state, partial, async_sharded_save=True, async_strategy=_async_strategy()
         )
-        request.add_finalize_fn(finalize)
-        async_queue.schedule_async_request(request)
+        writer_finalize = list(request.finalize_fns)
+
+        def finalize():  # megatron's finalization raises if a rank's writer failed
+            failure = None
+            try:
+                for fn in writer_finalize:
+                    fn()
+            except (Exception, CheckpointException) as err:  # reported below, on every rank
+                failure = err
+            _raise_unless_saved(failure, partial, f"checkpoint save to {directory} failed")
+            publish()
+
+        async_queue.schedule_async_request(request._replace(finalize_fns=[finalize]))
         return
 
     try:
-        dist_checkpointing.save(state, directory)
+        dist_checkpointing.save(state, partial)
         fault_point("save", iteration)
-    except Exception as err:  # reported below, after every rank has had its say
+    except (Exception, CheckpointException) as err:  # reported below, after every rank's say
         failure = err
+    _raise_unless_saved(failure, partial, f"checkpoint save to {directory} failed")
+    publish()
+
+
+def _partial_dir(directory: str) -> str:
+    head, name = os.path.split(directory)
+    return os.path.join(head, _SAVING + name)
+
+
+def _replaced_dir(directory: str) -> str:
+    head, name = os.path.split(directory)
+    return os.path.join(head, _REPLACED + name)
+
+
+def _replace_dir(new: str, directory: str) -> None:
+    """Rename ``new`` to ``directory``; an existing ``directory`` is moved aside first (renames,
+    atomic each: a kill in between leaves the aside copy, restored by ``recover_save_dir``)."""
+    if os.path.exists(directory):
+        aside = _replaced_dir(directory)
+        shutil.rmtree(aside, ignore_errors=True)
+        os.rename(directory, aside)
+    os.rename(new, directory)
+
+
+def _raise_unless_saved(failure, partial: str, what: str) -> None:
+    """Collective: raise CheckpointSaveError on every rank if the save failed on any, after rank
+    0 removed the partial directory (not a checkpoint; space on a full disk)."""
     try:
-        raise_unless_all_ok(failure, f"checkpoint save to {directory} failed", CheckpointSaveError)
+        raise_unless_all_ok(_own_error(failure), what, CheckpointSaveError)
     except CheckpointSaveError:
-        if dist.get_rank() == 0:  # not a checkpoint: free its space (a full disk)
-            shutil.rmtree(directory, ignore_errors=True)
+        if dist.get_rank() == 0:
+            shutil.rmtree(partial, ignore_errors=True)
         raise
-    finalize()
+
+
+def _own_error(failure):
+    """Collective: this rank's own error in a failed save, for the all-ranks report.
+
+    When any rank's writer fails, megatron (torch.distributed.checkpoint) raises
+    ``CheckpointException``, a BaseException, on every rank, with each failing rank's error only
+    on the coordinator, rank 0 (``failures``: {rank: (error, traceback)}). Rank 0 sends each rank
+    its own, so that the report names the ranks that failed, not every rank.
+    """
+    everywhere = torch.tensor(
+        [int(isinstance(failure, CheckpointException))], dtype=torch.int32, device=device()
+    )
+    dist.all_reduce(everywhere, op=dist.ReduceOp.MIN)
+    if not everywhere.item():
+        return failure
+    causes = [failure.failures if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(causes, src=0)
+    if not causes[0]:
+        return failure  # no details: report the exception itself
+    cause = causes[0].get(dist.get_rank())
+    return cause[0] if cause is not None else None
+
+
+def recover_save_dir(root: str) -> None:
+    """Collective, before loading: undo what a save killed half way left in ``root`` (rank 0).
+
+    A partially written ``.saving.iter_N`` is deleted. A ``.replaced.iter_N`` (moved aside to
+    make way for a new ``iter_N``) goes back in place if the kill came between the two renames
+    and the tracker names ``iter_N``, and is deleted otherwise.
+    """
+    failure = None
+    if dist.get_rank() == 0:
+        try:
+            _recover(root)
+        except OSError as err:
+            failure = err
+    raise_unless_all_ok(
+        failure, f"cleaning up interrupted saves in {root} failed", CheckpointSaveError
+    )
+
+
+def _recover(root: str) -> None:
+    tracked = latest_iteration(root)
+    tracked = iteration_dir(root, tracked) if tracked is not None else None
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name)
+        if name.startswith(_REPLACED):
+            original = os.path.join(root, name[len(_REPLACED):])
+            if original == tracked and not os.path.exists(original):
+                os.rename(path, original)
+                _print0(f"[checkpoint] restored {original} (a save was killed replacing it)")
+            else:
+                shutil.rmtree(path)
+        elif name.startswith(_SAVING):
+            shutil.rmtree(path)
+            _print0(f"[checkpoint] removed {path}, left by a save that did not finish")
+
+
+def resume_source(cfg) -> tuple[str | None, bool]:
+    """(directory to load, weights only?): where this run starts from.
+
+    A complete checkpoint in ``checkpoint.save`` is this run's own: it wins, fully resumed (a
+    relaunch or restart must continue the run, not restart it from ``load``). Otherwise
+    ``checkpoint.load``, weights only with ``checkpoint.finetune``; (None, False) without either.
+    """
+    c = cfg.checkpoint
+    if c.save and latest_iteration(c.save) is not None:
+        return c.save, False
+    return c.load, bool(c.load and c.finetune)
 
 
 def load_checkpoint(cfg, model, optimizer, scheduler) -> tuple[int, int]:
-    """Restore from the latest checkpoint under cfg.checkpoint.load; (iteration, consumed samples).
+    """Restore from the latest checkpoint of ``resume_source(cfg)``; (iteration, consumed samples).
 
     Returns (0, 0) without loading when there is no complete checkpoint. With
-    ``checkpoint.finetune`` only the model weights are loaded and training starts at 0.
+    ``checkpoint.finetune`` (and no checkpoint in ``checkpoint.save`` yet) only the model weights
+    of ``checkpoint.load`` are loaded and training starts at 0.
     """
-    root = cfg.checkpoint.load
+    root, finetune = resume_source(cfg)
+    if root is None:
+        return 0, 0
     iteration = latest_iteration(root)
     if iteration is None:
         _print0(f"[checkpoint] no complete checkpoint in {root}: starting from scratch")
         return 0, 0
+    load = cfg.checkpoint.load
+    if load and os.path.abspath(root) != os.path.abspath(load):
+        _print0(f"[checkpoint] {root} holds this run's checkpoints: resuming it (checkpoint.load="
+                f"{load} only starts a run whose checkpoint.save is empty)")
     directory = iteration_dir(root, iteration)
     common = dist_checkpointing.load_common_state_dict(directory)
     # An imported Hugging Face model (python -m mcore_ext.hf import) holds weights only.
-    finetune = cfg.checkpoint.finetune or common.get("weights_only", False)
+    finetune = finetune or common.get("weights_only", False)
     distributed = cfg.optimizer.use_distributed_optimizer
     saved_distributed = common.get("distributed_optimizer", distributed)
     if not finetune and saved_distributed != distributed:
@@ -222,5 +352,5 @@ def _async_strategy() -> str:
 
 
 def _print0(message: str) -> None:
-    if dist.get_rank() == 0:
+    if not dist.is_initialized() or dist.get_rank() == 0:
         print(message, flush=True)

@@ -9,10 +9,12 @@ resume, save errors are clear.
   replaces it. An asynchronous save (GPU) needs one; ours dies with its rank (Linux parent-death
   signal). Ranks started by torchrun die with torchrun the same way.
 - Preemption (``checkpoint.exit_on_signal``): SIGTERM / SIGINT only set a flag; at each step
-  boundary the ranks all-reduce it, and if any rank was signalled all of them save and exit 0
-  (Megatron-LM's ``--exit-signal-handler``; megatron-core ships no such handler).
+  boundary the ranks all-reduce it, and if any rank was signalled all of them save (skipping a
+  due evaluation) and exit 0 (Megatron-LM's ``--exit-signal-handler``; megatron-core ships no
+  such handler). A scheduler signals every process and torchrun forwards its own copy, so a
+  repeat within ``ExitSignalHandler.REPEAT_WINDOW_S`` is the same request, not a second one.
 - Restarts: a worker restarted by ``torchrun --max-restarts`` resumes from the latest complete
-  checkpoint, from ``checkpoint.save`` when ``checkpoint.load`` is unset.
+  checkpoint in ``checkpoint.save`` (``checkpointing.resume_source``).
 - Save errors: every rank checks that it can write ``checkpoint.save`` before training, and a
   failed save reports the failing ranks and their errors on every rank (``CheckpointSaveError``).
 - Fault injection for tests and drills: ``MCORE_EXT_KILL_AT=<point>,<iteration>,<rank>`` makes
@@ -20,11 +22,11 @@ resume, save errors are clear.
 """
 
 import ctypes
-import dataclasses
 import os
 import queue
 import signal
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -98,15 +100,19 @@ def install_checkpoint_writer_queue(async_save: bool) -> None:
 class ExitSignalHandler:
     """Record SIGTERM / SIGINT instead of dying; ``agreed()`` tells all ranks at a step boundary.
 
-    A second signal restores the previous handlers and re-sends itself: an operator who insists
-    (a second Ctrl-C, a scheduler's kill after its grace period) still ends the process at once.
+    A second signal, at least ``REPEAT_WINDOW_S`` after the first, restores the previous handlers
+    and re-sends itself: an operator who insists (a second Ctrl-C) still ends the process at
+    once. Signals within the window are one request: SLURM signals every process and torchrun
+    forwards the SIGTERM it got, so a rank receives two SIGTERMs milliseconds apart.
     Install from the main thread (Python's signal handlers run there).
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    REPEAT_WINDOW_S = 5.0
 
     def __init__(self):
         self.received: int = 0
+        self._received_at = 0.0
         self._previous = {}
 
     def __enter__(self):
@@ -123,11 +129,12 @@ class ExitSignalHandler:
         self._previous = {}
 
     def _handle(self, signum, frame):
-        if self.received:
+        now = time.monotonic()
+        if not self.received:
+            self.received, self._received_at = signum, now
+        elif now - self._received_at >= self.REPEAT_WINDOW_S:
             self._restore()
             os.kill(os.getpid(), signum)
-            return
-        self.received = signum
 
     def agreed(self) -> str | None:
         """Collective: the name of a signal some rank received (the highest number), or None."""
@@ -142,15 +149,6 @@ class ExitSignalHandler:
 def restart_count() -> int:
     """How many times torchrun has restarted this worker group (0 outside torchrun)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-
-def resume_config(cfg):
-    """``cfg``, loading from ``checkpoint.save`` when torchrun restarted the workers and
-    ``checkpoint.load`` is unset: a restarted worker continues the run instead of starting over."""
-    c = cfg.checkpoint
-    if restart_count() and c.save and not c.load:
-        return dataclasses.replace(cfg, checkpoint=dataclasses.replace(c, load=c.save))
-    return cfg
 
 
 # ---------------------------------------------------------------------------------- save errors

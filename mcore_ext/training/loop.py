@@ -48,7 +48,6 @@ def pretrain(cfg) -> None:
 
     Raises ``faults.CheckpointSaveError`` on every rank when checkpoint.save cannot be written.
     """
-    cfg = faults.resume_config(cfg)
     p = cfg.parallelism
     init_parallel(
         tensor_model_parallel_size=p.tensor_model_parallel_size,
@@ -62,6 +61,7 @@ def pretrain(cfg) -> None:
             # cuda_to_cpu: CPU only, megatron's training path allocates on "cuda" literally.
             if cfg.checkpoint.save:  # before hours of training, not at the first save
                 faults.check_writable(cfg.checkpoint.save)
+                checkpointing.recover_save_dir(cfg.checkpoint.save)  # what a killed save left
                 faults.install_checkpoint_writer_queue(cfg.checkpoint.async_save)
             _Trainer(cfg, signals).run()
     finally:
@@ -179,11 +179,10 @@ class _Trainer:
             wd_incr_steps=cfg.training.train_iters,
             wd_incr_style="constant",
         )
-        self.iteration, consumed = 0, 0
-        if cfg.checkpoint.load:
-            self.iteration, consumed = checkpointing.load_checkpoint(
-                cfg, self.model, self.optimizer, self.scheduler
-            )
+        # The run's own checkpoint in checkpoint.save, else checkpoint.load, else from scratch.
+        self.iteration, consumed = checkpointing.load_checkpoint(
+            cfg, self.model, self.optimizer, self.scheduler
+        )
         self.train_data, self.valid_data = build_datasets(cfg, tokenizer)
         self.train_iterator = batch_iterator(self.train_data, cfg, start_sample=consumed)
 
@@ -234,7 +233,9 @@ class _Trainer:
             signal_name = self.signals.agreed() if self.signals else None
             stop = stop or signal_name is not None
             with window.paused():  # evaluation and saving are not step time
-                if t.eval_interval and (last or _every(t.eval_interval, it)):
+                # Not when preempted: the save must fit in the scheduler's grace period.
+                evaluate = signal_name is None and (last or _every(t.eval_interval, it))
+                if t.eval_interval and evaluate:
                     self._evaluate()
                 if c.save and (last or stop or _every(c.save_interval, it)):
                     self._save()

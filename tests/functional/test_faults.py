@@ -74,14 +74,14 @@ class Run:
     """One torchrun of the launcher, started in a new session, output in <tmp>/<name>.out/.err."""
 
     def __init__(self, tmp, name, *overrides, torchrun_args=(), env=None, data=None,
-                 preexec_fn=None):
+                 preexec_fn=None, script=LAUNCHER):
         self.tmp, self.name = Path(tmp), name
         self.marker = f"{name}-{uuid.uuid4().hex}"
         self.metrics = self.tmp / f"{name}.jsonl"
         command = [
             sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
             "--master_addr=127.0.0.1", f"--master_port={_free_port()}", *torchrun_args,
-            LAUNCHER, *COMMON, f"data.prefix={data}", f"logging.metrics_file={self.metrics}",
+            script, *COMMON, f"data.prefix={data}", f"logging.metrics_file={self.metrics}",
             *overrides,
         ]
         self.out, self.err = self.tmp / f"{name}.out", self.tmp / f"{name}.err"
@@ -271,23 +271,40 @@ def test_max_restarts_resumes_by_itself(faults_tmp, reference, point):
     assert tracker(ckpt) == "16"
 
 
-def test_sigterm_with_exit_on_signal_saves_and_exits_0(faults_tmp, reference):
+@pytest.mark.parametrize("target", ["rank", "torchrun", "torchrun_and_ranks"])
+def test_sigterm_with_exit_on_signal_saves_and_exits_0(faults_tmp, reference, target):
+    """Preemption: SIGTERM to one rank, to torchrun (which forwards it to every rank), or to
+    torchrun and every rank at once (SLURM: each rank then gets two SIGTERMs milliseconds apart,
+    which must not count as an operator's second signal). The ranks skip the evaluation due at
+    that step (evaluating every step here), save, exit 0, and the checkpoint resumes exactly."""
     rank = random.Random(SEED).choice([0, 1])
-    tmp = faults_tmp / "sigterm"
+    tmp = faults_tmp / f"sigterm_{target}"
     tmp.mkdir()
     ckpt, resumed = tmp / "ckpt", tmp / "resumed"
     run = Run(tmp, "preempted", f"checkpoint.save={ckpt}", f"checkpoint.load={ckpt}",
               "checkpoint.exit_on_signal=true", "training.exit_interval=null",
-              "checkpoint.save_interval=null", "training.eval_interval=null",
+              "checkpoint.save_interval=null", "training.eval_interval=1",
               data=reference["data"])
-    wait_for(lambda: run.metrics.exists() and len(run.metrics.read_text().splitlines()) >= 2,
+    wait_for(lambda: run.metrics.exists() and len(run.metrics.read_text().splitlines()) >= 4,
              run, "step 2")
-    os.kill(run.rank_pid(rank), signal.SIGTERM)
-    run.check(returncode=0)
+    pids = {
+        "rank": [run.rank_pid(rank)],
+        "torchrun": [run.proc.pid],
+        "torchrun_and_ranks": [run.proc.pid, run.rank_pid(0), run.rank_pid(1)],
+    }[target]
+    for pid in pids:
+        os.kill(pid, signal.SIGTERM)
+    returncode = run.wait()
+    # torchrun ends with its own SignalException (exit 1) once its ranks have exited.
+    assert returncode == (0 if target == "rank" else 1), run.stderr[-3000:]
+    assert run.leftovers() == {}, f"{run.name} left processes behind"
     (first,) = attempts(run.metrics)
     stop = max(first)
     assert 2 <= stop < 16, stop
-    assert f"[train] stopping at iteration {stop} (SIGTERM received)" in run.stdout
+    assert f"[train] stopping at iteration {stop} (SIGTERM received)" in run.stdout, (
+        run.stdout[-2000:], run.stderr[-3000:])
+    assert f"[valid] iteration {stop - 1} |" in run.stdout  # evaluating every step ...
+    assert f"[valid] iteration {stop} |" not in run.stdout  # ... but not when stopping
     assert tracker(ckpt) == str(stop) and sorted(os.listdir(ckpt)) == [f"iter_{stop:07d}", TRACKER]
     assert_exact(first, reference["losses"])
 
@@ -296,6 +313,62 @@ def test_sigterm_with_exit_on_signal_saves_and_exits_0(faults_tmp, reference):
     (second,) = attempts(again.metrics)
     assert sorted(second) == list(range(stop + 1, 17))
     assert_exact(second, reference["losses"])
+
+
+def test_finetune_relaunch_resumes_the_runs_own_checkpoint(faults_tmp, reference):
+    """checkpoint.load + finetune only start an empty run: killed mid-step 7 (its checkpoint at 4
+    complete) and relaunched with the same command, the run resumes from checkpoint.save's step
+    4 (weights, optimizer, schedule, data position) instead of the pretrained weights at 0."""
+    rank = KILLS["step"][0]
+    tmp = faults_tmp / "finetune"
+    tmp.mkdir()
+    ckpt = tmp / "ckpt"
+    args = (f"checkpoint.load={reference['ckpt']}", "checkpoint.finetune=true",
+            f"checkpoint.save={ckpt}", "training.exit_interval=8")
+    killed = Run(tmp, "killed", *args, data=reference["data"],
+                 env={"MCORE_EXT_KILL_AT": f"step,7,{rank}"}).check(returncode=1)
+    pretrained = reference["ckpt"] / "iter_0000016"
+    assert f"finetune: loaded the model weights of {pretrained}; iteration 0" in killed.stdout
+    assert tracker(ckpt) == "4"
+
+    again = Run(tmp, "again", *args, data=reference["data"]).check()
+    assert "finetune: loaded" not in again.stdout, again.stdout[-3000:]
+    assert f"resumed from {ckpt / 'iter_0000004'} (iteration 4)" in again.stdout
+    (first,), (second,) = attempts(killed.metrics), attempts(again.metrics)
+    assert sorted(first) == list(range(1, 7)) and sorted(second) == list(range(5, 9))
+    assert {it: second[it] for it in (5, 6)} == {it: first[it] for it in (5, 6)}
+    assert tracker(ckpt) == "8"
+
+
+RESAVE = str(Path(__file__).with_name("resave_tracked.py"))
+
+
+def test_kill_inside_the_writer_while_resaving_the_tracked_iteration(faults_tmp, reference):
+    """The tracked iteration (4) saved again with other weights, and rank 1 killed inside
+    megatron's writer (``resave_tracked.py``): the tracked checkpoint keeps every byte, the
+    killed save's partial directory is never loaded and is removed by the relaunch, which
+    resumes from step 4 with the uninterrupted run's losses."""
+    tmp = faults_tmp / "resave"
+    tmp.mkdir()
+    ckpt = tmp / "ckpt"
+    shutil.copytree(reference["ckpt"] / "iter_0000004", ckpt / "iter_0000004")
+    (ckpt / TRACKER).write_text("4")
+    before = _tree_digest(ckpt / "iter_0000004")
+    args = (f"checkpoint.save={ckpt}", f"checkpoint.load={ckpt}", "training.exit_interval=8")
+    killed = Run(tmp, "killed", *args, data=reference["data"], script=RESAVE).check(returncode=1)
+    assert "[resave] rank 1: writing with RLIMIT_FSIZE 0" in killed.stderr
+    assert "Signal 25 (SIGXFSZ)" in killed.stderr, killed.stderr[-3000:]
+    assert tracker(ckpt) == "4"
+    assert _tree_digest(ckpt / "iter_0000004") == before, sorted(os.listdir(ckpt))
+    partial = set(os.listdir(ckpt)) - {"iter_0000004", TRACKER}
+    assert len(partial) == 1, partial  # the killed save's directory
+
+    again = Run(tmp, "again", *args, data=reference["data"]).check()
+    assert f"resumed from {ckpt / 'iter_0000004'} (iteration 4)" in again.stdout
+    (losses,) = attempts(again.metrics)
+    assert sorted(losses) == list(range(5, 9))
+    assert_exact(losses, reference["losses"])
+    assert sorted(os.listdir(ckpt)) == ["iter_0000004", "iter_0000008", TRACKER]
 
 
 def test_sigkill_of_torchrun_takes_its_ranks_along(faults_tmp, reference):

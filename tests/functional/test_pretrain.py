@@ -375,14 +375,31 @@ def test_check_prints_the_resolved_config():
 # ---------------------------------------------------------------------- failing checkpoint save
 
 
-def _save_twice_second_fails_on_rank1(save_dir):
-    """Save iteration 1, then a save at iteration 2 that fails on rank 1 only, after writing."""
+def _two_saves(save_dir, second, fault, async_save=False):
+    """Save iteration 1 (weights = rank), then iteration ``second`` (weights = rank + 10; 1: a
+    re-save of the tracked checkpoint) with a fault on rank 1 only:
+
+    - ``after_write``: an error raised once megatron's save has finished on every rank;
+    - ``no_file``: megatron's writer cannot open rank 1's data file (RLIMIT_NOFILE at the
+      lowest free descriptor: EMFILE; root passes any chmod);
+    - ``disk_full``: rank 1 cannot write a byte of it (RLIMIT_FSIZE 0: EFBIG, a full disk).
+      Only asynchronously here, where the writer is a forked process: a synchronous writer
+      failing mid-file leaves megatron / torch objects that crash this process's next garbage
+      collection (SIGSEGV, seen on megatron-core 0.19.2 and torch 2.13; not diagnosed further).
+
+    Returns the error (type, message), the tracked directory, whether it still loads the first
+    save's weights, and the entries of the save directory.
+    """
+    import gc
+    import resource
+
     import torch
     import torch.distributed as dist
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
     import mcore_ext
-    from mcore_ext.training import checkpointing
+    from mcore_ext.training import checkpointing, faults
     from mcore_ext.training.config import load_config
 
     mcore_ext.init_parallel(tensor_model_parallel_size=2)
@@ -405,38 +422,89 @@ def _save_twice_second_fails_on_rank1(save_dir):
         def state_dict(self):
             return {"num_steps": 1}
 
-    checkpointing.save_checkpoint(cfg, 1, Model, Optimizer(), Scheduler(), 8)
+    faults.install_checkpoint_writer_queue(async_save)
+    calls = AsyncCallsQueue() if async_save else None
+
+    def save(iteration):
+        checkpointing.save_checkpoint(
+            cfg, iteration, Model, Optimizer(), Scheduler(), 8 * iteration, async_queue=calls
+        )
+        if calls is not None:  # the write, then megatron's and our finalization
+            calls.maybe_finalize_async_calls(blocking=True)
+
+    save(1)
+    weight.add_(10.0)
     real_save = checkpointing.dist_checkpointing.save
+    file_size_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
 
     def flaky_save(state, directory, **kwargs):
         real_save(state, directory, **kwargs)
         if rank == 1:
             raise OSError("disk full (simulated)")
 
-    checkpointing.dist_checkpointing.save = flaky_save
+    file_limit = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if fault == "after_write":
+        checkpointing.dist_checkpointing.save = flaky_save
+    elif rank == 1 and fault == "no_file":
+        lowest_free = os.open(os.devnull, os.O_RDONLY)  # a new descriptor takes the lowest
+        os.close(lowest_free)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, file_limit[1]))
+    elif rank == 1:  # an async save's writer process inherits the limit
+        resource.setrlimit(resource.RLIMIT_FSIZE, (0, file_size_limit[1]))
     try:
-        checkpointing.save_checkpoint(cfg, 2, Model, Optimizer(), Scheduler(), 16)
-    except RuntimeError as err:
-        message = str(err)
+        save(second)
+    except BaseException as err:  # noqa: BLE001  (torch's CheckpointException is one)
+        error = (type(err).__name__, str(err))
     else:
-        message = None
+        error = None
     finally:
         checkpointing.dist_checkpointing.save = real_save
-    # The previous checkpoint still loads, with this rank's values.
+        resource.setrlimit(resource.RLIMIT_FSIZE, file_size_limit)
+        resource.setrlimit(resource.RLIMIT_NOFILE, file_limit)
+    gc.collect()  # what the failed save left is collected here, in this test
+    # The previous checkpoint still loads, with this rank's first values.
     latest = checkpointing.iteration_dir(str(save_dir), checkpointing.latest_iteration(str(save_dir)))
     empty = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(2, 3), (0, rank, 2))}
     loaded = checkpointing.dist_checkpointing.load(empty, latest)
-    return message, latest, bool(torch.equal(loaded["w"], torch.full((2, 3), float(rank))))
+    intact = bool(torch.equal(loaded["w"], torch.full((2, 3), float(rank))))
+    dist.barrier()
+    return error, latest, intact, sorted(os.listdir(save_dir))
 
 
-def test_failed_save_leaves_the_previous_checkpoint_latest(run_distributed, tmp_path):
-    results = run_distributed(_save_twice_second_fails_on_rank1, str(tmp_path), world_size=2)
-    # The same message on every rank, naming the failing rank and its error.
-    expected = (f"checkpoint save to {tmp_path / 'iter_0000002'} failed on rank 1 "
-                "(OSError: disk full (simulated))")
-    assert results == [(expected, str(tmp_path / "iter_0000001"), True)] * 2
+@pytest.mark.parametrize(
+    "fault, second, async_save",
+    [
+        ("after_write", 2, False),
+        ("no_file", 2, False),
+        ("no_file", 1, False),  # re-saving the tracked iteration
+        ("disk_full", 2, True),
+        ("disk_full", 1, True),
+    ],
+    ids=["after_write", "no_file", "no_file_resave", "async_disk_full",
+         "async_disk_full_resave"],
+)
+def test_failed_save_leaves_the_previous_checkpoint_latest(
+    run_distributed, tmp_path, fault, second, async_save
+):
+    """A save failing on rank 1 is one CheckpointSaveError on every rank naming rank 1; the
+    previous checkpoint stays tracked and intact, no partial directory is left. Async saves run
+    through megatron's own async machinery here (a forked writer per rank, on CPU)."""
+    results = run_distributed(_two_saves, tmp_path, second, fault, async_save, world_size=2)
+    (error, latest, intact, entries), other = results
+    assert other == results[0]  # the same message on every rank
+    target = tmp_path / f"iter_{second:07d}"
+    assert error is not None and error[0] == "CheckpointSaveError", error
+    if fault == "after_write":
+        expected = f"checkpoint save to {target} failed on rank 1 (OSError: disk full (simulated))"
+        assert error[1] == expected
+    else:  # megatron wraps its writer's error in a RuntimeError of its own
+        prefix = f"checkpoint save to {target} failed on rank 1 (RuntimeError: Worker failure: "
+        cause = "[Errno 24] Too many open files" if fault == "no_file" else "OSError"
+        assert error[1].startswith(prefix) and cause in error[1], error
+        assert "rank 0" not in error[1], error
+    assert latest == str(tmp_path / "iter_0000001") and intact
+    assert entries == ["iter_0000001", TRACKER]  # no partial directory left behind
     assert (tmp_path / TRACKER).read_text() == "1"
-    assert not (tmp_path / "iter_0000002").exists()  # the partial save is removed
     assert (tmp_path / "iter_0000001" / "config.yaml").is_file()
 
 

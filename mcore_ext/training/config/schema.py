@@ -255,13 +255,15 @@ class CheckpointConfig:
     """Checkpoint directory (iter_NNNNNNN/, latest_checkpointed_iteration.txt); null = no saving."""
 
     load: Optional[str] = None
-    """Resume from the latest complete checkpoint here; missing or empty -> start fresh."""
+    """Start from the latest complete checkpoint here when checkpoint.save holds none (a
+    checkpoint in save always wins: the run resumes it); missing or empty -> start fresh."""
 
     save_interval: Optional[int] = None
     """Save every this many steps (and always at the end); null = at the end only."""
 
     finetune: bool = False
-    """Load model weights only and start at iteration 0 with a fresh optimizer and schedule."""
+    """Initialise an empty run from checkpoint.load's model weights only, at iteration 0 with a
+    fresh optimizer and schedule (ignored once checkpoint.save holds the run's checkpoints)."""
 
     init_missing_gates: bool = False
     """Load a checkpoint saved without head_wise_attn_gate into a gated model: QKV rows load, the
