@@ -15,9 +15,11 @@ VOCAB = 257  # the launcher's byte tokenizer
 SEQ = 12
 
 
-def tiny_config(**overrides):
+def tiny_config(sliding_kv_heads=None, **overrides):
     """Both layer kinds with different head counts, window 4 < SEQ, per-kind RoPE base and
-    rotary fraction, a SwiGLU clamp that the random weights hit (on the sliding layers)."""
+    rotary fraction, a SwiGLU clamp that the random weights hit (on the sliding layers).
+    ``sliding_kv_heads``: the sliding layers' own KV-head count (transformers reads it from
+    ``per_layer_config``)."""
     from transformers import Step3p7TextConfig
 
     fields = dict(
@@ -31,6 +33,11 @@ def tiny_config(**overrides):
         rms_norm_eps=1e-5, pad_token_id=0, bos_token_id=1, eos_token_id=256,
     )
     fields.update(overrides)
+    if sliding_kv_heads is not None:
+        heads = fields["num_sliding_attention_heads"]
+        fields["per_layer_config"] = {
+            i: {"num_attention_heads": heads, "num_key_value_heads": sliding_kv_heads}
+            for i, kind in enumerate(fields["layer_types"]) if kind == "sliding_attention"}
     return Step3p7TextConfig(**fields)
 
 
@@ -90,6 +97,10 @@ def legacy_config_dict(modern: dict) -> dict:
     theta = [rope[t]["rope_theta"] for t in types]
     partial = [rope[t].get("partial_rotary_factor", 1.0) for t in types]
     limits = modern["swiglu_limits_shared"] or [0.0] * n
+    sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    per_layer = modern.get("per_layer_config") or {}
+    sliding_kv = (per_layer.get(str(sliding[0]), {}).get("num_key_value_heads")
+                  if sliding else None) or modern["num_key_value_heads"]
     return {
         "architectures": ["Step3p5ForCausalLM"],
         "model_type": "step3p5",
@@ -104,7 +115,7 @@ def legacy_config_dict(modern: dict) -> dict:
         "attention_other_setting": {
             "attention_type": "sliding_attention",
             "num_attention_heads": modern["num_sliding_attention_heads"],
-            "num_attention_groups": modern["num_key_value_heads"],
+            "num_attention_groups": sliding_kv,
             "head_dim": modern["head_dim"],
         },
         "layer_types": types + ["full_attention"],

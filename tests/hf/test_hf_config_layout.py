@@ -41,6 +41,24 @@ def test_released_legacy_and_transformers_configs_read_the_same():
     assert a.swiglu_limits == [None, 1.0, 1.0, None]
 
 
+def test_sliding_kv_heads_read_from_every_form_and_written_for_transformers():
+    from transformers import Step3p7TextConfig
+
+    modern = models.tiny_config(num_key_value_heads=2, sliding_kv_heads=1).to_dict()
+    for raw in (modern, models.legacy_config_dict(modern)):
+        spec = Step35Config.from_hf_dict(raw)
+        assert (spec.kv_heads(0), spec.kv_heads(1), spec.heads(1)) == (2, 1, 8)
+    out = spec.to_hf_dict()
+    hf = Step3p7TextConfig(**{k: v for k, v in out.items() if k != "model_type"})
+    assert [hf.per_layer_config[i].num_key_value_heads for i in range(4)] == [2, 1, 1, 2]
+    assert out["attention_other_setting"]["num_attention_groups"] == 1  # what vLLM reads
+    bad = dict(modern, per_layer_config={"1": {"num_key_value_heads": 1},
+                                         "2": {"num_key_value_heads": 2}})
+    with pytest.raises(HFConfigError, match=r"per_layer_config\[2\].num_key_value_heads=2 "
+                                            "differs"):
+        Step35Config.from_hf_dict(bad)
+
+
 def dataclass_fields(spec):
     fields = dict(vars(spec))
     fields.pop("extra")
