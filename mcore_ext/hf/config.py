@@ -317,9 +317,11 @@ class Step35Config:
     def from_transformer_config(
         cls, config, *, vocab_size: int, max_position_embeddings: int,
         share_embeddings: bool = False, position_embedding_type: str = "rope", extra=None,
+        rope_scaling: bool = False, seq_len_interpolation_factor: Optional[float] = None,
     ) -> "Step35Config":
         """The Step-3.5 description of a megatron model, or ``HFConfigError`` naming what the
-        layout cannot hold."""
+        layout cannot hold. ``rope_scaling`` / ``seq_len_interpolation_factor``: the GPTModel's
+        (they are not config fields)."""
         problems = []
 
         def need(ok, what):
@@ -347,6 +349,31 @@ class Step35Config:
              "gate; Step-3.5's g_proj has one scalar per head)")
         need(getattr(config, "activation_func_clamp_value", None) is None,
              "activation_func_clamp_value (megatron's pre-activation clamp is not Step-3.5's)")
+        # Fields that change the function without a weight to show it (getattr: releases before
+        # 0.19 lack some of them, and then they are off).
+        need(not getattr(config, "rotary_interleaved", False), "rotary_interleaved=True "
+             "(Step-3.5 rotates the two halves of each head, not interleaved pairs)")
+        need(getattr(config, "window_size", None) is None,
+             f"window_size={getattr(config, 'window_size', None)} (one window on every layer; "
+             "the layout's windows belong to layer kinds: layer_types + sliding_window)")
+        need(not getattr(config, "qk_l2_norm", False), "qk_l2_norm=True (Step-3.5's q/k norms "
+             "are RMSNorms with weights)")
+        no_rope = getattr(config, "no_rope_freq", None)
+        need(not no_rope or not any(no_rope if isinstance(no_rope, list) else [no_rope]),
+             f"no_rope_freq={no_rope!r} (layers without RoPE; every Step-3.5 layer has RoPE)")
+        softmax_type = getattr(config, "softmax_type", "vanilla")
+        need(softmax_type == "vanilla", f"softmax_type={softmax_type!r} (Step-3.5's softmax "
+             "is vanilla: no sink term)")
+        need(not getattr(config, "use_mup", False), "use_mup=True (muP's embedding / output "
+             "multipliers are not part of the layout)")
+        need(getattr(config, "experimental_attention_variant", None) is None,
+             f"experimental_attention_variant="
+             f"{getattr(config, 'experimental_attention_variant', None)!r}")
+        need(not rope_scaling, "rope_scaling=True (llama-3 RoPE scaling; the layout's RoPE is "
+             "unscaled)")
+        need(seq_len_interpolation_factor is None,
+             f"seq_len_interpolation_factor={seq_len_interpolation_factor} (the layout's RoPE is "
+             "unscaled)")
         if problems:
             raise HFConfigError(
                 "this model cannot be written in the Step-3.5 layout: " + "; ".join(problems)

@@ -26,22 +26,9 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from mcore_ext import checkpoint
-from mcore_ext.training.faults import CheckpointSaveError, fault_point, raise_unless_all_ok
-
-TRACKER = "latest_checkpointed_iteration.txt"
-
-
-def iteration_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
-
-
-def latest_iteration(root: str | None) -> int | None:
-    """The iteration of the latest complete checkpoint under ``root``, or None."""
-    try:
-        with open(os.path.join(root, TRACKER)) as f:
-            return int(f.read().strip())
-    except (TypeError, OSError, ValueError):
-        return None
+from mcore_ext.checkpoint.directory import TRACKER, iteration_dir, latest_iteration  # noqa: F401
+from mcore_ext.runtime import raise_unless_all_ok
+from mcore_ext.training.faults import CheckpointSaveError, fault_point
 
 
 def _layout() -> dict:
