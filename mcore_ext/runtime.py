@@ -21,6 +21,10 @@ from mcore_ext import _cpu_compat
 _owns_default_group = False
 # The process groups megatron's initialize_model_parallel created (destroy_parallel frees them).
 _model_parallel_groups: list = []
+# Whether CPU tensors travel in gloo groups made beside megatron's (see cpu_group), and those
+# groups by their ranks.
+_separate_cpu_groups: bool | None = None
+_cpu_groups: dict = {}
 
 
 def device() -> torch.device:
@@ -36,16 +40,19 @@ def init_parallel(
     context_parallel_size: int = 1,
     seed: int = 1234,
     timeout_minutes: int = 10,
+    separate_cpu_groups: bool | None = None,
     **model_parallel_kwargs,
 ) -> None:
     """Initialize torch.distributed, megatron's parallel state and the RNG.
 
     Reads RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT from the environment (torchrun
     sets them) unless a default process group already exists. Uses NCCL when CUDA is available,
-    gloo otherwise. Extra keyword arguments go to
-    ``megatron.core.parallel_state.initialize_model_parallel``.
+    gloo otherwise. ``separate_cpu_groups``: whether collectives on CPU tensors (``cpu_group``)
+    use gloo groups made beside megatron's; None: when the default backend is not gloo (NCCL
+    cannot carry CPU tensors). True on a CPU machine runs a GPU machine's path. Extra keyword
+    arguments go to ``megatron.core.parallel_state.initialize_model_parallel``.
     """
-    global _owns_default_group
+    global _owns_default_group, _separate_cpu_groups
     on_gpu = torch.cuda.is_available()
     if on_gpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -80,7 +87,36 @@ def init_parallel(
         **model_parallel_kwargs,
     )
     _model_parallel_groups[:] = [g for g in _process_groups() if g not in existing]
+    _separate_cpu_groups = (dist.get_backend() != "gloo" if separate_cpu_groups is None
+                            else separate_cpu_groups)
     set_seed(seed)
+
+
+def cpu_group(group=None):
+    """A process group over ``group``'s ranks (None: every rank) that carries CPU tensors.
+
+    ``group`` itself where megatron's groups are gloo; otherwise (NCCL on a GPU machine, or
+    ``init_parallel(separate_cpu_groups=True)``) a gloo group beside it, made on first use and
+    freed by ``destroy_parallel``. Collective the first time: every rank calls it with its own
+    group of the same kind (e.g. each its tensor-parallel group), in the same order.
+    """
+    separate = _separate_cpu_groups
+    if separate is None:  # megatron's state was set up without init_parallel
+        separate = dist.get_backend() != "gloo"
+    if not separate:
+        return group if group is not None else dist.group.WORLD
+    ranks = tuple(dist.get_process_group_ranks(group) if group is not None
+                  else range(dist.get_world_size()))
+    if ranks not in _cpu_groups:
+        # new_group is collective over every rank: each makes every group of this kind, in the
+        # same order, and keeps its own.
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, ranks)
+        for members in sorted(set(every)):
+            made = dist.new_group(list(members), backend="gloo")
+            if members == ranks:
+                _cpu_groups[ranks] = made
+    return _cpu_groups[ranks]
 
 
 def set_seed(seed: int) -> None:
@@ -101,8 +137,12 @@ def destroy_parallel() -> None:
 
     Afterwards the process may call ``init_parallel`` again, with other parallel sizes.
     """
-    global _owns_default_group
+    global _owns_default_group, _separate_cpu_groups
     parallel_state.destroy_model_parallel()
+    for group in _cpu_groups.values():
+        dist.destroy_process_group(group)
+    _cpu_groups.clear()
+    _separate_cpu_groups = None
     # megatron only drops its references: each of its ~20 groups keeps gloo threads (3 each) and
     # sockets alive, which a process that initializes repeatedly would accumulate.
     for group in _model_parallel_groups:
@@ -112,6 +152,20 @@ def destroy_parallel() -> None:
     if _owns_default_group and dist.is_initialized():
         dist.destroy_process_group()
         _owns_default_group = False
+
+
+def raise_unless_all_ok(failure: Exception | None, what: str, error=RuntimeError) -> None:
+    """Collective: if ``what`` failed on any rank, raise ``error`` on every rank with the same
+    message, "<what> on rank R (<its error>), ...", instead of leaving the other ranks waiting."""
+    ok = torch.tensor([0 if failure else 1], dtype=torch.int32, device=device())
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if ok.item():
+        return
+    reports = [None] * dist.get_world_size()
+    mine = f"{type(failure).__name__}: {failure}" if failure is not None else None
+    dist.all_gather_object(reports, mine)
+    failed = ", ".join(f"rank {r} ({m})" for r, m in enumerate(reports) if m is not None)
+    raise error(f"{what} on {failed}") from failure
 
 
 def _restart_store(timeout) -> dict:

@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from tests.distributed import WorkerPool
 
@@ -27,3 +28,13 @@ def run_distributed(_worker_pools):
         return pool.run(fn, *args, timeout=timeout, **kwargs)
 
     return run
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` are skipped, with the reason, where CUDA is not available."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="marked gpu: needs CUDA, none is available here")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -8,9 +8,9 @@ import argparse
 import sys
 import time
 
-import torch
+from mcore_ext.precision import DTYPES
 
-_DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPES = {"auto": None, **DTYPES}
 
 
 def main(argv=None) -> int:
@@ -37,34 +37,68 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     import mcore_ext
-    from mcore_ext.hf.config import HFConfigError
-    from mcore_ext.hf.safetensors_io import SafetensorsError
 
     start = time.perf_counter()
-    mcore_ext.init_parallel(tensor_model_parallel_size=args.tp,
-                            pipeline_model_parallel_size=args.pp)
     try:
-        with mcore_ext.cuda_to_cpu():
-            if args.command == "import":
-                from mcore_ext.hf.checkpoint import import_checkpoint
-
-                out = import_checkpoint(
-                    args.hf_dir, args.ckpt_dir, dtype=_DTYPES[args.dtype],
-                    seq_length=args.seq_length,
-                    make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
-            else:
-                from mcore_ext.hf.checkpoint import export_checkpoint
-
-                export_checkpoint(args.ckpt_dir, args.hf_dir, vocab_size=args.vocab_size,
-                                  max_shard_bytes=int(args.max_shard_size * 1024**3))
-                out = args.hf_dir
-    except (HFConfigError, SafetensorsError, FileNotFoundError, FileExistsError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        out = _run(args)
+    except BaseException as err:  # torch's CheckpointException is not an Exception
+        if not isinstance(err, _user_errors()):
+            raise
+        # Conversion errors (mcore_ext.hf's, megatron's checkpoint and process-group errors,
+        # files): one line for the user; nothing was written (the writers stage their files).
+        print(f"error: {_one_line(err)}", file=sys.stderr)
         return 2
     finally:
         mcore_ext.destroy_parallel()
     print(f"[hf] {args.command}: wrote {out} in {time.perf_counter() - start:.1f}s")
     return 0
+
+
+def _run(args) -> str:
+    import mcore_ext
+
+    mcore_ext.init_parallel(tensor_model_parallel_size=args.tp,
+                            pipeline_model_parallel_size=args.pp)
+    with mcore_ext.cuda_to_cpu():
+        if args.command == "import":
+            from mcore_ext.hf.checkpoint import import_checkpoint
+
+            return import_checkpoint(
+                args.hf_dir, args.ckpt_dir, dtype=_DTYPES[args.dtype],
+                seq_length=args.seq_length,
+                make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+        from mcore_ext.hf.checkpoint import export_checkpoint
+
+        export_checkpoint(args.ckpt_dir, args.hf_dir, vocab_size=args.vocab_size,
+                          max_shard_bytes=int(args.max_shard_size * 1024**3))
+        return args.hf_dir
+
+
+def _user_errors() -> tuple:
+    """What a conversion raises for bad input or a failed read / write (HFConfigError,
+    SafetensorsError, ConfigError, GateLayoutMismatch are ValueErrors; CheckpointLoadError and
+    the all-ranks errors RuntimeErrors); torch's CheckpointException is a BaseException."""
+    import yaml
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (ValueError, RuntimeError, OSError, yaml.YAMLError, CheckpointingException,
+            CheckpointException)
+
+
+def _one_line(err: BaseException) -> str:
+    """The error's message on one line; torch's checkpoint errors (which print every rank's
+    traceback) as each failing rank's error alone."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    text = str(err)
+    cause = err if isinstance(err, CheckpointException) else err.__cause__
+    if isinstance(cause, CheckpointException):
+        failures = "; ".join(f"rank {rank}: {type(exc).__name__}: {exc}"
+                             for rank, (exc, _) in cause.failures.items())
+        text = text.replace(str(cause), failures)
+    return " ".join(text.split()) or type(err).__name__
+
 
 
 if __name__ == "__main__":

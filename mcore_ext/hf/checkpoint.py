@@ -21,6 +21,7 @@ import yaml
 from megatron.core import dist_checkpointing, parallel_state
 
 from mcore_ext._cpu_compat import cuda_to_cpu
+from mcore_ext.checkpoint.directory import TRACKER, iteration_dir, latest_iteration
 from mcore_ext.hf.config import HFConfigError, Step35Config
 from mcore_ext.hf.convert import (
     PROVENANCE_NAME,
@@ -31,9 +32,9 @@ from mcore_ext.hf.convert import (
     save_pretrained,
 )
 from mcore_ext.hf.safetensors_io import SafetensorsReader
+from mcore_ext.precision import precision_of
+from mcore_ext.runtime import device, raise_unless_all_ok
 
-_PRECISION = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-_DTYPE = {v: k for k, v in _PRECISION.items()}
 
 
 def launcher_model_section(spec: Step35Config, seq_length: int, multiple: int) -> dict:
@@ -79,8 +80,6 @@ def import_checkpoint(hf_dir: str, ckpt_dir: str, *, dtype: torch.dtype | None =
     Refuses (before writing anything) a ``ckpt_dir`` that already holds a checkpoint, and any
     problem ``load_pretrained`` finds. Returns the iteration directory.
     """
-    from mcore_ext.training.checkpointing import TRACKER, iteration_dir, raise_unless_all_ok
-
     raw, spec = read_hf_config(hf_dir)
     reader = SafetensorsReader(hf_dir)
     file_dtype = check_weights(reader, spec)
@@ -96,7 +95,7 @@ def import_checkpoint(hf_dir: str, ckpt_dir: str, *, dtype: torch.dtype | None =
 
     cfg = build(PretrainConfig, {
         "model": launcher_model_section(spec, seq_length, make_vocab_size_divisible_by),
-        "training": {"precision": _PRECISION[dtype]},
+        "training": {"precision": precision_of(dtype)},
         "checkpoint": {"load": os.path.abspath(ckpt_dir), "finetune": True},
     })
     model = load_pretrained(hf_dir, backend=backend, dtype=dtype,
@@ -137,8 +136,6 @@ def import_checkpoint(hf_dir: str, ckpt_dir: str, *, dtype: torch.dtype | None =
 
 def resolve_iteration_dir(ckpt_dir: str) -> str:
     """A save directory (its latest complete iteration) or an ``iter_*`` directory itself."""
-    from mcore_ext.training.checkpointing import TRACKER, iteration_dir, latest_iteration
-
     if os.path.exists(os.path.join(ckpt_dir, "config.yaml")):
         return ckpt_dir
     iteration = latest_iteration(ckpt_dir)
@@ -183,10 +180,12 @@ def export_checkpoint(ckpt_dir: str, hf_dir: str, *, vocab_size: int | None = No
     """Launcher checkpoint -> HF directory (call after ``init_parallel``, any TP / PP).
 
     ``vocab_size`` (the rows to keep of the padded embedding) defaults to the HF config the
-    checkpoint was imported from, else the launcher tokenizer's size when it can be loaded.
+    checkpoint was imported from, else the launcher tokenizer's size; HFConfigError when neither
+    is known (a tokenizer that does not load is reported, not replaced by the padded size).
     """
     from mcore_ext import checkpoint
     from mcore_ext.models import build_gpt_model
+    from mcore_ext.training.config import ParallelismConfig
     from mcore_ext.training.megatron_configs import transformer_config
 
     directory = resolve_iteration_dir(ckpt_dir)
@@ -196,11 +195,14 @@ def export_checkpoint(ckpt_dir: str, hf_dir: str, *, vocab_size: int | None = No
     if embedding is None:
         raise HFConfigError(f"{directory}: no embedding.word_embeddings.weight (not a GPT model)")
     dtype = embedding.dtype
-    cfg.training.precision = _PRECISION[dtype]
-    cfg.parallelism.tensor_model_parallel_size = parallel_state.get_tensor_model_parallel_world_size()
-    cfg.parallelism.pipeline_model_parallel_size = (
-        parallel_state.get_pipeline_model_parallel_world_size())
-    cfg.parallelism.sequence_parallel = False
+    cfg.training.precision = precision_of(dtype)
+    # The layout the checkpoint was trained at (TP, PP, CP, SP, ...) is not the export's: a fresh
+    # parallelism section at this process's sizes (the checkpoint is layout-free).
+    cfg.parallelism = ParallelismConfig(
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        context_parallel_size=parallel_state.get_context_parallel_world_size(),
+    )
     config = transformer_config(cfg, use_cpu_initialization=True, perform_initialization=False)
 
     provenance = find_provenance(directory, cfg)
@@ -211,10 +213,12 @@ def export_checkpoint(ckpt_dir: str, hf_dir: str, *, vocab_size: int | None = No
         extra = source.extra
     if vocab_size is None:
         vocab_size = _tokenizer_vocab(cfg)
+    if vocab_size > embedding.global_shape[0]:
+        raise HFConfigError(f"vocab_size={vocab_size} is larger than the checkpoint's "
+                            f"embedding ({embedding.global_shape[0]} rows)")
     # Refuse what the layout cannot hold before building anything.
-    Step35Config.from_transformer_config(
-        config, vocab_size=vocab_size or embedding.global_shape[0],
-        max_position_embeddings=cfg.model.seq_length)
+    Step35Config.from_transformer_config(config, vocab_size=vocab_size,
+                                         max_position_embeddings=cfg.model.seq_length)
 
     with cuda_to_cpu():  # megatron moves tied output weights with .cuda() (no-op on GPUs)
         model = build_gpt_model(
@@ -224,8 +228,13 @@ def export_checkpoint(ckpt_dir: str, hf_dir: str, *, vocab_size: int | None = No
             backend=backend,
             share_embeddings_and_output_weights=not cfg.model.untie_embeddings_and_output_weights,
         )
+    model.to(device())  # loaded where the process computes; save_pretrained gathers on the CPU
     loaded = checkpoint.load({"model": model.sharded_state_dict()}, directory, in_place=True)
-    model.load_state_dict(loaded["model"], strict=False)
+    try:  # strict: a parameter left out would be exported uninitialised
+        model.load_state_dict(loaded["model"], strict=True)
+    except RuntimeError as err:
+        raise HFConfigError(f"{directory}: the checkpoint does not fill the model ({err})"
+                            ) from None
     del loaded
     if provenance is not None:
         model.hf_config = source.replace(vocab_size=vocab_size)
@@ -233,10 +242,16 @@ def export_checkpoint(ckpt_dir: str, hf_dir: str, *, vocab_size: int | None = No
                     extra_config=extra)
 
 
-def _tokenizer_vocab(cfg) -> int | None:
-    try:
-        from mcore_ext.data.tokenizers import load_tokenizer
+def _tokenizer_vocab(cfg) -> int:
+    """The launcher tokenizer's vocabulary size; HFConfigError naming it when it cannot be
+    loaded here (megatron's padded rows are not the model's vocabulary)."""
+    from mcore_ext.data.tokenizers import load_tokenizer
 
+    try:
         return load_tokenizer(cfg.data.tokenizer).vocab_size
-    except Exception:  # no tokenizer here: keep megatron's padded rows
-        return None
+    except Exception as err:  # any loader failure: reported, never replaced by a guess
+        raise HFConfigError(
+            f"the vocabulary size is not known: the checkpoint has no hf_config.json and its "
+            f"tokenizer (data.tokenizer={cfg.data.tokenizer!r}) does not load here "
+            f"({type(err).__name__}: {err}); pass --vocab-size (vocab_size=)"
+        ) from None

@@ -129,6 +129,11 @@ class Step35Config:
             return value
 
         layer_types = per_layer("layer_types") or [FULL] * n
+        for i, kind in enumerate(layer_types):  # before anything reads per-kind values
+            if kind not in (FULL, SLIDING):
+                raise HFConfigError(
+                    f"layer_types[{i}]={kind!r}: only {FULL!r} and {SLIDING!r} are supported"
+                )
         mlp_types = per_layer("mlp_layer_types")
         if mlp_types is None:
             # transformers' default: the legacy moe_layers_enum, else MoE from layer 3 on.
@@ -158,8 +163,11 @@ class Step35Config:
                 f"attention_other_setting.head_dim={other['head_dim']} differs from head_dim="
                 f"{head_dim}: one head dim for both layer kinds is supported"
             )
-        if c.get("per_layer_config") and sliding_heads is None:
-            sliding_heads = _sliding_heads_from_per_layer(c["per_layer_config"], layer_types)
+        if c.get("per_layer_config"):
+            per_kind = _sliding_counts_from_per_layer(c["per_layer_config"], layer_types,
+                                                      heads, kv)
+            sliding_heads = per_kind.get("num_attention_heads", sliding_heads)
+            sliding_kv = per_kind.get("num_key_value_heads", sliding_kv)
 
         rope_theta, partial = _rope_by_kind(c, layer_types, per_layer)
         limits = per_layer("swiglu_limits_shared")
@@ -247,6 +255,11 @@ class Step35Config:
                 "head_dim": self.head_dim,
             }
             out["num_sliding_attention_heads"] = self.num_sliding_heads or self.num_heads
+            # transformers reads each layer's counts here (attention_other_setting: vLLM).
+            out["per_layer_config"] = {
+                str(i): {"num_attention_heads": self.heads(i),
+                         "num_key_value_heads": self.kv_heads(i)}
+                for i, kind in enumerate(self.layer_types) if kind == SLIDING}
         if self.query_pre_attn_scalar not in (None, self.head_dim):
             out["query_pre_attn_scalar"] = self.query_pre_attn_scalar
         out.update(self.extra)
@@ -304,9 +317,11 @@ class Step35Config:
     def from_transformer_config(
         cls, config, *, vocab_size: int, max_position_embeddings: int,
         share_embeddings: bool = False, position_embedding_type: str = "rope", extra=None,
+        rope_scaling: bool = False, seq_len_interpolation_factor: Optional[float] = None,
     ) -> "Step35Config":
         """The Step-3.5 description of a megatron model, or ``HFConfigError`` naming what the
-        layout cannot hold."""
+        layout cannot hold. ``rope_scaling`` / ``seq_len_interpolation_factor``: the GPTModel's
+        (they are not config fields)."""
         problems = []
 
         def need(ok, what):
@@ -334,6 +349,31 @@ class Step35Config:
              "gate; Step-3.5's g_proj has one scalar per head)")
         need(getattr(config, "activation_func_clamp_value", None) is None,
              "activation_func_clamp_value (megatron's pre-activation clamp is not Step-3.5's)")
+        # Fields that change the function without a weight to show it (getattr: releases before
+        # 0.19 lack some of them, and then they are off).
+        need(not getattr(config, "rotary_interleaved", False), "rotary_interleaved=True "
+             "(Step-3.5 rotates the two halves of each head, not interleaved pairs)")
+        need(getattr(config, "window_size", None) is None,
+             f"window_size={getattr(config, 'window_size', None)} (one window on every layer; "
+             "the layout's windows belong to layer kinds: layer_types + sliding_window)")
+        need(not getattr(config, "qk_l2_norm", False), "qk_l2_norm=True (Step-3.5's q/k norms "
+             "are RMSNorms with weights)")
+        no_rope = getattr(config, "no_rope_freq", None)
+        need(not no_rope or not any(no_rope if isinstance(no_rope, list) else [no_rope]),
+             f"no_rope_freq={no_rope!r} (layers without RoPE; every Step-3.5 layer has RoPE)")
+        softmax_type = getattr(config, "softmax_type", "vanilla")
+        need(softmax_type == "vanilla", f"softmax_type={softmax_type!r} (Step-3.5's softmax "
+             "is vanilla: no sink term)")
+        need(not getattr(config, "use_mup", False), "use_mup=True (muP's embedding / output "
+             "multipliers are not part of the layout)")
+        need(getattr(config, "experimental_attention_variant", None) is None,
+             f"experimental_attention_variant="
+             f"{getattr(config, 'experimental_attention_variant', None)!r}")
+        need(not rope_scaling, "rope_scaling=True (llama-3 RoPE scaling; the layout's RoPE is "
+             "unscaled)")
+        need(seq_len_interpolation_factor is None,
+             f"seq_len_interpolation_factor={seq_len_interpolation_factor} (the layout's RoPE is "
+             "unscaled)")
         if problems:
             raise HFConfigError(
                 "this model cannot be written in the Step-3.5 layout: " + "; ".join(problems)
@@ -379,11 +419,31 @@ class Step35Config:
         return dataclasses.replace(self, **changes)
 
 
-def _sliding_heads_from_per_layer(per_layer_config: dict, layer_types: list):
+_PER_LAYER_KEYS = ("num_attention_heads", "num_key_value_heads")
+
+
+def _sliding_counts_from_per_layer(per_layer_config: dict, layer_types: list, heads: int,
+                                   kv: int) -> dict:
+    """The sliding kind's head / KV-head counts from transformers' ``per_layer_config``
+    ({layer: {key: value}}): one value per kind, full layers at the global counts."""
+    found = {}
     for idx, entry in per_layer_config.items():
-        if layer_types[int(idx)] == SLIDING and "num_attention_heads" in entry:
-            return entry["num_attention_heads"]
-    return None
+        layer = int(idx)
+        for key, value in entry.items():
+            where = f"per_layer_config[{idx}].{key}={value!r}"
+            if key not in _PER_LAYER_KEYS:
+                raise HFConfigError(f"{where}: only {_PER_LAYER_KEYS} may differ per layer")
+            if layer >= len(layer_types):
+                continue  # an MTP layer's entry
+            if layer_types[layer] != SLIDING:
+                if value != {"num_attention_heads": heads, "num_key_value_heads": kv}[key]:
+                    raise HFConfigError(f"{where} on a {FULL} layer: only the sliding kind has "
+                                        "its own head counts")
+                continue
+            if found.setdefault(key, int(value)) != int(value):
+                raise HFConfigError(f"{where} differs from an earlier sliding layer's "
+                                    f"{found[key]}: one value per layer kind is supported")
+    return found
 
 
 def _rope_by_kind(c: dict, layer_types: list, per_layer) -> tuple[dict, dict]:

@@ -12,7 +12,6 @@ shards. Rank 0 holds one unit's tensors at a time besides its own shard of the m
 """
 
 import json
-import math
 import os
 
 import torch
@@ -23,6 +22,8 @@ from mcore_ext._cpu_compat import cuda_to_cpu
 from mcore_ext.hf import layout
 from mcore_ext.hf.config import HFConfigError, Step35Config
 from mcore_ext.hf.safetensors_io import SafetensorsReader, ShardedSafetensorsWriter
+from mcore_ext.runtime import cpu_group, raise_unless_all_ok
+from mcore_ext.runtime import device as runtime_device
 
 CONFIG_NAME = "config.json"
 # The HF config an import started from; export reads it back for what megatron does not keep
@@ -101,11 +102,6 @@ def check_parallel(spec: Step35Config, tp: int) -> None:
             )
 
 
-def padded_vocab(vocab_size: int, tp: int, multiple: int) -> int:
-    step = math.lcm(multiple, tp)
-    return step * math.ceil(vocab_size / step)
-
-
 def build_config(spec: Step35Config, dtype: torch.dtype, **overrides):
     """The ``GatedTransformerConfig`` of ``spec`` on this rank's parallel layout."""
     from mcore_ext.config import GatedTransformerConfig
@@ -132,6 +128,7 @@ def load_pretrained(
     dtype: torch.dtype | None = None,
     make_vocab_size_divisible_by: int = 1,
     max_sequence_length: int | None = None,
+    device: torch.device | str | None = None,
     **config_overrides,
 ):
     """A megatron ``GPTModel`` with this rank's shards of the HF Step-3.5 model in ``hf_dir``.
@@ -140,10 +137,12 @@ def load_pretrained(
     of lcm(``make_vocab_size_divisible_by``, TP) with zero rows: logits ``[..., :vocab_size]``
     are the model's. ``dtype`` defaults to the weights' dtype. ``config_overrides`` go to
     ``GatedTransformerConfig`` (e.g. ``sequence_parallel=True``, recompute settings).
+    The model is built and filled on the CPU, then moved to ``device`` (default:
+    ``mcore_ext.device()``, this rank's GPU where CUDA exists, else the CPU).
     Raises ``HFConfigError`` / ``SafetensorsError`` before building anything when the directory
     is incomplete or does not match its config.
     """
-    from mcore_ext.models import build_gpt_model
+    from mcore_ext.models import build_gpt_model, padded_vocab_size
 
     _, spec = read_hf_config(hf_dir)
     reader = SafetensorsReader(hf_dir)
@@ -153,7 +152,7 @@ def load_pretrained(
         check_parallel(spec, tp)
         dtype = dtype or file_dtype
         config = build_config(spec, dtype, **config_overrides)
-        vocab = padded_vocab(spec.vocab_size, tp, make_vocab_size_divisible_by)
+        vocab = padded_vocab_size(spec.vocab_size, make_vocab_size_divisible_by, tp)
         # cuda_to_cpu: megatron moves tied output weights with .cuda() (a no-op context on GPUs).
         with cuda_to_cpu():
             model = build_gpt_model(
@@ -167,6 +166,7 @@ def load_pretrained(
         load_into(model, reader, spec, vocab)
     finally:
         reader.close()
+    model.to(device if device is not None else runtime_device())
     model.hf_config = spec  # what save_pretrained writes back (vocab size, token ids)
     return model
 
@@ -176,8 +176,10 @@ def load_into(model, reader: SafetensorsReader, spec: Step35Config, vocab: int) 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     rank = parallel_state.get_tensor_model_parallel_rank()
     params = _named_params(model)
+    # Parameters start uninitialised (perform_initialization=False): every one must be written.
+    units = _mapped_units(model, spec, vocab, params, "load")
     with torch.no_grad():
-        for name, entry, mapping, hf_names in _units(model, spec, vocab):
+        for name, entry, mapping, hf_names in units:
             if entry is layout.OUTPUT and spec.tie_word_embeddings:
                 hf_names = ("model.embed_tokens.weight",)
             param = params[name]
@@ -193,6 +195,29 @@ def load_into(model, reader: SafetensorsReader, spec: Step35Config, vocab: int) 
 
 def _named_params(model) -> dict:
     return dict(model.named_parameters())
+
+
+def _mapped_units(model, spec: Step35Config, vocab: int, params: dict, action: str) -> list:
+    """``_units`` of this rank, after checking (on every rank together) that they map every
+    parameter: one left out would stay uninitialised on load, or be dropped on save."""
+    failure = None
+    try:
+        units = list(_units(model, spec, vocab))
+        unmapped = sorted(set(params) - {name for name, *_ in units})
+        if unmapped:
+            what = ("would stay uninitialised" if action == "load"
+                    else "would be dropped from the export")
+            raise HFConfigError(
+                f"{len(unmapped)} parameter(s) have no place in the Step-3.5 layout and {what}: "
+                f"{unmapped[:4]} (the model is not the dense Step-3.5 architecture)"
+            )
+    except HFConfigError as err:
+        failure = err
+    if dist.is_initialized():
+        raise_unless_all_ok(failure, f"{action} of the Step-3.5 layout", HFConfigError)
+    elif failure is not None:
+        raise failure
+    return units
 
 
 def _units(model, spec: Step35Config, vocab: int):
@@ -242,6 +267,9 @@ def spec_of(model, vocab_size: int | None = None, extra: dict | None = None) -> 
         share_embeddings=model.share_embeddings_and_output_weights,
         position_embedding_type=model.position_embedding_type,
         extra=dict(known.extra) if known else {},
+        rope_scaling=bool(getattr(model, "rotary_scaling", False)),
+        seq_len_interpolation_factor=getattr(getattr(model, "rotary_pos_emb", None),
+                                             "seq_len_interpolation_factor", None),
     )
     if extra:
         spec.extra.update(extra)
@@ -261,7 +289,10 @@ def save_pretrained(model, hf_dir: str, *, vocab_size: int | None = None,
     model = unwrap(model)
     spec = spec_of(model, vocab_size, extra_config)
     world_rank = dist.get_rank() if dist.is_initialized() else 0
-    tp_group = parallel_state.get_tensor_model_parallel_group()
+    # The tensors travel on the CPU (rank 0 writes them from there): in gloo groups, beside
+    # megatron's NCCL groups on a GPU machine.
+    tp_group = cpu_group(parallel_state.get_tensor_model_parallel_group())
+    world_group = cpu_group() if dist.is_initialized() else None
     tp = parallel_state.get_tensor_model_parallel_world_size()
     is_writer_stage = parallel_state.get_data_parallel_rank() == 0
     owner = is_writer_stage and parallel_state.get_tensor_model_parallel_rank() == 0
@@ -269,12 +300,14 @@ def save_pretrained(model, hf_dir: str, *, vocab_size: int | None = None,
     # Which global rank sends each unit: TP rank 0 / DP rank 0 of the stage that holds it.
     params = _named_params(model)
     units = {}  # unit name -> list of (megatron name, entry, mapping, hf names)
-    for item in _units(model, spec, model.vocab_size):
+    items = _mapped_units(model, spec, model.vocab_size, params, "save")
+    for item in items:
         units.setdefault(_unit_of(item[3]), []).append(item)
     mine = {unit: world_rank for unit in units} if owner else {}
     gathered = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
     if dist.is_initialized():
-        dist.all_gather_object(gathered, (mine, next(model.parameters()).dtype))
+        dist.all_gather_object(gathered, (mine, next(model.parameters()).dtype),
+                               group=world_group)
     else:
         gathered = [(mine, next(model.parameters()).dtype)]
     # One dtype for the whole file: rank 0's first parameter's (the embedding's).
@@ -309,10 +342,10 @@ def save_pretrained(model, hf_dir: str, *, vocab_size: int | None = None,
                 if world_rank == 0 and source == 0:
                     writer.write(name, tensors[name].to(dtype))
                 elif world_rank == source:
-                    dist.send(tensors[name].to(dtype).contiguous(), dst=0)
+                    dist.send(tensors[name].to(dtype).contiguous(), dst=0, group=world_group)
                 elif world_rank == 0:
                     tensor = torch.empty(shapes[name], dtype=dtype)
-                    dist.recv(tensor, src=source)
+                    dist.recv(tensor, src=source, group=world_group)
                     writer.write(name, tensor)
             del tensors
         if writer is not None:
@@ -322,7 +355,7 @@ def save_pretrained(model, hf_dir: str, *, vocab_size: int | None = None,
             writer.abort()
         raise
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=world_group)
 
 
 def _unit_of(hf_names) -> str:
@@ -350,7 +383,7 @@ def _gather_unit(items, params: dict, tp_group, tp: int) -> dict:
     out = {}
     for name, _, mapping, hf_names in items:
         param = params[name]
-        local = param.detach().contiguous()
+        local = param.detach().to("cpu").contiguous()
         if tp > 1 and getattr(param, "tensor_model_parallel", False):
             locals_ = [torch.empty_like(local) for _ in range(tp)]
             dist.all_gather(locals_, local, group=tp_group)

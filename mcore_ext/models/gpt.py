@@ -1,5 +1,6 @@
 """``build_gpt_model``: megatron's GPTModel with mcore_ext's block spec and the config's RoPE."""
 
+import math
 from typing import Optional
 
 from megatron.core import parallel_state
@@ -55,3 +56,11 @@ def build_gpt_model(
         mtp_block_spec=mtp_block_spec,
         vp_stage=vp_stage,
     )
+
+
+def padded_vocab_size(vocab_size: int, multiple: int, tensor_model_parallel_size: int) -> int:
+    """Rows of the embedding / output layer: ``vocab_size`` rounded up to a multiple of
+    lcm(``multiple``, TP), the same at every TP size dividing ``multiple`` (as Megatron-LM's
+    ``make_vocab_size_divisible_by``). Extra rows are padding."""
+    step = math.lcm(multiple, tensor_model_parallel_size)
+    return step * math.ceil(vocab_size / step)

@@ -36,25 +36,12 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from torch.distributed.checkpoint.api import CheckpointException
 
 from mcore_ext import checkpoint
-from mcore_ext.runtime import device
-from mcore_ext.training.faults import CheckpointSaveError, fault_point, raise_unless_all_ok
+from mcore_ext.checkpoint.directory import TRACKER, iteration_dir, latest_iteration  # noqa: F401
+from mcore_ext.runtime import device, raise_unless_all_ok
+from mcore_ext.training.faults import CheckpointSaveError, fault_point
 
-TRACKER = "latest_checkpointed_iteration.txt"
 # Prefixes of an iteration directory's name while it is written / while it is being replaced.
 _SAVING, _REPLACED = ".saving.", ".replaced."
-
-
-def iteration_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
-
-
-def latest_iteration(root: str | None) -> int | None:
-    """The iteration of the latest complete checkpoint under ``root``, or None."""
-    try:
-        with open(os.path.join(root, TRACKER)) as f:
-            return int(f.read().strip())
-    except (TypeError, OSError, ValueError):
-        return None
 
 
 def _layout() -> dict:

@@ -20,7 +20,8 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from mcore_ext.attention.context_parallel import get_batch_on_this_cp_rank
 from mcore_ext.data.preprocess import preprocess, stdlib_sources
 from mcore_ext.data.tokenizers import load_tokenizer
-from mcore_ext.training.faults import fault_point, raise_unless_all_ok
+from mcore_ext.runtime import raise_unless_all_ok
+from mcore_ext.training.faults import fault_point
 
 
 def prepare_tokenizer_and_data(cfg):

@@ -31,6 +31,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from mcore_ext.runtime import raise_unless_all_ok  # noqa: F401  (data.py, tests import it here)
+
 _PR_SET_PDEATHSIG = 1
 # Keeps an async save's Manager (and so its server process) alive as long as this process.
 _writer_manager = None
@@ -172,20 +174,6 @@ def check_writable(directory: str) -> None:
     raise_unless_all_ok(
         failure, f"checkpoint.save={directory!r} is not writable", CheckpointSaveError
     )
-
-
-def raise_unless_all_ok(failure: Exception | None, what: str, error=RuntimeError) -> None:
-    """Collective: if ``what`` failed on any rank, raise ``error`` on every rank with the same
-    message, "<what> on rank R (<its error>), ...", instead of leaving the other ranks waiting."""
-    ok = torch.tensor([0 if failure else 1], dtype=torch.int32, device=_device())
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    if ok.item():
-        return
-    reports = [None] * dist.get_world_size()
-    mine = f"{type(failure).__name__}: {failure}" if failure is not None else None
-    dist.all_gather_object(reports, mine)
-    failed = ", ".join(f"rank {r} ({m})" for r, m in enumerate(reports) if m is not None)
-    raise error(f"{what} on {failed}") from failure
 
 
 # ----------------------------------------------------------------------------- fault injection

@@ -70,9 +70,10 @@ def pretrain(cfg) -> None:
 
 def padded_vocab_size(vocab_size: int, cfg) -> int:
     """Round up to make_vocab_size_divisible_by (and TP): the same at every TP size dividing it."""
-    tp = cfg.parallelism.tensor_model_parallel_size
-    multiple = math.lcm(cfg.model.make_vocab_size_divisible_by, tp)
-    return multiple * math.ceil(vocab_size / multiple)
+    from mcore_ext.models import padded_vocab_size as padded
+
+    return padded(vocab_size, cfg.model.make_vocab_size_divisible_by,
+                  cfg.parallelism.tensor_model_parallel_size)
 
 
 def build_model(cfg, vocab_size: int) -> DistributedDataParallel:

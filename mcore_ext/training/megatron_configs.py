@@ -6,12 +6,11 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 
 from mcore_ext.config import GatedTransformerConfig
-
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from mcore_ext.precision import dtype_of
 
 
 def compute_dtype(cfg) -> torch.dtype:
-    return _DTYPES[cfg.training.precision]
+    return dtype_of(cfg.training.precision)
 
 
 def transformer_config(cfg, **runtime_fields) -> GatedTransformerConfig:

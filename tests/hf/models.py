@@ -1,4 +1,8 @@
-"""Tiny random Hugging Face Step-3.5 models, built offline from a config (transformers needed).
+"""Tiny random Hugging Face Step-3.5 models, built offline from a config.
+
+``tiny_config`` / ``build`` / ``load_released`` need transformers (they import it when called).
+``write_released`` writes a released-layout directory (the same tiny model's config, random
+tensors) with safetensors alone, for the tests that need HF files but not transformers.
 
 The released checkpoint layout is ``model.*`` + ``lm_head``; transformers has no text-only causal-LM
 class for it, so ``CausalLM`` below is the text model plus an untied lm_head: with
@@ -15,9 +19,11 @@ VOCAB = 257  # the launcher's byte tokenizer
 SEQ = 12
 
 
-def tiny_config(**overrides):
+def tiny_config(sliding_kv_heads=None, **overrides):
     """Both layer kinds with different head counts, window 4 < SEQ, per-kind RoPE base and
-    rotary fraction, a SwiGLU clamp that the random weights hit (on the sliding layers)."""
+    rotary fraction, a SwiGLU clamp that the random weights hit (on the sliding layers).
+    ``sliding_kv_heads``: the sliding layers' own KV-head count (transformers reads it from
+    ``per_layer_config``)."""
     from transformers import Step3p7TextConfig
 
     fields = dict(
@@ -31,6 +37,11 @@ def tiny_config(**overrides):
         rms_norm_eps=1e-5, pad_token_id=0, bos_token_id=1, eos_token_id=256,
     )
     fields.update(overrides)
+    if sliding_kv_heads is not None:
+        heads = fields["num_sliding_attention_heads"]
+        fields["per_layer_config"] = {
+            i: {"num_attention_heads": heads, "num_key_value_heads": sliding_kv_heads}
+            for i, kind in enumerate(fields["layer_types"]) if kind == "sliding_attention"}
     return Step3p7TextConfig(**fields)
 
 
@@ -90,6 +101,10 @@ def legacy_config_dict(modern: dict) -> dict:
     theta = [rope[t]["rope_theta"] for t in types]
     partial = [rope[t].get("partial_rotary_factor", 1.0) for t in types]
     limits = modern["swiglu_limits_shared"] or [0.0] * n
+    sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    per_layer = modern.get("per_layer_config") or {}
+    sliding_kv = (per_layer.get(str(sliding[0]), {}).get("num_key_value_heads")
+                  if sliding else None) or modern["num_key_value_heads"]
     return {
         "architectures": ["Step3p5ForCausalLM"],
         "model_type": "step3p5",
@@ -104,7 +119,7 @@ def legacy_config_dict(modern: dict) -> dict:
         "attention_other_setting": {
             "attention_type": "sliding_attention",
             "num_attention_heads": modern["num_sliding_attention_heads"],
-            "num_attention_groups": modern["num_key_value_heads"],
+            "num_attention_groups": sliding_kv,
             "head_dim": modern["head_dim"],
         },
         "layer_types": types + ["full_attention"],
@@ -132,3 +147,89 @@ def load_released(directory):
 
 def tokens(batch=2, seq=SEQ, seed=7):
     return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+# tiny_config() in the released config form, written out so that no transformers is needed.
+TINY_RELEASED = {
+    "architectures": ["Step3p5ForCausalLM"], "model_type": "step3p5", "vocab_size": VOCAB,
+    "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 4,
+    "num_nextn_predict_layers": 1, "num_attention_heads": 4, "num_attention_groups": 4,
+    "head_dim": 8,
+    "attention_other_setting": {"attention_type": "sliding_attention", "num_attention_heads": 8,
+                                "num_attention_groups": 4, "head_dim": 8},
+    "layer_types": ["full_attention", "sliding_attention", "sliding_attention",
+                    "full_attention", "full_attention"],
+    "sliding_window": 4, "rope_theta": [10000.0, 500.0, 500.0, 10000.0, 10000.0],
+    "partial_rotary_factors": [0.5, 1.0, 1.0, 0.5, 0.5],
+    "swiglu_limits_shared": [0.0, 1.0, 1.0, 0.0, 0.0], "moe_layers_enum": "",
+    "use_head_wise_attn_gate": True, "rms_norm_eps": 1e-5, "max_position_embeddings": 64,
+    "bos_token_id": 1, "eos_token_id": 256, "pad_token_id": 0, "torch_dtype": "float32",
+}
+
+
+def released_shapes(raw: dict) -> dict:
+    """{tensor name: shape} of a dense released-layout config (written from the format, not from
+    mcore_ext.hf.layout)."""
+    h, f, hn = raw["hidden_size"], raw["intermediate_size"], raw["head_dim"]
+    other = raw["attention_other_setting"]
+    shapes = {"model.embed_tokens.weight": (raw["vocab_size"], h)}
+    for i in range(raw["num_hidden_layers"]):
+        sliding = raw["layer_types"][i] == "sliding_attention"
+        heads = other["num_attention_heads"] if sliding else raw["num_attention_heads"]
+        kv = other["num_attention_groups"] if sliding else raw["num_attention_groups"]
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (heads * hn, h),
+            p + "self_attn.k_proj.weight": (kv * hn, h),
+            p + "self_attn.v_proj.weight": (kv * hn, h),
+            p + "self_attn.g_proj.weight": (heads, h), p + "self_attn.o_proj.weight": (h, heads * hn),
+            p + "self_attn.q_norm.weight": (hn,), p + "self_attn.k_norm.weight": (hn,),
+            p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
+            p + "mlp.down_proj.weight": (h, f),
+        })
+    shapes["model.norm.weight"] = (h,)
+    shapes["lm_head.weight"] = (raw["vocab_size"], h)
+    return shapes
+
+
+def write_released(directory, raw=None, seed=0, tensors_per_file=20):
+    """A released-layout directory with random tensors: config.json, safetensors files of
+    ``tensors_per_file`` tensors each and their index. Returns the directory."""
+    from safetensors.torch import save_file
+
+    raw = dict(raw or TINY_RELEASED)
+    os.makedirs(directory, exist_ok=True)
+    generator = torch.Generator().manual_seed(seed)
+    names = list(released_shapes(raw).items())
+    chunks = [names[i:i + tensors_per_file] for i in range(0, len(names), tensors_per_file)]
+    weight_map = {}
+    for n, chunk in enumerate(chunks):
+        file = f"model-{n + 1:05d}-of-{len(chunks):05d}.safetensors"
+        save_file({name: torch.randn(shape, generator=generator) * 0.2 for name, shape in chunk},
+                  os.path.join(directory, file))
+        weight_map.update({name: file for name, _ in chunk})
+    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(raw, f, indent=2)
+    return directory
+
+
+def read_tensors(directory) -> dict:
+    """Every tensor of the safetensors files in ``directory``."""
+    from safetensors.torch import load_file
+
+    out = {}
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(".safetensors"):
+            out.update(load_file(os.path.join(directory, name)))
+    return out
+
+
+def assert_same_tensors(a_dir, b_dir):
+    """Same names, dtypes and values, bit for bit."""
+    a, b = read_tensors(a_dir), read_tensors(b_dir)
+    assert a.keys() == b.keys()
+    different = [n for n in a if a[n].dtype != b[n].dtype or not torch.equal(a[n], b[n])]
+    assert not different, f"tensors differ: {different[:5]}"

@@ -17,14 +17,13 @@ import torch
 from tests.functional.test_pretrain import LAUNCHER, ROOT, check, losses, torchrun
 from mcore_ext.hf import HFConfigError
 from tests.hf import models
-from tests.hf.test_hf_parity import assert_same_tensors
-
-pytest.importorskip("transformers")
+from tests.hf.models import assert_same_tensors
 
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    return models.save_released(models.build(), str(tmp_path_factory.mktemp("hf") / "tiny"))
+    """The tiny model's config with random tensors, written without transformers."""
+    return models.write_released(str(tmp_path_factory.mktemp("hf") / "tiny"))
 
 
 def _import(hf, ckpt, tp):
@@ -151,6 +150,7 @@ def test_cli_error_is_one_line_exit_2_nothing_written(hf_dir, tmp_path):
 
 @pytest.mark.slow
 def test_import_train_20_steps_at_tp2_export_loads_in_transformers(hf_dir, tmp_path):
+    pytest.importorskip("transformers")
     ckpt, run, out = tmp_path / "imported", tmp_path / "run", tmp_path / "exported"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     check(subprocess.run([sys.executable, "-m", "mcore_ext.hf", "import", hf_dir, str(ckpt),
@@ -181,3 +181,193 @@ def test_import_train_20_steps_at_tp2_export_loads_in_transformers(hf_dir, tmp_p
     assert len(changed) == len(trained)  # every tensor was trained (and exported)
     with torch.no_grad():
         assert torch.isfinite(model(models.tokens())).all()
+
+
+STEP35_TINY = str(ROOT / "configs" / "step35_tiny_cpu.yaml")
+
+
+def _cli(*args, timeout=300):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "mcore_ext.hf", *args], capture_output=True,
+                          text=True, cwd=ROOT, env=env, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_checkpoint_trained_at_cp2_exports_like_the_same_weights_at_cp1(tmp_path):
+    import yaml
+
+    run = tmp_path / "run"
+    check(torchrun("--config", STEP35_TINY, "parallelism.tensor_model_parallel_size=1",
+                   "parallelism.context_parallel_size=2", "data.source=mock",
+                   "model.seq_length=32", "training.micro_batch_size=2",
+                   "training.global_batch_size=2", "training.train_iters=2",
+                   "training.eval_interval=null", "optimizer.lr_warmup_iters=1",
+                   "checkpoint.load=null",
+                   f"checkpoint.save={run}", "checkpoint.save_interval=2",
+                   "logging.metrics_file=null"), "train at CP 2")
+    # The same weights with a CP 1 config: the export's reference.
+    cp1 = tmp_path / "cp1" / "iter_0000002"
+    shutil.copytree(run / "iter_0000002", cp1)
+    cfg = yaml.safe_load((cp1 / "config.yaml").read_text())
+    assert cfg["parallelism"]["context_parallel_size"] == 2
+    cfg["parallelism"]["context_parallel_size"] = 1
+    (cp1 / "config.yaml").write_text(yaml.safe_dump(cfg))
+
+    out, reference = tmp_path / "out", tmp_path / "reference"
+    check(_cli("export", str(run), str(out), "--vocab-size", "257"), "export of the CP 2 run")
+    check(_cli("export", str(cp1), str(reference), "--vocab-size", "257"), "export at CP 1")
+    assert_same_tensors(str(reference), str(out))
+
+    pytest.importorskip("transformers")
+    model, info = models.load_released(str(out))
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert not info["mismatched_keys"], info
+    with torch.no_grad():
+        assert torch.isfinite(model(models.tokens())).all()
+
+
+def _truncate_a_checkpoint_file(ckpt):
+    iteration = ckpt / "iter_0000000"
+    victim = sorted(iteration.glob("*.distcp"))[0]
+    victim.write_bytes(victim.read_bytes()[:64])
+
+
+@pytest.mark.parametrize("case", ["tp_larger_than_the_world", "corrupt_checkpoint"])
+def test_cli_reports_any_conversion_error_as_one_line(hf_dir, tmp_path, case):
+    if case == "tp_larger_than_the_world":  # init_parallel's ValueError
+        args, out = ["import", hf_dir, str(tmp_path / "ckpt"), "--tp", "2"], tmp_path / "ckpt"
+    else:  # megatron's load fails: CheckpointLoadError (a RuntimeError)
+        ckpt = tmp_path / "ckpt"
+        check(_cli("import", hf_dir, str(ckpt)), "import")
+        _truncate_a_checkpoint_file(ckpt)
+        args, out = ["export", str(ckpt), str(tmp_path / "out")], tmp_path / "out"
+    result = _cli(*args)
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, result.stderr[-3000:]  # megatron's warnings may come before it
+    assert result.stderr.strip().splitlines()[-1] == errors[0]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert not out.exists()
+
+
+def _export_with_tokenizer(ckpt, out, tokenizer, vocab_size):
+    """Export an imported checkpoint as if trained from scratch (no hf_config.json) with
+    data.tokenizer=``tokenizer``: the error message, or None."""
+    import yaml
+
+    import mcore_ext
+    from mcore_ext.hf import export_checkpoint
+
+    iteration = os.path.join(ckpt, "iter_0000000")
+    if os.path.exists(os.path.join(iteration, "hf_config.json")):
+        os.remove(os.path.join(iteration, "hf_config.json"))
+        cfg = yaml.safe_load(open(os.path.join(iteration, "config.yaml")))
+        cfg["data"]["tokenizer"] = tokenizer
+        cfg["checkpoint"]["load"] = None
+        yaml.safe_dump(cfg, open(os.path.join(iteration, "config.yaml"), "w"))
+    mcore_ext.init_parallel()
+    try:
+        export_checkpoint(ckpt, out, vocab_size=vocab_size)
+    except Exception as err:  # the test checks type and message
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def test_export_refuses_to_guess_the_vocabulary_when_the_tokenizer_fails(run_distributed,
+                                                                          hf_dir, tmp_path):
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
+    run_distributed(_import, hf_dir, ckpt, 1, world_size=1)
+    missing = str(tmp_path / "no_tokenizer_here")
+    error = run_distributed(_export_with_tokenizer, ckpt, out, missing, None, world_size=1)[0]
+    assert error is not None and error.startswith("HFConfigError"), error
+    assert "data.tokenizer=" in error and "no_tokenizer_here" in error and "--vocab-size" in error
+    assert not os.path.exists(out)
+    assert run_distributed(_export_with_tokenizer, ckpt, out, missing, 257,
+                           world_size=1) == [None]
+    assert json.load(open(os.path.join(out, "config.json")))["vocab_size"] == 257
+    assert_same_tensors(hf_dir, out)
+
+
+def _load_with(hf, tp, overrides, extra_parameter=False):
+    """load_pretrained(hf, **overrides) (and save_pretrained when ``extra_parameter``): the
+    error message, or None."""
+    import mcore_ext
+    from mcore_ext.hf import load_pretrained, save_pretrained
+
+    mcore_ext.init_parallel(tensor_model_parallel_size=tp)
+    try:
+        model = load_pretrained(hf, backend="sdpa", **overrides)
+        if extra_parameter:  # something the layout has no place for
+            model.register_parameter("extra_scale", torch.nn.Parameter(torch.ones(1)))
+            save_pretrained(model, hf + "_out")
+    except Exception as err:  # the test checks type and message
+        return f"{type(err).__name__}: {err}", os.path.exists(hf + "_out")
+    return None, os.path.exists(hf + "_out")
+
+
+def test_a_parameter_the_layout_does_not_fill_is_refused_on_load_and_save(run_distributed,
+                                                                        hf_dir):
+    # add_qkv_bias builds linear_qkv biases that no HF tensor fills (they would stay
+    # uninitialised memory).
+    for error, wrote in run_distributed(_load_with, hf_dir, 2, {"add_qkv_bias": True},
+                                        world_size=2):
+        assert error.startswith("HFConfigError") and "stay uninitialised" in error, error
+        assert "decoder.layers.0.self_attention.linear_qkv.bias" in error
+    for error, wrote in run_distributed(_load_with, hf_dir, 2, {}, True, world_size=2):
+        assert error.startswith("HFConfigError") and "extra_scale" in error, error
+        assert "dropped from the export" in error and not wrote
+
+
+def _import_export_beside(hf, ckpt, out, tp, pp, do_import):
+    """import (or export) with CPU tensors in gloo groups made beside megatron's: a GPU
+    machine's path (there megatron's groups are NCCL). Returns the number of such groups."""
+    import mcore_ext
+    from mcore_ext import runtime
+    from mcore_ext.hf import export_checkpoint, import_checkpoint
+
+    mcore_ext.init_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                            separate_cpu_groups=True)
+    if do_import:
+        import_checkpoint(hf, ckpt)
+    else:
+        export_checkpoint(ckpt, out, max_shard_bytes=40_000)
+    return len(runtime._cpu_groups)
+
+
+def test_export_through_gloo_groups_beside_megatrons_as_on_a_gpu(run_distributed, hf_dir,
+                                                                 tmp_path):
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
+    run_distributed(_import_export_beside, hf_dir, ckpt, out, 2, 1, True, world_size=2)
+    made = run_distributed(_import_export_beside, hf_dir, ckpt, out, 1, 2, False, world_size=2)
+    assert made == [2, 2]  # each rank's TP group (itself) and the world's
+    assert_same_tensors(hf_dir, out)
+
+
+GPU_SCRIPT = """
+import sys, torch, mcore_ext
+from mcore_ext.hf import load_pretrained, save_pretrained
+mcore_ext.init_parallel()
+assert torch.distributed.get_backend() == "nccl", torch.distributed.get_backend()
+model = load_pretrained(sys.argv[1], backend="sdpa")
+assert {p.device.type for p in model.parameters()} == {"cuda"}
+assert {p.device.type for p in load_pretrained(sys.argv[1], device="cpu").parameters()} == {"cpu"}
+save_pretrained(model, sys.argv[2])
+mcore_ext.destroy_parallel()
+"""
+
+
+@pytest.mark.gpu
+def test_import_export_and_load_pretrained_on_cuda_with_nccl(hf_dir, tmp_path):
+    nproc = min(2, torch.cuda.device_count())
+    ckpt, out, direct = tmp_path / "ckpt", tmp_path / "out", tmp_path / "direct"
+    hf_cli = ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "-m", "mcore_ext.hf"]
+
+    def run(*args):
+        return subprocess.run([sys.executable, *args], capture_output=True, text=True,
+                              cwd=ROOT, timeout=600)
+
+    check(run(*hf_cli, "import", hf_dir, str(ckpt), "--tp", str(nproc)), "import on CUDA")
+    check(run(*hf_cli, "export", str(ckpt), str(out), "--tp", str(nproc)), "export on CUDA")
+    assert_same_tensors(hf_dir, str(out))
+    check(run("-c", GPU_SCRIPT, hf_dir, str(direct)), "load / save_pretrained on CUDA")
+    assert_same_tensors(hf_dir, str(direct))

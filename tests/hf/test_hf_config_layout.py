@@ -19,10 +19,9 @@ from mcore_ext.hf.safetensors_io import (
 from tests import builders
 from tests.hf import models
 
-pytest.importorskip("transformers")
-
 
 def _modern():
+    pytest.importorskip("transformers")
     return models.tiny_config().to_dict()
 
 
@@ -41,6 +40,25 @@ def test_released_legacy_and_transformers_configs_read_the_same():
     assert a.swiglu_limits == [None, 1.0, 1.0, None]
 
 
+def test_sliding_kv_heads_read_from_every_form_and_written_for_transformers():
+    pytest.importorskip("transformers")
+    from transformers import Step3p7TextConfig
+
+    modern = models.tiny_config(num_key_value_heads=2, sliding_kv_heads=1).to_dict()
+    for raw in (modern, models.legacy_config_dict(modern)):
+        spec = Step35Config.from_hf_dict(raw)
+        assert (spec.kv_heads(0), spec.kv_heads(1), spec.heads(1)) == (2, 1, 8)
+    out = spec.to_hf_dict()
+    hf = Step3p7TextConfig(**{k: v for k, v in out.items() if k != "model_type"})
+    assert [hf.per_layer_config[i].num_key_value_heads for i in range(4)] == [2, 1, 1, 2]
+    assert out["attention_other_setting"]["num_attention_groups"] == 1  # what vLLM reads
+    bad = dict(modern, per_layer_config={"1": {"num_key_value_heads": 1},
+                                         "2": {"num_key_value_heads": 2}})
+    with pytest.raises(HFConfigError, match=r"per_layer_config\[2\].num_key_value_heads=2 "
+                                            "differs"):
+        Step35Config.from_hf_dict(bad)
+
+
 def dataclass_fields(spec):
     fields = dict(vars(spec))
     fields.pop("extra")
@@ -48,9 +66,10 @@ def dataclass_fields(spec):
 
 
 def test_exported_config_reads_back_in_transformers_and_here():
+    modern = _modern()
     from transformers import Step3p7TextConfig
 
-    spec = Step35Config.from_hf_dict(_modern())
+    spec = Step35Config.from_hf_dict(modern)
     out = spec.to_hf_dict()
     assert out["architectures"] == ["Step3p5ForCausalLM"] and out["model_type"] == "step3p5"
     hf = Step3p7TextConfig(**{k: v for k, v in out.items() if k != "model_type"})
@@ -72,10 +91,11 @@ def test_exported_config_reads_back_in_transformers_and_here():
     ({"layer_types": ["full_attention"] * 3 + ["chunked"]}, r"layer_types\[3\]='chunked'"),
 ])
 def test_unsupported_configs_are_refused_by_name(change, message):
-    raw = _modern()
+    raw = dict(models.TINY_RELEASED)
     raw.update(change)
     if change.get("mlp_layer_types", 0) is None:
         raw.pop("mlp_layer_types")
+        raw.pop("moe_layers_enum")
     with pytest.raises(HFConfigError, match=message):
         Step35Config.from_hf_dict(raw)
 
@@ -154,11 +174,7 @@ def test_failed_write_leaves_nothing(tmp_path):
 
 
 def test_truncated_and_missing_files_are_reported(tmp_path):
-    model = models.build(models.tiny_config(num_hidden_layers=1, layer_types=["full_attention"],
-                                            mlp_layer_types=["dense"], rope_theta=10000.0,
-                                            partial_rotary_factors=None,
-                                            swiglu_limits_shared=None))
-    directory = models.save_released(model, str(tmp_path / "hf"), max_shard_size="20KB")
+    directory = models.write_released(str(tmp_path / "hf"))
     index = json.loads((tmp_path / "hf" / INDEX_NAME).read_text())
     last = sorted(set(index["weight_map"].values()))[-1]
     path = tmp_path / "hf" / last
@@ -193,7 +209,7 @@ def test_mtp_layers_are_skipped_and_other_extra_tensors_refused(tmp_path):
 
     from mcore_ext.hf.convert import check_weights, read_hf_config
 
-    directory = models.save_released(models.build(), str(tmp_path / "hf"))
+    directory = models.write_released(str(tmp_path / "hf"))
     index_path = os.path.join(directory, INDEX_NAME)
     index = json.load(open(index_path))
     # The released checkpoint appends its MTP layers after the decoder's (here layer 4).
@@ -209,3 +225,49 @@ def test_mtp_layers_are_skipped_and_other_extra_tensors_refused(tmp_path):
     json.dump(index, open(index_path, "w"))
     with pytest.raises(HFConfigError, match="not part of a dense Step-3.5 decoder.*model.extra"):
         check_weights(SafetensorsReader(directory), spec)
+
+
+def _full_layer_fields():
+    """GatedTransformerConfig fields of the tiny model with full layers only (a global
+    window_size excludes layer kinds)."""
+    spec = Step35Config.from_hf_dict(models.TINY_RELEASED)
+    spec = spec.replace(layer_types=["full_attention"] * spec.num_layers, num_sliding_heads=None,
+                        sliding_window=None)
+    return spec.transformer_config_fields()
+
+
+# What megatron can compute and the Step-3.5 layout cannot hold: each is refused by name.
+UNHOLDABLE = [
+    ("rotary_interleaved", True, "rotary_interleaved=True"),
+    ("window_size", (3, 0), r"window_size=\(3, 0\)"),
+    ("qk_l2_norm", True, "qk_l2_norm=True"),
+    ("no_rope_freq", 2, r"no_rope_freq=\[0, 1, 0, 1\]"),
+    ("softmax_type", "off-by-one", "softmax_type='off-by-one'"),
+    ("softmax_type", "learnable", "softmax_type='learnable'"),
+    ("use_mup", True, "use_mup=True"),
+]
+
+
+@pytest.mark.parametrize("field, value, message", UNHOLDABLE)
+def test_export_refuses_what_the_layout_cannot_hold(field, value, message):
+    from mcore_ext.config import GatedTransformerConfig
+
+    fields = _full_layer_fields()
+    Step35Config.from_transformer_config(GatedTransformerConfig(**fields), vocab_size=257,
+                                         max_position_embeddings=64)  # the base model fits
+    config = GatedTransformerConfig(**fields, **{field: value})
+    with pytest.raises(HFConfigError, match=message):
+        Step35Config.from_transformer_config(config, vocab_size=257, max_position_embeddings=64)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(rope_scaling=True), "rope_scaling=True"),
+    (dict(seq_len_interpolation_factor=2.0), "seq_len_interpolation_factor=2.0"),
+])
+def test_export_refuses_rope_scaling_by_name(kwargs, message):
+    from mcore_ext.config import GatedTransformerConfig
+
+    config = GatedTransformerConfig(**_full_layer_fields())
+    with pytest.raises(HFConfigError, match=message):
+        Step35Config.from_transformer_config(config, vocab_size=257, max_position_embeddings=64,
+                                             **kwargs)

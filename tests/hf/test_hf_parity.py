@@ -23,13 +23,13 @@ import torch
 from tests import reference
 from tests.hf import models
 
-pytest.importorskip("transformers")
 TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
 def hf_model(tmp_path_factory):
     """(directory in the released layout, tokens, transformers' fp32 logits)."""
+    pytest.importorskip("transformers")
     model = models.build()
     directory = models.save_released(model, str(tmp_path_factory.mktemp("hf") / "tiny"))
     tokens = models.tokens()
@@ -97,10 +97,36 @@ def test_logits_match_transformers_on_4_ranks(run_distributed, hf_model, tp, pp)
     _check_parity(run_distributed(_parity, directory, tokens, tp, pp, world_size=4), expected)
 
 
+# Fewer KV groups than TP ranks on both layer kinds (full: 4 query heads, sliding: 8, each kind
+# with its own KV-head count): a rank's QKV rows cut through a query group.
+FEW_GROUPS = [pytest.param(2, 1, 4, marks=pytest.mark.slow), (1, 1, 2)]  # full, sliding KV; TP
+
+
+@pytest.mark.parametrize("kv, sliding_kv, tp", FEW_GROUPS)
+def test_logits_match_transformers_with_fewer_kv_groups_than_tp(run_distributed, tmp_path,
+                                                                 kv, sliding_kv, tp):
+    pytest.importorskip("transformers")
+    config = models.tiny_config(num_key_value_heads=kv, sliding_kv_heads=sliding_kv)
+    model = models.build(config)
+    directory = models.save_released(model, str(tmp_path / "hf"))
+    tokens = models.tokens()
+    with torch.no_grad():
+        expected = model(tokens)
+    _check_parity(run_distributed(_parity, directory, tokens, tp, 1, world_size=tp), expected)
+    out = str(tmp_path / "out")
+    run_distributed(_round_trip, directory, out, tp, 1, world_size=tp)
+    assert_same_tensors(directory, out)
+    exported, info = models.load_released(out)  # transformers reads each kind's KV heads
+    assert not info["missing_keys"] and not info["mismatched_keys"], info
+    with torch.no_grad():
+        assert torch.equal(exported(tokens), expected)
+
+
 @pytest.fixture(scope="module")
 def hf_model_bf16(tmp_path_factory):
     """(directory of a bf16 checkpoint, tokens, transformers' logits on its weights in fp32 and
     in bf16)."""
+    pytest.importorskip("transformers")
     model = models.build().to(torch.bfloat16)
     directory = models.save_released(model, str(tmp_path_factory.mktemp("hf") / "tiny_bf16"))
     tokens = models.tokens()
@@ -138,21 +164,8 @@ def _round_trip(hf_dir, out_dir, tp, pp):
     save_pretrained(model, out_dir, max_shard_bytes=30_000)
 
 
-def _tensors(directory):
-    from safetensors.torch import load_file
-
-    out = {}
-    for name in sorted(os.listdir(directory)):
-        if name.endswith(".safetensors"):
-            out.update(load_file(os.path.join(directory, name)))
-    return out
-
-
-def assert_same_tensors(a_dir, b_dir):
-    a, b = _tensors(a_dir), _tensors(b_dir)
-    assert a.keys() == b.keys()
-    different = [n for n in a if a[n].dtype != b[n].dtype or not torch.equal(a[n], b[n])]
-    assert not different, f"tensors differ: {different[:5]}"
+_tensors = models.read_tensors
+assert_same_tensors = models.assert_same_tensors
 
 
 @pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
