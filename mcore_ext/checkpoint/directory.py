@@ -2,7 +2,7 @@
 
     <save>/iter_0000010/                      megatron dist checkpoint + config.yaml
     <save>/latest_checkpointed_iteration.txt  "10": the latest complete checkpoint
-    <save>/.saving.iter_N, .replaced.iter_N   a save in progress: never loaded (training.checkpointing)
+    <save>/.saving.iter_N, .replaced.iter_N   a save in progress: never loaded
 """
 
 import os
