@@ -7,7 +7,6 @@ Bridge's ``finalize()`` calls megatron's ``__post_init__`` by name, so
 mcore_ext's checks and derived fields itself (``_mcore_ext_post_init``).
 """
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Literal, Optional
 
@@ -124,7 +123,3 @@ def _check(provider: GatedGPTModelProvider) -> None:
                 f"(it builds {name}={value!r})"
             )
 
-
-def provider_fields() -> frozenset:
-    """Names of the provider's dataclass fields (init fields only)."""
-    return frozenset(f.name for f in dataclasses.fields(GatedGPTModelProvider) if f.init)
