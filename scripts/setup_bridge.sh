@@ -31,7 +31,8 @@ cd "$ROOT"
 BRIDGE_VENV="${MCORE_EXT_BRIDGE_VENV:-$ROOT/.venv-bridge}"
 PINS=(megatron-bridge==0.6.2 omegaconf==2.4.0 antlr4-python3-runtime==4.9.3 einops==0.8.2)
 
-main_site="$("$PY" -c 'import os, torch; print(os.path.realpath(os.path.dirname(os.path.dirname(torch.__file__))))')"
+main_site="$("$PY" -c 'import os, torch
+print(os.path.realpath(os.path.dirname(os.path.dirname(torch.__file__))))')"
 stamp="$(cat "$VENV/.mcore_ext_stamp" 2>/dev/null || echo unstamped) ${PINS[*]}"
 say() { echo "[setup_bridge] $*" >&2; }
 
@@ -41,7 +42,8 @@ if [[ "$(cat "$BRIDGE_VENV/.mcore_ext_stamp" 2>/dev/null)" != "$stamp" ]]; then
     "$PY" -m venv "$BRIDGE_VENV"
     # --no-deps, before the .pth exists: pip neither resolves Bridge's pins nor sees .venv.
     "$BRIDGE_VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps "${PINS[@]}"
-    site="$("$BRIDGE_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    site="$("$BRIDGE_VENV/bin/python" -c \
+        'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
     # Appended after the venv's own site-packages: megatron/bridge (here) and megatron/core
     # (.venv) share the `megatron` namespace package.
     echo "$main_site" > "$site/_mcore_ext_main_venv.pth"
