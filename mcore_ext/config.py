@@ -104,6 +104,12 @@ class GatedTransformerConfig(TransformerConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        self._mcore_ext_post_init()
+
+    def _mcore_ext_post_init(self):
+        """mcore_ext's checks and derived fields, after megatron's ``__post_init__`` (a separate
+        method: Megatron-Bridge's providers defer megatron's post-init to ``finalize()``, which
+        calls megatron's by name, so they call this one from there)."""
         if self.head_wise_attn_gate:
             self._validate_head_wise_attn_gate()
         self._validate_layer_kinds()
