@@ -39,11 +39,16 @@ def test_released_legacy_and_transformers_configs_read_the_same():
     assert a.rope_theta == {"full_attention": 10000.0, "sliding_attention": 500.0}
     assert a.partial_rotary_factor == {"full_attention": 0.5, "sliding_attention": 1.0}
     assert a.swiglu_limits == [None, 1.0, 1.0, None]
+    assert (b.num_mtp_layers, b.mtp_layer_types, b.mtp_swiglu_limits) == (
+        1, ["full_attention"], [None])
 
 
 def dataclass_fields(spec):
+    """The fields both forms hold: the legacy form pads one MTP layer onto its lists, which
+    transformers' saved config (no num_nextn_predict_layers) does not have."""
     fields = dict(vars(spec))
-    fields.pop("extra")
+    for key in ("extra", "num_mtp_layers", "mtp_layer_types", "mtp_swiglu_limits"):
+        fields.pop(key)
     return fields
 
 
@@ -64,8 +69,13 @@ def test_exported_config_reads_back_in_transformers_and_here():
 
 @pytest.mark.parametrize("change, message", [
     ({"model_type": "llama"}, "model_type='llama'"),
-    ({"mlp_layer_types": ["dense", "sparse", "dense", "dense"]}, r"layers \[1\] are MoE"),
-    ({"mlp_layer_types": None}, r"layers \[3\] are MoE"),  # transformers' default: MoE from 3 on
+    ({"mlp_layer_types": None, "moe_router_activation": "softmax"},  # MoE from 3 on
+     "moe_router_activation='softmax'"),
+    ({"mlp_layer_types": None, "norm_expert_weight": False}, "norm_expert_weight=False"),
+    ({"mlp_layer_types": None, "use_moe_router_bias": False}, "use_moe_router_bias=False"),
+    ({"mlp_layer_types": None, "num_experts_per_tok": 1}, "moe_top_k=1"),
+    ({"mlp_layer_types": None, "num_nextn_predict_layers": 1, "moe_layers_enum": "4"},
+     r"MTP layers \[4\] are MoE"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope_scaling"),
     ({"attention_bias": True}, "attention_bias=True"),
     ({"gating": "full"}, "gating='full'"),
