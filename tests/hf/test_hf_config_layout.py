@@ -198,12 +198,18 @@ def test_export_refuses_a_model_the_layout_cannot_hold_naming_each_field():
         assert field in str(err.value)
 
 
-def test_mtp_layers_are_skipped_and_other_extra_tensors_refused(tmp_path):
+def test_partial_mtp_layers_and_extra_tensors_are_refused(tmp_path):
     from safetensors.torch import save_file
 
-    from mcore_ext.hf.convert import check_weights, read_hf_config
+    from mcore_ext.hf.convert import check_weights, read_hf_config, resolve_mtp
 
     directory = models.save_released(models.build(), str(tmp_path / "hf"))
+    _, spec = read_hf_config(directory)
+    assert spec.num_mtp_layers == 1  # the legacy config declares one MTP layer ...
+    spec = resolve_mtp(SafetensorsReader(directory), spec)
+    assert spec.num_mtp_layers == 0  # ... the weights hold none: the decoder alone
+    assert check_weights(SafetensorsReader(directory), spec) == torch.float32
+
     index_path = os.path.join(directory, INDEX_NAME)
     index = json.load(open(index_path))
     # The released checkpoint appends its MTP layers after the decoder's (here layer 4).
@@ -211,11 +217,17 @@ def test_mtp_layers_are_skipped_and_other_extra_tensors_refused(tmp_path):
               os.path.join(directory, "mtp.safetensors"))
     index["weight_map"]["model.layers.4.eh_proj.weight"] = "mtp.safetensors"
     json.dump(index, open(index_path, "w"))
-    _, spec = read_hf_config(directory)
-    assert check_weights(SafetensorsReader(directory), spec) == torch.float32
+    _, declared = read_hf_config(directory)
+    reader = SafetensorsReader(directory)
+    with pytest.raises(HFConfigError, match="missing.*model.layers.4"):
+        check_weights(reader, resolve_mtp(reader, declared))
+    with pytest.raises(HFConfigError, match="not part of the Step-3.5 model.*eh_proj"):
+        check_weights(reader, spec)  # MTP tensors the config does not declare are not dropped
 
     save_file({"model.extra.weight": torch.zeros(2)}, os.path.join(directory, "x.safetensors"))
     index["weight_map"]["model.extra.weight"] = "x.safetensors"
+    del index["weight_map"]["model.layers.4.eh_proj.weight"]
+    os.remove(os.path.join(directory, "mtp.safetensors"))
     json.dump(index, open(index_path, "w"))
-    with pytest.raises(HFConfigError, match="not part of a dense Step-3.5 decoder.*model.extra"):
+    with pytest.raises(HFConfigError, match="not part of the Step-3.5 model.*model.extra"):
         check_weights(SafetensorsReader(directory), spec)
