@@ -12,6 +12,10 @@ there were one megatron-core; each shim below says which releases need it and wh
    checkpoints correctly (``prepare_optimizer_for_loading``, ``load_optimizer_state_dict``).
 5. ``utils.get_batch_on_this_cp_rank`` gained ``is_hybrid_cp`` / ``cp_group`` arguments in later
    releases (``get_batch_on_this_cp_rank``).
+6. MTP: the layer inside an MTP depth is ``transformer_layer`` in 0.16 and ``mtp_model_layer``
+   from 0.17 (``MTP_INNER_LAYER_FIELD``); the MTP loss is a function (``process_mtp_loss``) only
+   from 0.17, whose arguments grew in later releases; Step-3.5's MTP needs that function
+   (``check_mtp_supported``).
 
 This module adapts megatron-core to other releases; ``_cpu_compat`` adapts it to a CPU.
 """
@@ -192,3 +196,58 @@ def get_batch_on_this_cp_rank(batch: dict, cp_group) -> dict:
     if "cp_group" in parameters:
         kwargs["cp_group"] = cp_group
     return utils.get_batch_on_this_cp_rank(dict(batch), **kwargs)
+
+
+# -------------------------------------------------------------------------------------- 6. MTP
+
+from megatron.core.transformer import multi_token_prediction as _mtp  # noqa: E402
+
+_MTP_LAYER_FIELDS = {field.name for field in dataclasses.fields(
+    _mtp.MultiTokenPredictionLayerSubmodules)}
+# The slot of the transformer layer inside an MTP depth (also its module and checkpoint name).
+MTP_INNER_LAYER_FIELD = "mtp_model_layer" if "mtp_model_layer" in _MTP_LAYER_FIELDS else (
+    "transformer_layer")
+
+
+def check_mtp_supported(step35_heads: bool) -> None:
+    """Refuse Step-3.5's MTP on a release without megatron's ``process_mtp_loss`` (0.16), which
+    computes its losses; megatron's own MTP runs on every supported release."""
+    if step35_heads and not hasattr(_mtp, "process_mtp_loss"):
+        raise NotImplementedError(
+            f"mtp_step35_heads=True (Step-3.5's MTP: one output head per depth) needs "
+            f"megatron-core >= 0.17 (its process_mtp_loss); megatron-core "
+            f"{megatron_core_version()} computes MTP losses inside GPTModel with the shared head. "
+            "Upgrade megatron-core, or set mtp_step35_heads=False for megatron's own MTP"
+        )
+
+
+def supported_kwargs(function, **kwargs) -> dict:
+    """The keyword arguments ``function`` takes. One it does not take must be None (a release
+    without it has nothing to pass it to); a value for it would be lost, which is an error."""
+    parameters = inspect.signature(function).parameters
+    lost = {k: v for k, v in kwargs.items() if k not in parameters and v is not None}
+    if lost:
+        raise TypeError(
+            f"megatron-core {megatron_core_version()}'s {function.__qualname__} takes no argument "
+            + ", ".join(f"{key}={value!r}" for key, value in lost.items())
+        )
+    return {key: value for key, value in kwargs.items() if key in parameters}
+
+
+def process_mtp_loss(**kwargs):
+    """megatron's ``process_mtp_loss`` with the arguments this release takes (0.17: no
+    ``tp_group`` / ``input_ids``). Without labels, a release that cannot derive them from
+    ``input_ids`` (0.17) computes no MTP loss: the main hidden states come back unchanged."""
+    parameters = inspect.signature(_mtp.process_mtp_loss).parameters
+    if kwargs.get("labels") is None and "input_ids" not in parameters:
+        hidden_states = kwargs["hidden_states"]
+        return hidden_states.chunk(1 + kwargs["config"].mtp_num_layers, dim=0)[0]
+    if "input_ids" not in parameters:
+        kwargs.pop("input_ids", None)  # only used to derive missing labels
+    return _mtp.process_mtp_loss(**supported_kwargs(_mtp.process_mtp_loss, **kwargs))
+
+
+def tp_group_kwargs(tp_group) -> dict:
+    """``tp_group=`` for megatron's parallel linears where a group is given (every supported
+    release takes it; None = megatron's default group)."""
+    return {} if tp_group is None else {"tp_group": tp_group}

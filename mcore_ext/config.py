@@ -109,6 +109,18 @@ class GatedTransformerConfig(TransformerConfig):
     mask where one is needed ("sdpa"), or torch flex_attention with a block mask for causal,
     window and packed documents ("flex"). Other backends ignore it."""
 
+    # ------------------------------------------------------------ MTP (Step-3.5, see mtp.py)
+
+    mtp_step35_heads: bool = True
+    """With ``mtp_num_layers`` (megatron's field; HF ``num_nextn_predict_layers``): Step-3.5's
+    MTP. Each depth has its own output head (``mtp.layers.{k}.output_layer``) and norm
+    (``final_layernorm``), takes the main model's hidden state before the final norm and chains
+    the previous depth's pre-norm output. False: megatron's own MTP (the main output layer for
+    every depth, post-norm inputs). MTP layer k is global layer ``num_layers + k + 1`` of
+    ``layer_types`` / ``swiglu_limits`` (lists of ``num_layers`` or ``num_layers +
+    mtp_num_layers`` entries; with ``num_layers`` entries, MTP layers are sliding when
+    ``layer_types`` is set, Step's rule, and unclamped)."""
+
     def __post_init__(self):
         from mcore_ext import moe
 
@@ -118,6 +130,8 @@ class GatedTransformerConfig(TransformerConfig):
         if self.head_wise_attn_gate:
             self._validate_head_wise_attn_gate()
         self._validate_layer_kinds()
+        if self.mtp_num_layers:
+            self._validate_mtp()
         # Layers whose parameters differ in shape cannot share megatron's stacked checkpoint
         # tensors ([num_layers, ...]): save each layer under its own key, as megatron does for
         # heterogeneous blocks (TransformerBlock.sharded_state_dict). Values that do not change
@@ -171,11 +185,12 @@ class GatedTransformerConfig(TransformerConfig):
             value = getattr(self, field)
             if value is not None and value <= 0:
                 raise ValueError(f"{field}={value} must be positive")
+        lengths = self._per_layer_list_lengths()
         if self.swiglu_limits is not None:
-            if len(self.swiglu_limits) != n:
+            if len(self.swiglu_limits) not in lengths:
                 raise ValueError(
-                    f"swiglu_limits has {len(self.swiglu_limits)} entries, num_layers is {n}: "
-                    "give one per layer (None or 0 = no clamp)"
+                    f"swiglu_limits has {len(self.swiglu_limits)} entries, num_layers is {n}"
+                    f"{self._mtp_phrase()}: give one per layer (None or 0 = no clamp)"
                 )
             bad = [v for v in self.swiglu_limits if v is not None and v < 0]
             if bad:
@@ -193,21 +208,24 @@ class GatedTransformerConfig(TransformerConfig):
                         "'sliding_attention' layers"
                     )
             return
-        if len(self.layer_types) != n:
+        if len(self.layer_types) not in lengths:
             raise ValueError(
-                f"layer_types has {len(self.layer_types)} entries, num_layers is {n}: give one "
-                f"per layer, each one of {LAYER_TYPES}"
+                f"layer_types has {len(self.layer_types)} entries, num_layers is {n}"
+                f"{self._mtp_phrase()}: give one per layer, each one of {LAYER_TYPES}"
             )
         unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
         if unknown:
             raise ValueError(
                 f"layer_types entry {unknown[0]!r} is not one of {LAYER_TYPES}"
             )
-        if SLIDING_ATTENTION in self.layer_types and (
+        sliding_numbers = [i for i in range(1, self.num_layers + (self.mtp_num_layers or 0) + 1)
+                           if self.layer_type(i) == SLIDING_ATTENTION]
+        if sliding_numbers and (
             self.sliding_window is None or self.sliding_window < 1
         ):
             raise ValueError(
-                f"layer_types has 'sliding_attention' layers: sliding_window must be at least 1, "
+                f"layer_types has 'sliding_attention' layers (global layers {sliding_numbers}; "
+                f"MTP layers without an entry are sliding): sliding_window must be at least 1, "
                 f"got {self.sliding_window}"
             )
         if self.window_size is not None:
@@ -238,15 +256,49 @@ class GatedTransformerConfig(TransformerConfig):
                 f"sliding_num_query_groups ({groups})"
             )
 
+    def _per_layer_list_lengths(self) -> tuple:
+        """Entries a per-layer list may have: one per main layer, or HF's padded lists with the
+        MTP layers' entries last."""
+        return (self.num_layers, self.num_layers + (self.mtp_num_layers or 0))
+
+    def _mtp_phrase(self) -> str:
+        return f", mtp_num_layers is {self.mtp_num_layers}" if self.mtp_num_layers else ""
+
+    def _validate_mtp(self):
+        if self.mtp_num_layers < 0:
+            raise ValueError(f"mtp_num_layers={self.mtp_num_layers} must be >= 0")
+        if not self.mtp_step35_heads:
+            return
+        # Step's depths differ from each other (own head, own layer kind): refuse megatron's
+        # options that would share or detach them.
+        for field in ("mtp_use_repeated_layer", "mtp_detach_heads"):
+            if getattr(self, field, False):
+                raise ValueError(
+                    f"{field}=True is megatron's MTP option; with mtp_step35_heads=True every "
+                    "depth has its own layer and output head: set mtp_step35_heads=False"
+                )
+        if self.pipeline_model_parallel_layout is not None:
+            raise ValueError(
+                "mtp_step35_heads=True places the MTP layers on the last pipeline stage: "
+                "pipeline_model_parallel_layout is not supported with it"
+            )
+
+    def is_mtp_layer_number(self, layer_number: int) -> bool:
+        """Whether global layer ``layer_number`` (1-based) is an MTP layer (after the main ones)."""
+        return layer_number > self.num_layers
+
     def layer_type(self, layer_number: int) -> str:
-        """The kind of global layer ``layer_number`` (1-based, as megatron counts)."""
+        """The kind of global layer ``layer_number`` (1-based, as megatron counts; MTP layer k is
+        ``num_layers + k + 1``)."""
         if self.layer_types is None:
             return FULL_ATTENTION
+        if layer_number > len(self.layer_types):  # an MTP layer without its own entry
+            return SLIDING_ATTENTION
         return self.layer_types[layer_number - 1]
 
     def swiglu_limit(self, layer_number: int) -> Optional[float]:
         """HF's SwiGLU clamp of global layer ``layer_number`` (1-based); None = no clamp."""
-        if self.swiglu_limits is None:
+        if self.swiglu_limits is None or layer_number > len(self.swiglu_limits):
             return None
         return self.swiglu_limits[layer_number - 1] or None
 

@@ -27,6 +27,7 @@ from mcore_ext.attention.gated import HeadWiseGatedSelfAttention
 from mcore_ext.attention.sdpa import SDPAttention
 from mcore_ext.layer_kinds import kind_layer_spec
 from mcore_ext.moe import is_moe_layer
+from mcore_ext.mtp import get_mtp_block_spec
 from mcore_ext.norm import TorchNorm
 
 logger = logging.getLogger(__name__)
@@ -126,13 +127,7 @@ def get_gpt_block_spec(
     are megatron's MoELayer and the others dense (mcore_ext.moe).
     """
     backend = resolve_backend(backend)
-    final_norm = {
-        AttentionBackend.SDPA: TorchNorm,
-        AttentionBackend.LOCAL: (
-            TorchNorm if gpt_layer_specs.LNImpl is WrappedTorchNorm else gpt_layer_specs.LNImpl
-        ),
-        AttentionBackend.TE: _mcore_compat.TENorm,
-    }[backend]
+    final_norm = _final_norm(backend)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     per_layer = ("layer_types", "swiglu_limits", "moe_expert_swiglu_limits", "num_moe_experts")
     if all(getattr(config, field, None) is None for field in per_layer):
@@ -148,6 +143,40 @@ def get_gpt_block_spec(
                 kind_specs[key] = get_gpt_layer_spec(layer_config, backend, moe=key[1])
             layer_specs.append(kind_layer_spec(kind_specs[key], config, number))
     return TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=final_norm)
+
+
+def get_gpt_mtp_block_spec(config: TransformerConfig, backend: str = "auto",
+                           vocab_size: int | None = None):
+    """The MTP block spec for ``GPTModel(mtp_block_spec=...)`` (None without mtp_num_layers).
+
+    Depth k is megatron's MTP layer (Step-3.5's with ``mtp_step35_heads``, whose own output head
+    needs ``vocab_size``, the model's padded vocabulary) around a layer of global layer
+    ``num_layers + k + 1``'s kind; its norms are the final norm's class of the backend (TorchNorm
+    without Apex / TE: zero-centered gamma and sequence parallelism work).
+    """
+    backend = resolve_backend(backend)
+    if getattr(config, "mtp_step35_heads", False) and config.mtp_num_layers and not vocab_size:
+        raise ValueError("mtp_step35_heads=True builds an output head per depth: give vocab_size")
+    if backend is AttentionBackend.TE:
+        from megatron.core.extensions.transformer_engine import TEColumnParallelLinear as eh_proj
+    else:
+        from megatron.core.tensor_parallel import ColumnParallelLinear as eh_proj
+    return get_mtp_block_spec(
+        config, lambda layer_config: get_gpt_layer_spec(layer_config, backend),
+        _final_norm(backend), eh_proj, vocab_size,
+    )
+
+
+def _final_norm(backend: AttentionBackend):
+    """The backend's norm outside layers (megatron's default, without Apex, refuses sequence
+    parallelism and zero-centered gamma: TorchNorm instead)."""
+    return {
+        AttentionBackend.SDPA: TorchNorm,
+        AttentionBackend.LOCAL: (
+            TorchNorm if gpt_layer_specs.LNImpl is WrappedTorchNorm else gpt_layer_specs.LNImpl
+        ),
+        AttentionBackend.TE: _mcore_compat.TENorm,
+    }[backend]
 
 
 _NORM_SLOTS = ("input_layernorm", "pre_mlp_layernorm", "q_layernorm", "k_layernorm")

@@ -75,6 +75,12 @@ def rank_rows(tensor, rank, world_size):
     return tensor.chunk(world_size, dim=0)[rank]
 
 
+def rank_rows_of_this_rank(tensor):
+    """This TP rank's contiguous block of rows of a global tensor (ColumnParallelLinear's split)."""
+    rank, size = tp_rank_and_size()
+    return rank_rows(tensor, rank, size)
+
+
 def tp_rank_and_size():
     from megatron.core import parallel_state
 

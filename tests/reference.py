@@ -130,6 +130,43 @@ def sigmoid_topk_moe(x, w, topk, scaling, routed_limit=None, shared_limit=None):
     return out.view(shape)
 
 
+def step35_layer(x, w, kind, eps):
+    """One Step-3.5 decoder layer on x [b, s, h]: gated attention of its kind, then the clamped
+    SwiGLU MLP (or, with ``kind["moe"]``, sigmoid_topk_moe), each with a residual. ``kind``:
+    heads, groups, window (None = full), rope_base, rope_fraction, swiglu_limit (None = no
+    clamp)."""
+    b, s, _ = x.shape
+    n, g = kind["heads"], kind["groups"]
+    h_in = zero_centered_rms_norm(x, w["input_layernorm"], eps)
+    q = (h_in @ w["q_proj"].T).view(b, s, n, -1)
+    k = (h_in @ w["k_proj"].T).view(b, s, g, -1)
+    v = (h_in @ w["v_proj"].T).view(b, s, g, -1)
+    q = zero_centered_rms_norm(q, w["q_norm"], eps).transpose(1, 2)  # [b, n, s, d]
+    k = zero_centered_rms_norm(k, w["k_norm"], eps).transpose(1, 2)
+    q = rope(q, kind["rope_base"], kind["rope_fraction"])
+    k = rope(k, kind["rope_base"], kind["rope_fraction"])
+    allowed = causal(s, s) if kind["window"] is None else sliding_causal(s, kind["window"])
+    # reuse attention() above, which takes [s, b, heads, d]
+    attn = attention(q.permute(2, 0, 1, 3), k.permute(2, 0, 1, 3),
+                     v.transpose(0, 1), allowed)  # [s, b, n * d]
+    attn = attn.transpose(0, 1).reshape(b, s, n, -1)
+    gate = torch.sigmoid(h_in @ w["g_proj"].T).unsqueeze(-1)  # [b, s, n, 1]
+    x = x + (attn * gate).reshape(b, s, -1) @ w["o_proj"].T
+    h_mlp = zero_centered_rms_norm(x, w["post_attention_layernorm"], eps)
+    if kind.get("moe"):
+        return x + sigmoid_topk_moe(h_mlp, w, shared_limit=kind["swiglu_limit"], **kind["moe"])
+    return x + clamped_swiglu_mlp(h_mlp, w["gate_proj"], w["up_proj"], w["down_proj"],
+                                  kind["swiglu_limit"])
+
+
+def step35_hidden(tokens_BS, weights, layers, eps):
+    """The decoder's output [b, s, h] before the final norm (``layers`` as in step35_logits)."""
+    x = weights["embed"][tokens_BS]  # [b, s, h]
+    for w, kind in zip(weights["layers"], layers):
+        x = step35_layer(x, w, kind, eps)
+    return x
+
+
 def step35_logits(tokens_BS, weights, layers, eps):
     """Logits [b, s, v] of a Step-3.5 text decoder.
 
@@ -138,30 +175,40 @@ def step35_logits(tokens_BS, weights, layers, eps):
     layer ``moe``: the keyword arguments of ``sigmoid_topk_moe`` (topk, scaling, routed_limit),
     whose weights are in the layer's dict.
     """
-    x = weights["embed"][tokens_BS]  # [b, s, h]
-    b, s, _ = x.shape
-    for i, kind in enumerate(layers):
-        w = weights["layers"][i]
-        n, g = kind["heads"], kind["groups"]
-        h_in = zero_centered_rms_norm(x, w["input_layernorm"], eps)
-        q = (h_in @ w["q_proj"].T).view(b, s, n, -1)
-        k = (h_in @ w["k_proj"].T).view(b, s, g, -1)
-        v = (h_in @ w["v_proj"].T).view(b, s, g, -1)
-        q = zero_centered_rms_norm(q, w["q_norm"], eps).transpose(1, 2)  # [b, n, s, d]
-        k = zero_centered_rms_norm(k, w["k_norm"], eps).transpose(1, 2)
-        q = rope(q, kind["rope_base"], kind["rope_fraction"])
-        k = rope(k, kind["rope_base"], kind["rope_fraction"])
-        allowed = causal(s, s) if kind["window"] is None else sliding_causal(s, kind["window"])
-        # reuse attention() above, which takes [s, b, heads, d]
-        attn = attention(q.permute(2, 0, 1, 3), k.permute(2, 0, 1, 3),
-                         v.transpose(0, 1), allowed)  # [s, b, n * d]
-        attn = attn.transpose(0, 1).reshape(b, s, n, -1)
-        gate = torch.sigmoid(h_in @ w["g_proj"].T).unsqueeze(-1)  # [b, s, n, 1]
-        x = x + (attn * gate).reshape(b, s, -1) @ w["o_proj"].T
-        h_mlp = zero_centered_rms_norm(x, w["post_attention_layernorm"], eps)
-        if kind.get("moe"):
-            x = x + sigmoid_topk_moe(h_mlp, w, shared_limit=kind["swiglu_limit"], **kind["moe"])
-        else:
-            x = x + clamped_swiglu_mlp(h_mlp, w["gate_proj"], w["up_proj"], w["down_proj"],
-                                       kind["swiglu_limit"])
+    x = step35_hidden(tokens_BS, weights, layers, eps)
     return zero_centered_rms_norm(x, weights["norm"], eps) @ weights["lm_head"].T
+
+
+def step35_mtp_logits(tokens_BS, weights, layers, mtp_layers, eps, pre_norm_input=True,
+                      own_heads=True):
+    """Step-3.5's multi-token prediction: per depth k, logits [b, s, v] whose position t predicts
+    token t + k + 2.
+
+    Written from the formula as vLLM's ``vllm/model_executor/models/step3p5_mtp.py`` (commit
+    375a5cf2) computes it, not from its code. Depth k (weights["mtp"][k]: enorm, hnorm,
+    eh_proj [h, 2h], the layer's own tensors, shared_head_norm, shared_head_output [v, h]):
+
+        e_k   = embed(token t + k + 1)            (token 0 past the sequence's end)
+        h_k   = layer_k(eh_proj(cat[rms(e_k; enorm), rms(h_{k-1}; hnorm)]))
+        out_k = rms(h_k; shared_head_norm) @ shared_head_output^T
+
+    with h_{-1} the decoder's output before its final norm and h_k handed on before its norm.
+    RoPE positions are 0 .. s-1 for every depth (vLLM uses the shifted tokens' positions; RoPE
+    scores depend only on position differences, so the attention is the same).
+
+    ``pre_norm_input=False, own_heads=False`` is megatron-core's own MTP instead: h_{-1} after
+    the final norm, each depth hands on its normed output, and lm_head serves every depth.
+    """
+    hidden = step35_hidden(tokens_BS, weights, layers, eps)
+    previous = hidden if pre_norm_input else zero_centered_rms_norm(hidden, weights["norm"], eps)
+    shifted = tokens_BS
+    out = []
+    for w, kind in zip(weights["mtp"], mtp_layers):
+        shifted = torch.cat([shifted[:, 1:], torch.zeros_like(shifted[:, :1])], dim=1)
+        embedded = zero_centered_rms_norm(weights["embed"][shifted], w["enorm"], eps)
+        combined = torch.cat([embedded, zero_centered_rms_norm(previous, w["hnorm"], eps)], -1)
+        h = step35_layer(combined @ w["eh_proj"].T, w, kind, eps)
+        normed = zero_centered_rms_norm(h, w["shared_head_norm"], eps)
+        out.append(normed @ (w["shared_head_output"] if own_heads else weights["lm_head"]).T)
+        previous = h if pre_norm_input else normed
+    return out

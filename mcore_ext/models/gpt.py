@@ -5,8 +5,10 @@ from typing import Optional
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
+from mcore_ext import _mcore_compat
 from mcore_ext.config import GatedTransformerConfig
-from mcore_ext.specs import get_gpt_block_spec
+from mcore_ext.models.mtp import MTPGPTModel
+from mcore_ext.specs import get_gpt_block_spec, get_gpt_mtp_block_spec
 
 
 def build_gpt_model(
@@ -24,14 +26,21 @@ def build_gpt_model(
 
     RoPE comes from the config (``rotary_base``, ``rotary_percent``: the full layers'; a layer
     kind with other values computes its own), every layer is built with its kind's config, and
-    parameter names are megatron's. ``pre_process`` / ``post_process`` (embedding / output layer
+    parameter names are megatron's. With ``config.mtp_num_layers`` the model is an ``MTPGPTModel``
+    with MTP layers on the last pipeline stage (Step-3.5's with ``mtp_step35_heads``, see
+    mcore_ext/mtp.py; ``vocab_size`` also sizes their heads). ``pre_process`` / ``post_process`` (embedding / output layer
     on this rank) default to whether this is the first / last pipeline stage.
     """
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-    return GPTModel(
+    mtp_block_spec, model_class = None, GPTModel
+    if config.mtp_num_layers:
+        _mcore_compat.check_mtp_supported(getattr(config, "mtp_step35_heads", False))
+        mtp_block_spec = get_gpt_mtp_block_spec(config, backend, vocab_size)
+        model_class = MTPGPTModel
+    return model_class(
         config,
         transformer_layer_spec=get_gpt_block_spec(config, backend, vp_stage=vp_stage),
         vocab_size=vocab_size,
@@ -42,5 +51,6 @@ def build_gpt_model(
         position_embedding_type="rope",
         rotary_percent=config.rotary_percent,
         rotary_base=config.rotary_base,
+        mtp_block_spec=mtp_block_spec,
         vp_stage=vp_stage,
     )

@@ -90,39 +90,47 @@ def _global_weights(layers, hidden=32, head_dim=8, ffn=48, seed=0):
     return weights
 
 
-def load_global_weights(model, config, weights):
-    """Copy each rank's TP slice of the global (HF-named) weights into the megatron model."""
-    rank, tp = builders.tp_rank_and_size()
+def load_global_weights(model, config, weights, extra=None):
+    """Copy each rank's TP slice of the global (HF-named) weights into the megatron model.
 
-    def rows(t):
-        return builders.rank_rows(t, rank, tp)
-
-    def cols(t):
-        return t.chunk(tp, dim=1)[rank]
-
+    ``extra``: more local tensors by megatron name (e.g. MTP layers); every parameter must get one.
+    """
+    rows = builders.rank_rows_of_this_rank
     local = {"embedding.word_embeddings.weight": rows(weights["embed"]),
              "decoder.final_layernorm.weight": weights["norm"],
              "output_layer.weight": rows(weights["lm_head"])}
     for i, w in enumerate(weights["layers"]):
-        kind = config.get_config_for_layer(i + 1)
-        p = f"decoder.layers.{i}."
-        qkv = builders.interleave_qkv(w["q_proj"], w["k_proj"], w["v_proj"],
-                                      kind.num_attention_heads, kind.num_query_groups)
-        local.update({
-            p + "input_layernorm.weight": w["input_layernorm"],
-            p + "self_attention.linear_qkv.weight": torch.cat([rows(qkv), rows(w["g_proj"])]),
-            p + "self_attention.q_layernorm.weight": w["q_norm"],
-            p + "self_attention.k_layernorm.weight": w["k_norm"],
-            p + "self_attention.linear_proj.weight": cols(w["o_proj"]),
-            p + "pre_mlp_layernorm.weight": w["post_attention_layernorm"],
-            p + "mlp.linear_fc1.weight": torch.cat([rows(w["gate_proj"]), rows(w["up_proj"])]),
-            p + "mlp.linear_fc2.weight": cols(w["down_proj"]),
-        })
+        local.update(local_layer_weights(f"decoder.layers.{i}.", w,
+                                         config.get_config_for_layer(i + 1)))
+    local.update(extra or {})
     params = dict(model.named_parameters())
     assert set(params) == set(local), set(params) ^ set(local)
     with torch.no_grad():
         for name, value in local.items():
             params[name].copy_(value)
+
+
+def local_layer_weights(prefix, w, kind):
+    """This TP rank's megatron tensors of one dense layer from its global HF-named tensors ``w``
+    (``kind``: the layer's config, for heads and groups)."""
+    rows = builders.rank_rows_of_this_rank
+
+    def cols(t):
+        rank, tp = builders.tp_rank_and_size()
+        return t.chunk(tp, dim=1)[rank]
+
+    qkv = builders.interleave_qkv(w["q_proj"], w["k_proj"], w["v_proj"],
+                                  kind.num_attention_heads, kind.num_query_groups)
+    return {
+        prefix + "input_layernorm.weight": w["input_layernorm"],
+        prefix + "self_attention.linear_qkv.weight": torch.cat([rows(qkv), rows(w["g_proj"])]),
+        prefix + "self_attention.q_layernorm.weight": w["q_norm"],
+        prefix + "self_attention.k_layernorm.weight": w["k_norm"],
+        prefix + "self_attention.linear_proj.weight": cols(w["o_proj"]),
+        prefix + "pre_mlp_layernorm.weight": w["post_attention_layernorm"],
+        prefix + "mlp.linear_fc1.weight": torch.cat([rows(w["gate_proj"]), rows(w["up_proj"])]),
+        prefix + "mlp.linear_fc2.weight": cols(w["down_proj"]),
+    }
 
 
 def _full_logits(model, tokens, first_position=0, inference_context=None):

@@ -1,0 +1,149 @@
+"""Multi-token prediction (MTP): Step-3.5's semantics and megatron-core's own, against a reference.
+
+Reference: ``tests.reference.step35_mtp_logits``, plain PyTorch written from the formula that vLLM's
+``vllm/model_executor/models/step3p5_mtp.py`` (vllm-project/vllm, commit 375a5cf2) computes: each
+depth's own shared_head (norm + output), the main model's pre-final-norm hidden state as the first
+depth's input, pre-norm chaining, the MTP layer a decoder layer of its own kind. (sglang's
+``python/sglang/srt/models/step3p5_mtp.py``, commit 7ebcb766, was read too: it feeds every depth
+the target model's hidden state, a simplification its own comment calls non-standard.)
+
+Numerics as in test_layer_kinds: every rank builds one set of global HF-named weights from a seed,
+loads its TP slice into ``mcore_ext.build_gpt_model``'s model, and compares in fp32 within 1e-5
+(logits are O(1)). The model has 4 main layers and 2 MTP depths (global layers 5 and 6: per-layer
+lists of 6 entries; depth 0's sliding kind has other heads than the full layers and its clamp is
+hit). Only the positions where depth k has real input tokens (t < s - k - 1) are compared.
+Controls: the wrong variants (post-norm input, or the main lm_head for every depth) differ from
+the reference by far more than the tolerance, so the test would see either mistake.
+"""
+
+import pytest
+import torch
+
+from tests import builders, reference
+from tests.unit import test_layer_kinds as kinds
+
+TOL = 1e-5
+SEQ, BATCH, VOCAB, EPS, HIDDEN = 8, 2, 64, 1e-5, 32
+MTP_DEPTHS = 2
+LAYER_TYPES = kinds.LAYER_TYPES + ["sliding_attention", "full_attention"]
+SWIGLU_LIMITS = kinds.SWIGLU_LIMITS + [0.05, None]  # depth 0's clamp is hit
+
+
+def _config(tp, step35=True, **overrides):
+    fields = dict(layer_types=LAYER_TYPES, swiglu_limits=SWIGLU_LIMITS,
+                  mtp_num_layers=MTP_DEPTHS, mtp_step35_heads=step35)
+    fields.update(overrides)
+    return kinds._config("gqa", tp, **fields)
+
+
+def _reference_kinds(config):
+    """Reference layer dicts of the main layers and of the MTP depths (global layers
+    num_layers + k + 1), from the config's per-layer rules."""
+    def kind_of(number):
+        kind = config.get_config_for_layer(number)
+        sliding = config.layer_type(number) == "sliding_attention"
+        return dict(heads=kind.num_attention_heads, groups=kind.num_query_groups,
+                    window=config.sliding_window if sliding else None,
+                    rope_base=kind.rotary_base, rope_fraction=kind.rotary_percent,
+                    swiglu_limit=config.swiglu_limit(number))
+
+    n = config.num_layers
+    return ([kind_of(i) for i in range(1, n + 1)],
+            [kind_of(i) for i in range(n + 1, n + config.mtp_num_layers + 1)])
+
+
+def _weights(main_layers, mtp_layers, seed=0):
+    weights = kinds._global_weights(main_layers + mtp_layers, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+
+    def rand(*shape, std):
+        return torch.randn(*shape, generator=gen) * std
+
+    weights["mtp"] = weights["layers"][len(main_layers):]
+    weights["layers"] = weights["layers"][:len(main_layers)]
+    for w in weights["mtp"]:
+        w.update(enorm=rand(HIDDEN, std=0.3), hnorm=rand(HIDDEN, std=0.3),
+                 eh_proj=rand(HIDDEN, 2 * HIDDEN, std=0.2),
+                 shared_head_norm=rand(HIDDEN, std=0.3),
+                 shared_head_output=rand(VOCAB, HIDDEN, std=0.2))
+    return weights
+
+
+def _mtp_local_weights(config, weights, step35):
+    rows = builders.rank_rows_of_this_rank
+    local = {}
+    for k, w in enumerate(weights["mtp"]):
+        p = f"mtp.layers.{k}."
+        local.update(kinds.local_layer_weights(
+            p + "mtp_model_layer.", w, config.get_config_for_layer(config.num_layers + k + 1)))
+        local.update({p + "enorm.weight": w["enorm"], p + "hnorm.weight": w["hnorm"],
+                      p + "eh_proj.weight": rows(w["eh_proj"]),
+                      p + "final_layernorm.weight": w["shared_head_norm"]})
+        if step35:
+            local[p + "output_layer.weight"] = rows(w["shared_head_output"])
+    return local
+
+
+def _build_loaded(tp, step35, **overrides):
+    import mcore_ext
+
+    config = _config(tp, step35, **overrides)
+    main_layers, mtp_layers = _reference_kinds(config)
+    weights = _weights(main_layers, mtp_layers)
+    model = mcore_ext.build_gpt_model(config, vocab_size=VOCAB, max_sequence_length=SEQ,
+                                      backend="sdpa")
+    kinds.load_global_weights(model, config, weights,
+                              extra=_mtp_local_weights(config, weights, step35))
+    return model, weights, main_layers, mtp_layers
+
+
+def _mtp_vs_reference(tp):
+    """Per semantics: max abs diff of each depth's logits (gathered over TP) to the reference,
+    the main logits' diff, the wrong variants' distance, and the local logits' shape."""
+    import mcore_ext
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from mcore_ext.models import mtp_logits
+
+    mcore_ext.init_parallel(tensor_model_parallel_size=tp)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(SEQ).expand_as(tokens)
+    results = {}
+    for step35 in (True, False):
+        model, weights, main_layers, mtp_layers = _build_loaded(tp, step35)
+        with torch.no_grad():
+            local = mtp_logits(model, tokens, positions)
+            got = [gather_from_tensor_model_parallel_region(x) for x in local]
+            main = gather_from_tensor_model_parallel_region(model(tokens, positions, None))
+
+        def ref(pre_norm_input, own_heads):
+            return reference.step35_mtp_logits(tokens, weights, main_layers, mtp_layers, EPS,
+                                               pre_norm_input=pre_norm_input, own_heads=own_heads)
+
+        def diffs(a_list, b_list):
+            return [(a[:, :SEQ - k - 1] - b[:, :SEQ - k - 1]).abs().max().item()
+                    for k, (a, b) in enumerate(zip(a_list, b_list))]
+
+        expected = ref(step35, step35)
+        results[step35] = dict(
+            diffs=diffs(got, expected),
+            main_diff=(main - reference.step35_logits(tokens, weights, main_layers, EPS))
+            .abs().max().item(),
+            post_norm_input=diffs(ref(False, True), ref(True, True)),
+            shared_head=diffs(ref(True, False), ref(True, True)),
+            local_shape=tuple(local[0].shape), depths=len(local),
+        )
+    return results
+
+
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.smoke)])
+def test_mtp_logits_match_reference(run_distributed, tp):
+    for rank, results in enumerate(run_distributed(_mtp_vs_reference, tp, world_size=2)):
+        for step35, r in results.items():
+            assert r["depths"] == MTP_DEPTHS, r
+            assert r["local_shape"] == (BATCH, SEQ, VOCAB // tp), r  # TP-split like the logits
+            assert max(r["diffs"]) <= TOL, (rank, step35, r)
+            assert r["main_diff"] <= TOL, (rank, step35, r)  # MTP leaves the main model alone
+            # Controls: either wrong variant is far outside the tolerance at every depth.
+            assert min(r["post_norm_input"]) > 1e-2, r
+            assert min(r["shared_head"]) > 1e-2, r
