@@ -162,7 +162,8 @@ def get_gpt_mtp_block_spec(config: TransformerConfig, backend: str = "auto",
     else:
         from megatron.core.tensor_parallel import ColumnParallelLinear as eh_proj
     return get_mtp_block_spec(
-        config, lambda layer_config: get_gpt_layer_spec(layer_config, backend),
+        # Step-3.5's MTP layers are dense, also in a MoE model.
+        config, lambda layer_config: get_gpt_layer_spec(layer_config, backend, moe=False),
         _final_norm(backend), eh_proj, vocab_size,
     )
 
