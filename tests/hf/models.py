@@ -283,7 +283,7 @@ def reference_kinds(config):
         sliding = mtp or config.layer_types[i] == "sliding_attention"
         rope = config.rope_parameters["sliding_attention" if sliding else "full_attention"]
         out = dict(heads=config.num_sliding_attention_heads if sliding
-                   else config.num_attention_heads,
+                   else config.per_layer_config[0].num_attention_heads,  # layer 0 is full
                    groups=config.num_key_value_heads, window=config.sliding_window if sliding
                    else None, rope_base=rope["rope_theta"],
                    rope_fraction=rope.get("partial_rotary_factor", 1.0),
