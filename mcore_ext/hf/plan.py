@@ -5,7 +5,8 @@ Counts follow megatron's sharding of each HF tensor (``layout``): attention, den
 expert, eh_proj, embedding and output heads split over TP (the vocabulary padded to a multiple
 of lcm(make_vocab_size_divisible_by, TP)); norms and the router replicated; the routed experts
 split E / EP per EP rank and their width over ETP. Layers split evenly over PP stages; the
-embedding is on the first stage, the final norm, lm_head and the MTP layers on the last.
+embedding is on the first stage, the final norm, lm_head and the MTP layers on the last (with
+MTP layers, a copy of the embedding too, as megatron builds it).
 
 Memory (bytes per parameter, the launcher's mixed precision: bf16 weights, fp32 gradients with
 ``grad_reduce_in_fp32``, fp32 main weights and Adam's two moments): 2 + 4 + 12 without the
@@ -79,8 +80,10 @@ def stage_counts(spec: Step35Config, tp: int = 1, pp: int = 1, ep: int = 1,
         for layer in layers:
             d, e, b = _layer_counts(spec, layer, tp, ep, etp)
             dense, expert, bias = dense + d, expert + e, bias + b
-        if stage == 0:
-            dense += vocab_rows * spec.hidden_size  # embedding
+        # megatron builds the embedding on the first stage and, for the MTP layers' inputs, on
+        # the last one too (GPTModel: pre_process or mtp_process).
+        if stage == 0 or (stage == pp - 1 and spec.num_mtp_layers):
+            dense += vocab_rows * spec.hidden_size
         if stage == pp - 1:
             heads = 1 + spec.num_mtp_layers  # lm_head and each MTP depth's own head
             dense += spec.hidden_size + heads * vocab_rows * spec.hidden_size

@@ -153,6 +153,6 @@ def test_the_flash_launcher_config_is_the_fixture_model_at_a_layout_that_fits():
     par = cfg["parallelism"]
     rows = plan.plan(_spec(), tp=par["tensor_model_parallel_size"],
                      pp=par["pipeline_model_parallel_size"],
-                     ep=par["expert_model_parallel_size"], dp=16,  # 144 GPUs, as its comment says
+                     ep=par["expert_model_parallel_size"], dp=8,  # 144 GPUs, as its comment says
                      etp=par["expert_tensor_parallel_size"])
-    assert max(mem["total"] for _, mem in rows) <= 80 * plan.GIB * 0.6  # room for activations
+    assert max(mem["total"] for _, mem in rows) <= 40 * plan.GIB  # half a GPU for activations

@@ -159,3 +159,23 @@ def test_round_trip_is_bit_identical(run_distributed, moe_checkpoint, tmp_path, 
     assert config["moe_layers_enum"] == "1,2,3" and config["num_nextn_predict_layers"] == 1
     assert config["swiglu_limits"] == models.ROUTED_LIMITS + [0.0]
     assert config["swiglu_limits_shared"] == models.SHARED_LIMITS + [models.MTP_LIMIT]
+
+
+def test_transformers_names_import_and_export_in_the_released_layout(run_distributed, tmp_path):
+    """A checkpoint under transformers' names (mlp.experts.gate_up_proj, mlp.gate.*,
+    mlp.shared_experts.*) loads to the same logits and exports the released layout."""
+    model = models.build_moe()
+    directory, _ = models.save_moe(model, str(tmp_path / "hf"), released=False)
+    assert "model.layers.1.mlp.experts.gate_up_proj" in _tensors(directory)
+    tokens = models.tokens()
+    with torch.no_grad():
+        expected = model(tokens)
+    _check(run_distributed(_moe_parity, directory, tokens, 2, 1, 1, world_size=2), expected)
+    out = str(tmp_path / "out")
+    run_distributed(_round_trip, directory, out, 1, 1, 2, world_size=2)
+    released = models.released_tensors(model)
+    released.update(models.mtp_tensors(model.config))
+    exported = _tensors(out)
+    assert exported.keys() == released.keys()
+    assert all(torch.equal(exported[n], released[n]) and exported[n].dtype == released[n].dtype
+               for n in released)
