@@ -8,6 +8,14 @@ in a fresh process (TP = PP = 1, one CPU process, as the CLI runs) and reports w
 RSS over the interpreter's (RSS after importing torch, megatron-core and mcore_ext, before the
 work starts). Finally checks that export reproduced every tensor bit for bit.
 Targets (issue 10): each under 60 s and under 1.5 GB over the interpreter.
+
+    python benchmarks/bench_hf.py --moe [--layers 4]
+
+Issue 18: a generated MoE + MTP model (about 2 GB: layer 0 dense, the others MoE with 48 stacked
+experts, one MTP layer with its own head, fp32 router bias) goes HF -> megatron (``load_pretrained``)
+-> HF (``save_pretrained``) in one fresh process; reports both steps' time and the peak RSS over
+the interpreter, and checks the round trip bit for bit. (The launcher-checkpoint CLI path needs
+the launcher's MoE / MTP keys.)
 """
 
 import argparse
@@ -56,6 +64,89 @@ def generate(directory: str, layers: int) -> int:
     return sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory))
 
 
+def generate_moe(directory: str, layers: int) -> int:
+    """A random MoE + MTP model in the released layout, stacked experts written expert by
+    expert (the generator never holds one whole); returns its size in bytes."""
+    import torch
+
+    from mcore_ext.hf import layout
+    from mcore_ext.hf.config import Step35Config
+    from mcore_ext.hf.safetensors_io import ShardedSafetensorsWriter
+
+    kinds = ["full_attention" if i % 4 == 0 else "sliding_attention" for i in range(layers)]
+    spec = Step35Config(
+        vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_layers=layers,
+        num_heads=16, num_kv_heads=4, head_dim=128, num_sliding_heads=24, layer_types=kinds,
+        sliding_window=512, rope_theta={"full_attention": 5e6, "sliding_attention": 1e4},
+        partial_rotary_factor={"full_attention": 0.5, "sliding_attention": 1.0},
+        max_position_embeddings=4096, mlp_layer_types=["dense"] + ["sparse"] * (layers - 1),
+        num_experts=48, moe_top_k=4, moe_intermediate_size=768, share_expert_dim=768,
+        moe_router_scaling_factor=3.0, expert_swiglu_limits=[None] * (layers - 1) + [7.0],
+        swiglu_limits=[None] * (layers - 1) + [16.0], num_mtp_layers=1,
+    )
+    plan = [(n, layout.hf_dtype(n, torch.bfloat16), s) for n, s in layout.hf_shapes(spec).items()]
+    generator = torch.Generator().manual_seed(0)
+    config = json.dumps(spec.to_hf_dict(), indent=2)
+    with ShardedSafetensorsWriter(directory, plan, max_shard_bytes=400 * 2**20,
+                                  extra_files={"config.json": config}) as writer:
+        for name, dtype, shape in plan:
+            if name.endswith(layout.STACKED_EXPERT_NAMES):
+                for _ in range(shape[0]):
+                    rows = torch.randn((1, *shape[1:]), generator=generator) * 0.02
+                    writer.write_rows(name, rows.to(dtype))
+            else:
+                writer.write(name, (torch.randn(shape, generator=generator) * 0.02).to(dtype))
+    return sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory))
+
+
+def measure_moe(source: str, target: str) -> None:
+    """Run in this (fresh) process: load_pretrained, then save_pretrained; one JSON line."""
+    import mcore_ext
+    from mcore_ext.hf import load_pretrained, save_pretrained
+
+    baseline = _rss_mb()
+    mcore_ext.init_parallel(tensor_model_parallel_size=1)
+    start = time.perf_counter()
+    with mcore_ext.cuda_to_cpu():
+        model = load_pretrained(source, backend="sdpa")
+        loaded = time.perf_counter()
+        after_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        save_pretrained(model, target, max_shard_bytes=400 * 2**20)
+    saved = time.perf_counter()
+    mcore_ext.destroy_parallel()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    model_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    print(json.dumps({"load_s": round(loaded - start, 1), "save_s": round(saved - loaded, 1),
+                      "model_mb": round(model_mb), "baseline_rss_mb": round(baseline),
+                      "peak_after_load_over_interpreter_mb": round(after_load - baseline),
+                      "peak_over_interpreter_mb": round(peak - baseline)}))
+
+
+def main_moe(args) -> int:
+    work = Path(args.workdir)
+    shutil.rmtree(work, ignore_errors=True)
+    hf, out = str(work / "hf"), str(work / "exported")
+    start = time.perf_counter()
+    size = generate_moe(hf, args.layers)
+    print(f"generated {size / 2**30:.2f} GiB (MoE + MTP, {args.layers} layers, bf16) in "
+          f"{time.perf_counter() - start:.1f}s", flush=True)
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    result = subprocess.run([sys.executable, __file__, "--measure", "moe", hf, out],
+                            capture_output=True, text=True, env=env, cwd=ROOT)
+    if result.returncode:
+        print(result.stdout[-2000:], result.stderr[-4000:])
+        return 1
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    print(figures, flush=True)
+    bad = compare(hf, out)
+    print("round trip: every tensor bit-identical" if not bad else f"round trip differs: {bad[:5]}")
+    ok = (not bad and figures["load_s"] < 60 and figures["save_s"] < 60
+          and figures["peak_over_interpreter_mb"] < 1536)
+    print("targets (< 60 s each, < 1.5 GB over the interpreter):", "met" if ok else "NOT met")
+    shutil.rmtree(work, ignore_errors=True)
+    return 0 if ok else 1
+
+
 def measure(command: str, source: str, target: str) -> None:
     """Run in this (fresh) process: import or export, then print one JSON line of figures."""
     import mcore_ext  # noqa: F401  (the interpreter's baseline includes megatron-core)
@@ -98,10 +189,16 @@ def main() -> int:
     parser.add_argument("--workdir", default="/tmp/bench_hf")
     parser.add_argument("--measure", nargs=3, metavar=("COMMAND", "SOURCE", "TARGET"),
                         help=argparse.SUPPRESS)
+    parser.add_argument("--moe", action="store_true", help="the MoE + MTP model (issue 18)")
     args = parser.parse_args()
     if args.measure:
-        measure(*args.measure)
+        if args.measure[0] == "moe":
+            measure_moe(*args.measure[1:])
+        else:
+            measure(*args.measure)
         return 0
+    if args.moe:
+        return main_moe(args)
 
     work = Path(args.workdir)
     shutil.rmtree(work, ignore_errors=True)

@@ -22,6 +22,11 @@ bf16 / fp16 training: ``Float16Module`` and the mixed-precision optimizers (thei
 weights, fp16 loss scaling and inf checks) accept a CPU ``torch.BFloat16Tensor`` or
 ``torch.HalfTensor`` parameter by its CUDA name and need nothing else.
 
+MoE (megatron-core 0.16 - 0.19): the router's weight and buffers go to ``current_device()`` (the
+CPU, above); the all-to-all token dispatcher creates a class-wide CUDA stream for its
+device-to-host copies and waits on it, and 0.16 / 0.17's aux-loss tracker allocates on a literal
+"cuda" -> the stream is a null stream, and ``MoELayer.forward`` runs inside ``cuda_to_cpu()``.
+
 This is the only module that patches megatron-core or torch. ``install()`` and ``cuda_to_cpu()``
 are no-ops when CUDA is available, so GPU runs execute megatron-core unmodified.
 """
@@ -61,6 +66,7 @@ def install() -> bool:
     # CUDA call that fails later; seed the CPU generator instead.
     torch.cuda.manual_seed = lambda seed: None
     _install_rope_cp()
+    _install_moe()
     _installed = True
     return True
 
@@ -88,6 +94,33 @@ def _install_rope_cp():
             continue
         if hasattr(module, "get_pos_emb_on_this_cp_rank"):
             module.get_pos_emb_on_this_cp_rank = get_pos_emb_on_this_cp_rank
+
+
+def _install_moe():
+    """MoE on a CPU: the all-to-all dispatcher's DtoH stream, and CUDA devices in the forward."""
+    import functools
+
+    from megatron.core.transformer.moe import moe_layer, token_dispatcher
+
+    # Created by the first all-to-all dispatcher (torch.cuda.Stream() fails without CUDA); its
+    # copies are no-ops on a CPU, where every tensor already is.
+    dispatcher = token_dispatcher.MoEAlltoAllTokenDispatcher
+    if getattr(dispatcher, "cuda_dtoh_stream", None) is None:
+        dispatcher.cuda_dtoh_stream = _NullStream()
+
+    forward = moe_layer.MoELayer.forward
+    if getattr(forward, "_mcore_ext_cpu", False):
+        return
+
+    @functools.wraps(forward)
+    def forward_on_cpu(self, *args, **kwargs):
+        # The dispatcher compares torch.cuda.current_stream() with its stream; the aux-loss
+        # tracker of 0.16 / 0.17 allocates on device="cuda".
+        with cuda_to_cpu():
+            return forward(self, *args, **kwargs)
+
+    forward_on_cpu._mcore_ext_cpu = True
+    moe_layer.MoELayer.forward = forward_on_cpu
 
 
 def _cpu_tracker_class(cuda_tracker_class):
@@ -133,7 +166,7 @@ class _CpuRNGStreams:
 @contextlib.contextmanager
 def cuda_to_cpu():
     """A context in which CUDA device arguments mean the CPU (a no-op context when CUDA exists)."""
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() or _in_cuda_to_cpu():
         yield
         return
     current_stream = torch.cuda.current_stream
@@ -146,6 +179,13 @@ def cuda_to_cpu():
 
 
 _CPU = torch.device("cpu")
+
+
+def _in_cuda_to_cpu() -> bool:
+    """Whether a ``cuda_to_cpu()`` context is already active (nesting adds nothing but cost)."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    return any(isinstance(mode, _CudaToCpu) for mode in _get_current_function_mode_stack())
 
 
 def _is_cuda(device) -> bool:
@@ -210,6 +250,8 @@ class _NullStream:
     def synchronize(self):
         pass
 
+    def record_event(self, event=None):
+        return self  # an "event" whose synchronize() returns at once
 
 # ----------------------------------------------------------- megatron.training on a CPU
 #

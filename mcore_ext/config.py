@@ -2,7 +2,7 @@
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -85,6 +85,25 @@ class GatedTransformerConfig(TransformerConfig):
     0 = no clamp. (megatron's activation_func_clamp_value clamps the gate before the SiLU: not
     the same function.)"""
 
+    # ---------------------------------------------------------------- MoE (Step-3.5)
+    # megatron's own MoE fields (num_moe_experts, moe_router_topk, moe_layer_freq, ...) apply;
+    # mcore_ext/moe.py validates them. Two defaults differ from TransformerConfig's so that a
+    # converted model routes as it was trained: no load-balancing loss and a frozen expert bias
+    # (training options: "aux_loss" with moe_aux_loss_coeff, moe_router_bias_update_rate > 0).
+
+    moe_router_load_balancing_type: Union[str, list[str]] = "none"
+    """megatron's field: "none" (default here), "aux_loss", "seq_aux_loss", ..."""
+
+    moe_router_bias_update_rate: float = 0.0
+    """megatron's field: step of the aux-loss-free expert-bias update per global batch; 0 (the
+    default here) keeps the expert bias as loaded."""
+
+    moe_expert_swiglu_limits: Optional[list[Optional[float]]] = None
+    """Per global layer, the ROUTED experts' SwiGLU clamp L (HF's ``swiglu_limits``):
+    silu(gate).clamp(max=L) * up.clamp(-L, L); None or 0 = no clamp. ``swiglu_limits`` clamps the
+    dense MLPs and, on MoE layers, the shared expert (HF's ``swiglu_limits_shared``). One entry
+    per main layer, or ``num_layers + mtp_num_layers`` (HF's lists padded with MTP entries)."""
+
     attention_kernel: Literal["sdpa", "flex"] = "sdpa"
     """Inner attention of the sdpa backend: torch scaled_dot_product_attention with a dense
     mask where one is needed ("sdpa"), or torch flex_attention with a block mask for causal,
@@ -103,6 +122,9 @@ class GatedTransformerConfig(TransformerConfig):
     ``layer_types`` is set, Step's rule, and unclamped)."""
 
     def __post_init__(self):
+        from mcore_ext import moe
+
+        moe.validate_moe_fields(self)  # before megatron's asserts, to name fields and values
         super().__post_init__()
         self._mcore_ext_post_init()
 
@@ -110,6 +132,9 @@ class GatedTransformerConfig(TransformerConfig):
         """mcore_ext's checks and derived fields, after megatron's ``__post_init__`` (a separate
         method: Megatron-Bridge's providers defer megatron's post-init to ``finalize()``, which
         calls megatron's by name, so they call this one from there)."""
+        from mcore_ext import moe
+
+        moe.validate_moe_clamps(self)
         if self.head_wise_attn_gate:
             self._validate_head_wise_attn_gate()
         self._validate_layer_kinds()
@@ -285,6 +310,14 @@ class GatedTransformerConfig(TransformerConfig):
             return None
         return self.swiglu_limits[layer_number - 1] or None
 
+    def moe_expert_swiglu_limit(self, layer_number: int) -> Optional[float]:
+        """The routed experts' SwiGLU clamp of global layer ``layer_number`` (1-based); None = no
+        clamp (also for layers past the list, e.g. MTP layers of a main-layers-only list)."""
+        limits = self.moe_expert_swiglu_limits
+        if limits is None or layer_number > len(limits):
+            return None
+        return limits[layer_number - 1] or None
+
     def get_config_for_layer(self, layer_number: int) -> "GatedTransformerConfig":
         """The config of global layer ``layer_number`` (1-based): this one for full layers, the
         sliding kind's for sliding layers (megatron's TransformerBlock calls this for
@@ -312,7 +345,7 @@ class GatedTransformerConfig(TransformerConfig):
                 window_size=(window - 1, 0),
                 layer_types=None, sliding_window=None, sliding_num_attention_heads=None,
                 sliding_num_query_groups=None, sliding_rotary_base=None,
-                sliding_rotary_percent=None, swiglu_limits=None,
+                sliding_rotary_percent=None, swiglu_limits=None, moe_expert_swiglu_limits=None,
                 heterogeneous_block_specs=False,
                 # megatron's fused GPU softmax (local backend) ignores window_size; its torch
                 # softmax applies it.

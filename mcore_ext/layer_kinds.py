@@ -8,7 +8,8 @@ cannot express:
 - RoPE of its kind: GPTModel computes one rotary embedding (the full layers' base and fraction)
   for all layers; a layer whose kind has another base or fraction computes its own.
 - HF's SwiGLU clamp, ``silu(gate).clamp(max=L) * up.clamp(-L, L)`` (megatron's
-  ``activation_func_clamp_value`` clamps the gate before the SiLU, a different function).
+  ``activation_func_clamp_value`` clamps the gate before the SiLU, a different function): on a
+  dense layer its MLP's, on a MoE layer its routed experts' and its shared expert's (mcore_ext.moe).
 
 Neither adds parameters, so checkpoint keys are megatron's.
 """
@@ -23,20 +24,24 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from mcore_ext import moe
 
 
 class KindTransformerLayer(TransformerLayer):
     """megatron's ``TransformerLayer`` built with ``layer_config`` (its kind's config).
 
     ``model_rotary`` is the (base, fraction) of the rotary embedding GPTModel passes in; when
-    ``layer_config`` has another, this layer computes its own. ``swiglu_limit`` clamps its MLP.
+    ``layer_config`` has another, this layer computes its own. ``swiglu_limit`` clamps its dense
+    MLP, or on a MoE layer its shared expert; ``moe_expert_swiglu_limit`` its routed experts.
     """
 
     def __init__(self, config, submodules, *args, layer_config=None,
                  model_rotary: Optional[tuple] = None, swiglu_limit: Optional[float] = None,
-                 **kwargs):
+                 moe_expert_swiglu_limit: Optional[float] = None, **kwargs):
         layer_config = layer_config if layer_config is not None else config
         super().__init__(layer_config, submodules, *args, **kwargs)
         self.kind_rotary_pos_emb = None
@@ -50,8 +55,11 @@ class KindTransformerLayer(TransformerLayer):
                 use_cpu_initialization=layer_config.use_cpu_initialization,
             )
         self.swiglu_limit = swiglu_limit
-        if swiglu_limit:
-            _clamp_swiglu(self.mlp, swiglu_limit)
+        self.moe_expert_swiglu_limit = moe_expert_swiglu_limit
+        if isinstance(self.mlp, MoELayer):
+            moe.clamp_moe_layer(self.mlp, moe_expert_swiglu_limit, swiglu_limit)
+        elif swiglu_limit:
+            clamp_swiglu_mlp(self.mlp, swiglu_limit)
 
     def forward(self, *args, **kwargs):
         if self.config.window_size is not None and isinstance(
@@ -98,18 +106,25 @@ def clamped_swiglu(x: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate).clamp(max=limit) * up.clamp(min=-limit, max=limit)
 
 
-def _clamp_swiglu(mlp, limit: float) -> None:
-    """Make megatron's MLP apply ``clamped_swiglu`` to the whole fc1 output.
+def clamp_swiglu_mlp(mlp, limit: float, field: str = "swiglu_limits") -> None:
+    """Make megatron's MLP (a dense MLP, a routed expert or a shared expert) apply
+    ``clamped_swiglu`` to the whole fc1 output.
 
-    megatron's MLP calls ``self.activation_func`` on the whole fc1 output (bias added) when its
-    config has ``use_te_activation_func``; this MLP reads a private copy of the config with that
-    flag on, as HeadWiseGatedSelfAttention does for its gate, and every other module keeps the
-    layer's config.
+    megatron's MLP calls ``self.activation_func`` on the whole fc1 output (bias added; an expert's
+    routing weights applied after it) when its config has ``use_te_activation_func``, before any
+    fused path (``bias_activation_fusion``, whose SwiGLU would drop a clamp); this MLP reads a
+    private copy of the config with that flag on, as HeadWiseGatedSelfAttention does for its gate,
+    and every other module (other layers, other experts) keeps its own config.
     """
     config = mlp.config
+    if getattr(config, "use_transformer_engine_op_fuser", False):
+        raise NotImplementedError(
+            f"{field}: Transformer Engine's op-fused MLP (use_transformer_engine_op_fuser=True) "
+            "has no SwiGLU clamp; turn it off"
+        )
     if not config.gated_linear_unit or config.activation_func is not F.silu:
         raise ValueError(
-            f"swiglu_limits clamps a SwiGLU MLP (gated_linear_unit=True, activation_func=silu), "
+            f"{field} clamps a SwiGLU MLP (gated_linear_unit=True, activation_func=silu), "
             f"got gated_linear_unit={config.gated_linear_unit}, "
             f"activation_func={getattr(config.activation_func, '__name__', config.activation_func)}"
         )
@@ -130,5 +145,6 @@ def kind_layer_spec(layer_spec: ModuleSpec, model_config, layer_number: int) -> 
         layer_config=model_config.get_config_for_layer(layer_number),
         model_rotary=(model_config.rotary_base, model_config.rotary_percent),
         swiglu_limit=model_config.swiglu_limit(layer_number),
+        moe_expert_swiglu_limit=model_config.moe_expert_swiglu_limit(layer_number),
     )
     return dataclasses.replace(layer_spec, module=KindTransformerLayer, params=params)

@@ -38,6 +38,8 @@ def init_parallel(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
     context_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: int | None = None,
     seed: int = 1234,
     timeout_minutes: int = 10,
     separate_cpu_groups: bool | None = None,
@@ -47,10 +49,13 @@ def init_parallel(
 
     Reads RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT from the environment (torchrun
     sets them) unless a default process group already exists. Uses NCCL when CUDA is available,
-    gloo otherwise. ``separate_cpu_groups``: whether collectives on CPU tensors (``cpu_group``)
-    use gloo groups made beside megatron's; None: when the default backend is not gloo (NCCL
-    cannot carry CPU tensors). True on a CPU machine runs a GPU machine's path. Extra keyword
-    arguments go to ``megatron.core.parallel_state.initialize_model_parallel``.
+    gloo otherwise. ``expert_model_parallel_size`` (EP) splits MoE experts over ranks,
+    ``expert_tensor_parallel_size`` splits each expert (None = tensor_model_parallel_size); the
+    expert layers' ranks are laid out as megatron does (ETP x EP x expert-DP x PP = world).
+    ``separate_cpu_groups``: whether collectives on CPU tensors (``cpu_group``) use gloo groups
+    made beside megatron's; None: when the default backend is not gloo (NCCL cannot carry CPU
+    tensors). True on a CPU machine runs a GPU machine's path. Extra keyword arguments go to
+    ``megatron.core.parallel_state.initialize_model_parallel``.
     """
     global _owns_default_group, _separate_cpu_groups
     on_gpu = torch.cuda.is_available()
@@ -79,11 +84,22 @@ def init_parallel(
             f"({pipeline_model_parallel_size}) x context_parallel_size ({context_parallel_size})"
         )
 
+    etp = expert_tensor_parallel_size or tensor_model_parallel_size
+    expert_parallel = etp * expert_model_parallel_size * pipeline_model_parallel_size
+    if expert_model_parallel_size < 1 or etp < 1 or world_size % expert_parallel:
+        raise ValueError(
+            f"world size {world_size} is not divisible by expert_tensor_parallel_size ({etp}) x "
+            f"expert_model_parallel_size ({expert_model_parallel_size}) x "
+            f"pipeline_model_parallel_size ({pipeline_model_parallel_size})"
+        )
+
     existing = set(_process_groups())
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         context_parallel_size=context_parallel_size,
+        expert_model_parallel_size=expert_model_parallel_size,
+        expert_tensor_parallel_size=expert_tensor_parallel_size,
         **model_parallel_kwargs,
     )
     _model_parallel_groups[:] = [g for g in _process_groups() if g not in existing]

@@ -26,6 +26,7 @@ from mcore_ext import _mcore_compat
 from mcore_ext.attention.gated import HeadWiseGatedSelfAttention
 from mcore_ext.attention.sdpa import SDPAttention
 from mcore_ext.layer_kinds import kind_layer_spec
+from mcore_ext.moe import is_moe_layer
 from mcore_ext.mtp import get_mtp_block_spec
 from mcore_ext.norm import TorchNorm
 
@@ -65,12 +66,15 @@ def resolve_backend(backend: str | AttentionBackend = "auto") -> AttentionBacken
     return backend
 
 
-def get_gpt_layer_spec(config: TransformerConfig, backend: str = "auto") -> ModuleSpec:
+def get_gpt_layer_spec(
+    config: TransformerConfig, backend: str = "auto", moe: bool | None = None
+) -> ModuleSpec:
     """The transformer layer spec for ``config`` on ``backend`` ("auto", "sdpa", "local", "te").
 
     With ``config.head_wise_attn_gate`` on, self-attention is ``HeadWiseGatedSelfAttention``.
     "sdpa" swaps in SDPA core attention; "sdpa", and "local" without Apex, swap in norms that
-    work with sequence parallelism. Otherwise the spec is megatron-core's unchanged.
+    work with sequence parallelism. Otherwise the spec is megatron-core's unchanged. ``moe``:
+    a MoE layer (megatron's MoELayer) or a dense one; None = MoE when ``num_moe_experts`` is set.
     """
     backend = resolve_backend(backend)
     if backend is AttentionBackend.LOCAL and config.context_parallel_size > 1:
@@ -79,7 +83,7 @@ def get_gpt_layer_spec(config: TransformerConfig, backend: str = "auto") -> Modu
             "megatron's local DotProductAttention has no context parallelism"
         )
     options = dict(
-        num_experts=config.num_moe_experts,
+        num_experts=config.num_moe_experts if moe is not False else None,
         moe_grouped_gemm=config.moe_grouped_gemm,
         qk_layernorm=config.qk_layernorm,
         multi_latent_attention=config.multi_latent_attention,
@@ -119,22 +123,25 @@ def get_gpt_block_spec(
     backend (megatron's default final norm, without Apex, refuses sequence parallelism). With
     ``layer_types`` or ``swiglu_limits`` in the config, each layer is a ``KindTransformerLayer``
     with its global layer's config (kinds count global layer numbers, so every pipeline stage
-    builds its own layers' kinds).
+    builds its own layers' kinds). With ``num_moe_experts``, the layers ``moe_layer_freq`` marks
+    are megatron's MoELayer and the others dense (mcore_ext.moe).
     """
     backend = resolve_backend(backend)
     final_norm = _final_norm(backend)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    if getattr(config, "layer_types", None) is None and getattr(config, "swiglu_limits", None) is None:
+    per_layer = ("layer_types", "swiglu_limits", "moe_expert_swiglu_limits", "num_moe_experts")
+    if all(getattr(config, field, None) is None for field in per_layer):
         layer_specs = [get_gpt_layer_spec(config, backend)] * num_layers
     else:
         offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
-        kind_specs = {}  # one layer spec per kind config
+        kind_specs = {}  # one layer spec per (kind config, MoE or dense)
         layer_specs = []
         for number in range(offset + 1, offset + num_layers + 1):
             layer_config = config.get_config_for_layer(number)
-            if id(layer_config) not in kind_specs:
-                kind_specs[id(layer_config)] = get_gpt_layer_spec(layer_config, backend)
-            layer_specs.append(kind_layer_spec(kind_specs[id(layer_config)], config, number))
+            key = (id(layer_config), is_moe_layer(config, number))
+            if key not in kind_specs:
+                kind_specs[key] = get_gpt_layer_spec(layer_config, backend, moe=key[1])
+            layer_specs.append(kind_layer_spec(kind_specs[key], config, number))
     return TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=final_norm)
 
 
@@ -155,7 +162,8 @@ def get_gpt_mtp_block_spec(config: TransformerConfig, backend: str = "auto",
     else:
         from megatron.core.tensor_parallel import ColumnParallelLinear as eh_proj
     return get_mtp_block_spec(
-        config, lambda layer_config: get_gpt_layer_spec(layer_config, backend),
+        # Step-3.5's MTP layers are dense, also in a MoE model.
+        config, lambda layer_config: get_gpt_layer_spec(layer_config, backend, moe=False),
         _final_norm(backend), eh_proj, vocab_size,
     )
 

@@ -102,10 +102,39 @@ def clamped_swiglu_mlp(x, w_gate, w_up, w_down, limit):
     return (gate * up) @ w_down.T
 
 
+def sigmoid_topk_moe(x, w, topk, scaling, routed_limit=None, shared_limit=None):
+    """Step-3.5's MoE MLP on [..., h], from HF's formulas (StepFun's modeling_step3p5).
+
+    Router: logits in fp32, p = sigmoid(logits), topk(p + bias) selects the experts (the bias
+    only selects), the weights are the selected p renormalised (sum + 1e-20) times ``scaling``;
+    routed out = sum_k w_k * expert_k(x); plus the shared expert, unscaled. Weights (HF's shapes):
+    router [E, h], router_bias [E], experts_{gate,up}_proj [E, f, h], experts_down_proj [E, h, f],
+    shared_{gate,up,down}_proj (None = no shared expert).
+    """
+    shape = x.shape
+    tokens = x.reshape(-1, shape[-1])
+    p = torch.sigmoid(tokens.float() @ w["router"].float().T)
+    chosen = torch.topk(p + w["router_bias"].float(), topk, dim=-1).indices  # [t, k]
+    probs = p.gather(-1, chosen)
+    probs = probs / (probs.sum(-1, keepdim=True) + 1e-20) * scaling
+    out = torch.zeros_like(tokens)
+    for e in range(w["router"].size(0)):
+        rows, slot = (chosen == e).nonzero(as_tuple=True)
+        if rows.numel():
+            y = clamped_swiglu_mlp(tokens[rows], w["experts_gate_proj"][e], w["experts_up_proj"][e],
+                                   w["experts_down_proj"][e], routed_limit)
+            out = out.index_add(0, rows, probs[rows, slot].unsqueeze(-1).to(y.dtype) * y)
+    if w.get("shared_gate_proj") is not None:
+        out = out + clamped_swiglu_mlp(tokens, w["shared_gate_proj"], w["shared_up_proj"],
+                                       w["shared_down_proj"], shared_limit)
+    return out.view(shape)
+
+
 def step35_layer(x, w, kind, eps):
-    """One Step-3.5 decoder layer (dense MLP) on x [b, s, h]: gated attention of its kind, then
-    the clamped SwiGLU MLP, each with a residual. ``kind``: heads, groups, window (None = full),
-    rope_base, rope_fraction, swiglu_limit (None = no clamp)."""
+    """One Step-3.5 decoder layer on x [b, s, h]: gated attention of its kind, then the clamped
+    SwiGLU MLP (or, with ``kind["moe"]``, sigmoid_topk_moe), each with a residual. ``kind``:
+    heads, groups, window (None = full), rope_base, rope_fraction, swiglu_limit (None = no
+    clamp)."""
     b, s, _ = x.shape
     n, g = kind["heads"], kind["groups"]
     h_in = zero_centered_rms_norm(x, w["input_layernorm"], eps)
@@ -124,6 +153,8 @@ def step35_layer(x, w, kind, eps):
     gate = torch.sigmoid(h_in @ w["g_proj"].T).unsqueeze(-1)  # [b, s, n, 1]
     x = x + (attn * gate).reshape(b, s, -1) @ w["o_proj"].T
     h_mlp = zero_centered_rms_norm(x, w["post_attention_layernorm"], eps)
+    if kind.get("moe"):
+        return x + sigmoid_topk_moe(h_mlp, w, shared_limit=kind["swiglu_limit"], **kind["moe"])
     return x + clamped_swiglu_mlp(h_mlp, w["gate_proj"], w["up_proj"], w["down_proj"],
                                   kind["swiglu_limit"])
 
@@ -137,10 +168,12 @@ def step35_hidden(tokens_BS, weights, layers, eps):
 
 
 def step35_logits(tokens_BS, weights, layers, eps):
-    """Logits [b, s, v] of a Step-3.5 text decoder (dense MLPs).
+    """Logits [b, s, v] of a Step-3.5 text decoder.
 
     ``layers``: per layer a dict with heads, groups, window (None = full), rope_base,
-    rope_fraction, swiglu_limit (None = no clamp).
+    rope_fraction, swiglu_limit (None = no clamp; a MoE layer's shared expert's), and for a MoE
+    layer ``moe``: the keyword arguments of ``sigmoid_topk_moe`` (topk, scaling, routed_limit),
+    whose weights are in the layer's dict.
     """
     x = step35_hidden(tokens_BS, weights, layers, eps)
     return zero_centered_rms_norm(x, weights["norm"], eps) @ weights["lm_head"].T

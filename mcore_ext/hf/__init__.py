@@ -1,13 +1,16 @@
 """Hugging Face Step-3.5 (``Step3p5ForCausalLM``, model_type ``step3p5``) <-> megatron, exactly.
 
-    load_pretrained(HF_DIR)          -> this rank's GPTModel (after init_parallel, any TP / PP)
-    save_pretrained(model, HF_DIR)   <- any TP / PP; written by global rank 0
+    load_pretrained(HF_DIR)          -> this rank's GPTModel (after init_parallel, any TP/PP/EP)
+    save_pretrained(model, HF_DIR)   <- any TP / PP / EP; written by global rank 0
     python -m mcore_ext.hf import HF_DIR CKPT_DIR   /   export CKPT_DIR HF_DIR
+    python -m mcore_ext.hf plan HF_DIR --tp --pp --ep --dp   (parameters and memory per rank)
+
+Dense and MoE layers and the MTP layers of the released Step-3.5-Flash checkpoint.
 
 Modules: ``config`` (config.json <-> megatron config fields), ``layout`` (the name table and the
 fused linear_qkv / linear_fc1 row layouts), ``safetensors_io`` (streaming reader and sharded
 writer), ``convert`` (load / save at any parallel layout), ``checkpoint`` (the launcher's
-distributed checkpoints), ``__main__`` (the command line).
+distributed checkpoints), ``plan`` (per-rank memory), ``__main__`` (the command line).
 """
 
 from mcore_ext.hf.config import HFConfigError, Step35Config

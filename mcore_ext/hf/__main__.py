@@ -1,7 +1,9 @@
-"""python -m mcore_ext.hf import HF_DIR CKPT_DIR  |  export CKPT_DIR HF_DIR
+"""python -m mcore_ext.hf import HF_DIR CKPT_DIR  |  export CKPT_DIR HF_DIR  |  plan HF_DIR
 
-Runs as one process (TP = PP = 1) or under torchrun at any TP / PP (``--tp``, ``--pp``). Errors
-are one ``error:`` line and exit code 2, with nothing written.
+Runs as one process (TP = PP = 1) or under torchrun at any TP / PP / EP (``--tp``, ``--pp``,
+``--ep``, ``--etp``). ``plan`` (HF_DIR or its config.json; no weights read) prints parameters and
+memory per rank at ``--tp --pp --ep --dp``. Errors are one ``error:`` line and exit code 2, with
+nothing written.
 """
 
 import argparse
@@ -31,10 +33,22 @@ def main(argv=None) -> int:
                      help="rows of the padded vocabulary to keep (default: the imported HF "
                           "config's, else the launcher tokenizer's)")
     exp.add_argument("--max-shard-size", type=float, default=2.0, help="GiB per safetensors file")
-    for p in (imp, exp):
+    pln = sub.add_parser("plan", help="parameters and memory per rank at a parallel layout")
+    pln.add_argument("hf_dir", help="an HF model directory or its config.json")
+    pln.add_argument("--dp", type=int, default=1, help="data-parallel size")
+    pln.add_argument("--no-distributed-optimizer", action="store_true",
+                     help="optimizer state on every DP rank (default: sharded over DP)")
+    pln.add_argument("--gpu-gib", type=float, default=80.0, help="memory of one GPU")
+    pln.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    for p in (imp, exp, pln):
         p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (under torchrun)")
         p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (under torchrun)")
+        p.add_argument("--ep", type=int, default=1, help="expert-parallel size")
+        p.add_argument("--etp", type=int, default=None,
+                       help="expert-tensor-parallel size (default: --tp)")
     args = parser.parse_args(argv)
+    if args.command == "plan":
+        return _plan(args)
 
     import mcore_ext
 
@@ -58,7 +72,9 @@ def _run(args) -> str:
     import mcore_ext
 
     mcore_ext.init_parallel(tensor_model_parallel_size=args.tp,
-                            pipeline_model_parallel_size=args.pp)
+                            pipeline_model_parallel_size=args.pp,
+                            expert_model_parallel_size=args.ep,
+                            expert_tensor_parallel_size=args.etp)
     with mcore_ext.cuda_to_cpu():
         if args.command == "import":
             from mcore_ext.hf.checkpoint import import_checkpoint
@@ -99,6 +115,29 @@ def _one_line(err: BaseException) -> str:
         text = text.replace(str(cause), failures)
     return " ".join(text.split()) or type(err).__name__
 
+
+def _plan(args) -> int:
+    import json
+    import os
+
+    from mcore_ext.hf import plan
+    from mcore_ext.hf.config import HFConfigError, Step35Config
+
+    path = args.hf_dir
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    try:
+        with open(path) as f:
+            spec = Step35Config.from_hf_dict(json.load(f))
+        rows = plan.plan(spec, tp=args.tp, pp=args.pp, ep=args.ep, dp=args.dp, etp=args.etp,
+                         distributed_optimizer=not args.no_distributed_optimizer,
+                         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+    except (OSError, ValueError, HFConfigError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(plan.format_plan(spec, rows, tp=args.tp, pp=args.pp, ep=args.ep, dp=args.dp,
+                           etp=args.etp, gpu_gib=args.gpu_gib))
+    return 0
 
 
 if __name__ == "__main__":

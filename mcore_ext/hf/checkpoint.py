@@ -29,6 +29,7 @@ from mcore_ext.hf.convert import (
     check_weights,
     load_pretrained,
     read_hf_config,
+    resolve_mtp,
     save_pretrained,
 )
 from mcore_ext.hf.safetensors_io import SafetensorsReader
@@ -59,7 +60,13 @@ def launcher_model_section(spec: Step35Config, seq_length: int, multiple: int) -
                 "normalization", "rotary_base", "rotary_percent", "layernorm_epsilon",
                 "layernorm_zero_centered_gamma", "qk_layernorm", "softmax_scale", "layer_types",
                 "sliding_window", "sliding_num_attention_heads", "sliding_num_query_groups",
-                "sliding_rotary_base", "sliding_rotary_percent", "swiglu_limits"):
+                "sliding_rotary_base", "sliding_rotary_percent", "swiglu_limits",
+                # MoE and MTP (megatron-core's own field names)
+                "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size",
+                "moe_shared_expert_intermediate_size", "moe_layer_freq",
+                "moe_router_score_function", "moe_router_enable_expert_bias",
+                "moe_router_topk_scaling_factor", "moe_router_dtype", "moe_expert_swiglu_limits",
+                "mtp_num_layers"):
         if key not in fields:
             continue
         if key in schema:
@@ -82,6 +89,7 @@ def import_checkpoint(hf_dir: str, ckpt_dir: str, *, dtype: torch.dtype | None =
     """
     raw, spec = read_hf_config(hf_dir)
     reader = SafetensorsReader(hf_dir)
+    spec = resolve_mtp(reader, spec)
     file_dtype = check_weights(reader, spec)
     reader.close()
     check_parallel(spec, parallel_state.get_tensor_model_parallel_world_size())
@@ -196,12 +204,14 @@ def export_checkpoint(ckpt_dir: str, hf_dir: str, *, vocab_size: int | None = No
         raise HFConfigError(f"{directory}: no embedding.word_embeddings.weight (not a GPT model)")
     dtype = embedding.dtype
     cfg.training.precision = precision_of(dtype)
-    # The layout the checkpoint was trained at (TP, PP, CP, SP, ...) is not the export's: a fresh
-    # parallelism section at this process's sizes (the checkpoint is layout-free).
+    # The layout the checkpoint was trained at (TP, PP, CP, SP, EP, ...) is not the export's: a
+    # fresh parallelism section at this process's sizes (the checkpoint is layout-free).
     cfg.parallelism = ParallelismConfig(
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         context_parallel_size=parallel_state.get_context_parallel_world_size(),
+        expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+        expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
     )
     config = transformer_config(cfg, use_cpu_initialization=True, perform_initialization=False)
 

@@ -45,11 +45,12 @@ def read_hf_config(hf_dir: str) -> tuple[dict, Step35Config]:
 
 
 def check_weights(reader: SafetensorsReader, spec: Step35Config) -> torch.dtype:
-    """Every tensor present with its config's shape, nothing unexpected; returns their dtype.
-
-    MTP layers (``model.layers.<n>`` for n >= num_hidden_layers, as the released checkpoint
-    appends them) are not part of the decoder and are skipped.
-    """
+    """Every tensor present with its config's shape, nothing unexpected; returns their dtype
+    (the fp32 router bias aside). MTP layers (``model.layers.<n>`` for n >= num_hidden_layers,
+    as the released checkpoint appends them) are part of the model when the config declares
+    them (``resolve_mtp`` drops a declaration the weights do not back)."""
+    if not isinstance(reader, HFSource):
+        reader = HFSource(reader, spec)
     expected = layout.hf_shapes(spec)
     if spec.tie_word_embeddings and "lm_head.weight" not in reader.names:
         del expected["lm_head.weight"]
@@ -59,11 +60,11 @@ def check_weights(reader: SafetensorsReader, spec: Step35Config) -> torch.dtype:
             f"{reader.directory}: {len(missing)} tensor(s) the config needs are missing, e.g. "
             f"{missing[:4]}"
         )
-    unexpected = [n for n in reader.names if n not in expected and not _is_mtp(n, spec)]
+    unexpected = [n for n in reader.names if n not in expected]
     if unexpected:
         raise HFConfigError(
-            f"{reader.directory}: {len(unexpected)} tensor(s) not part of a dense Step-3.5 "
-            f"decoder, e.g. {unexpected[:4]}"
+            f"{reader.directory}: {len(unexpected)} tensor(s) not part of the Step-3.5 model "
+            f"its config.json describes, e.g. {unexpected[:4]}"
         )
     dtypes = set()
     for name, shape in expected.items():
@@ -73,7 +74,8 @@ def check_weights(reader: SafetensorsReader, spec: Step35Config) -> torch.dtype:
                 f"{name}: shape {tuple(found)} in the weights, {tuple(shape)} from config.json "
                 "(config and weights do not match)"
             )
-        dtypes.add(dtype)
+        if not name.endswith(layout.FP32_NAMES):  # the router bias is fp32 in any checkpoint
+            dtypes.add(dtype)
     if len(dtypes) != 1:
         raise HFConfigError(f"{reader.directory}: mixed dtypes {sorted(map(str, dtypes))}")
     return dtypes.pop()
@@ -82,6 +84,65 @@ def check_weights(reader: SafetensorsReader, spec: Step35Config) -> torch.dtype:
 def _is_mtp(name: str, spec: Step35Config) -> bool:
     parts = name.split(".")
     return name.startswith("model.layers.") and int(parts[2]) >= spec.num_layers
+
+
+def resolve_mtp(reader, spec: Step35Config) -> Step35Config:
+    """``spec`` without its MTP layers when the weights hold none of them (a checkpoint whose
+    config declares ``num_nextn_predict_layers`` but that was saved without them, as
+    transformers does): the decoder is converted alone."""
+    if spec.num_mtp_layers and not any(_is_mtp(n, spec) for n in reader.names):
+        return spec.replace(num_mtp_layers=0, mtp_layer_types=None, mtp_swiglu_limits=None)
+    return spec
+
+
+class HFSource:
+    """A checkpoint's tensors under their released names, whether it is stored in the released
+    layout or in transformers' (``layout.TRANSFORMERS_NAMES``, the fused ``gate_up_proj``).
+    ``expert(name, e)`` reads expert e's rows of a stacked tensor alone."""
+
+    def __init__(self, reader: SafetensorsReader, spec: Step35Config):
+        self.reader = reader
+        self.directory = reader.directory
+        stored = set(reader.names)
+        where = {name: (name, None) for name in reader.names}  # released -> (stored, half)
+        for layer in range(spec.num_layers):
+            p = layout.hf_layer_prefix(layer)
+            for released, theirs in layout.TRANSFORMERS_NAMES.items():
+                if p + theirs in stored:
+                    where[p + released] = where.pop(p + theirs)
+            fused, halves = layout.TRANSFORMERS_GATE_UP
+            if p + fused in stored:
+                del where[p + fused]
+                for i, half in enumerate(halves):
+                    where[p + half] = (p + fused, i)
+        self._where = where
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def info(self, name: str):
+        stored, half = self._where[name]
+        dtype, shape = self.reader.info(stored)
+        if half is not None:
+            shape = (shape[0], shape[1] // 2, *shape[2:])
+        return dtype, shape
+
+    def get(self, name: str) -> torch.Tensor:
+        stored, half = self._where[name]
+        if half is None:
+            return self.reader.get(stored)
+        return self.reader.get(stored).chunk(2, dim=1)[half].clone()
+
+    def expert(self, name: str, index: int) -> torch.Tensor:
+        stored, half = self._where[name]
+        if half is None:
+            return self.reader.get_slice(stored, index)
+        rows = self.reader.info(stored)[1][1] // 2
+        return self.reader.get_slice(stored, (index, slice(half * rows, (half + 1) * rows)))
+
+    def close(self):
+        self.reader.close()
 
 
 def check_parallel(spec: Step35Config, tp: int) -> None:
@@ -102,6 +163,19 @@ def check_parallel(spec: Step35Config, tp: int) -> None:
             )
 
 
+def check_expert_parallel(spec: Step35Config, ep: int, etp: int, tp: int) -> None:
+    """EP must divide the experts, ETP the expert width, TP the shared expert's width."""
+    if not spec.is_moe:
+        return
+    for key, value, size, what in (
+            ("moe_num_experts", spec.num_experts, ep, "expert_model_parallel_size"),
+            ("moe_intermediate_size", spec.moe_intermediate_size, etp,
+             "expert_tensor_parallel_size"),
+            ("share_expert_dim", spec.share_expert_dim, tp, "tensor_model_parallel_size")):
+        if value % size:
+            raise HFConfigError(f"{key}={value} is not divisible by {what}={size}")
+
+
 def build_config(spec: Step35Config, dtype: torch.dtype, **overrides):
     """The ``GatedTransformerConfig`` of ``spec`` on this rank's parallel layout."""
     from mcore_ext.config import GatedTransformerConfig
@@ -117,6 +191,11 @@ def build_config(spec: Step35Config, dtype: torch.dtype, **overrides):
         use_cpu_initialization=True,
         perform_initialization=False,  # every weight is overwritten by the checkpoint
     )
+    if spec.is_moe:
+        fields.update(
+            expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+            expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
+        )
     fields.update(overrides)
     return GatedTransformerConfig(**fields)
 
@@ -147,9 +226,13 @@ def load_pretrained(
     _, spec = read_hf_config(hf_dir)
     reader = SafetensorsReader(hf_dir)
     try:
+        spec = resolve_mtp(reader, spec)
+        reader = HFSource(reader, spec)
         file_dtype = check_weights(reader, spec)
         tp = parallel_state.get_tensor_model_parallel_world_size()
         check_parallel(spec, tp)
+        check_expert_parallel(spec, parallel_state.get_expert_model_parallel_world_size(),
+                              _expert_tp_rank()[1], tp)
         dtype = dtype or file_dtype
         config = build_config(spec, dtype, **config_overrides)
         vocab = padded_vocab_size(spec.vocab_size, make_vocab_size_divisible_by, tp)
@@ -171,8 +254,11 @@ def load_pretrained(
     return model
 
 
-def load_into(model, reader: SafetensorsReader, spec: Step35Config, vocab: int) -> None:
-    """Copy this rank's slices of the HF tensors into ``model``'s parameters, one at a time."""
+def load_into(model, reader, spec: Step35Config, vocab: int) -> None:
+    """Copy this rank's slices of the HF tensors into ``model``'s parameters, one at a time
+    (routed experts: only this rank's experts' rows of the stacked tensors)."""
+    if not isinstance(reader, HFSource):
+        reader = HFSource(reader, spec)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     rank = parallel_state.get_tensor_model_parallel_rank()
     params = _named_params(model)
@@ -183,7 +269,13 @@ def load_into(model, reader: SafetensorsReader, spec: Step35Config, vocab: int) 
             if entry is layout.OUTPUT and spec.tie_word_embeddings:
                 hf_names = ("model.embed_tokens.weight",)
             param = params[name]
-            local = mapping.to_local([reader.get(n) for n in hf_names], rank, tp)
+            if isinstance(mapping, layout.Expert):
+                local = mapping.to_local([reader.expert(n, mapping.index) for n in hf_names],
+                                         *_expert_tp_rank())
+            else:
+                local = mapping.to_local([reader.get(n) for n in hf_names], rank, tp)
+            if name.endswith(layout.MEGATRON_FP32_NAMES) and param.dtype != torch.float32:
+                param.data = param.data.float()  # megatron keeps the expert bias in fp32
             if tuple(local.shape) != tuple(param.shape):
                 raise HFConfigError(
                     f"{name}: this rank's slice of {list(hf_names)} has shape "
@@ -194,7 +286,43 @@ def load_into(model, reader: SafetensorsReader, spec: Step35Config, vocab: int) 
 
 
 def _named_params(model) -> dict:
-    return dict(model.named_parameters())
+    params = dict(model.named_parameters())
+    params.update((n, b) for n, b in model.named_buffers()
+                  if n.endswith(layout.MEGATRON_FP32_NAMES))  # the router's expert bias
+    return params
+
+
+def _expert_tp_rank() -> tuple[int, int]:
+    """(rank, size) of this rank in the expert-tensor-parallel group (ETP)."""
+    return (parallel_state.get_expert_tensor_parallel_rank(),
+            parallel_state.get_expert_tensor_parallel_world_size())
+
+
+def _layer_units(params: dict, local: str, spec: Step35Config, g: int, hf_prefix: str,
+                 vocab: int):
+    """The items of one transformer layer (global index g; ``local``: its megatron prefix)."""
+    table = layout.LAYER_TABLE
+    if spec.is_sparse(g):
+        table = [e for e in table if not e.megatron.startswith("mlp.")] + list(layout.MOE_TABLE)
+    for entry in table:
+        name = next((local + n for n in (entry.megatron, *entry.aliases) if local + n in params),
+                    None)
+        if name is None:
+            raise HFConfigError(f"the model has no {local}{entry.megatron} (its layer spec is "
+                                "not the Step-3.5 layout)")
+        hf = tuple(hf_prefix + n for n in entry.hf)
+        yield name, entry, layout.layer_mapping(entry, spec, g), hf
+    if spec.is_sparse(g):
+        experts = spec.num_experts // parallel_state.get_expert_model_parallel_world_size()
+        first = parallel_state.get_expert_model_parallel_rank() * experts
+        for j in range(experts):
+            for entry in layout.EXPERT_TABLE:
+                name = local + entry.megatron.format(j=j)
+                if name not in params:
+                    raise HFConfigError(f"the model has no {name} (routed experts are read into "
+                                        "megatron's SequentialMLP)")
+                hf = tuple(hf_prefix + n for n in entry.hf)
+                yield name, entry, layout.expert_mapping(entry, first + j), hf
 
 
 def _mapped_units(model, spec: Step35Config, vocab: int, params: dict, action: str) -> list:
@@ -209,7 +337,7 @@ def _mapped_units(model, spec: Step35Config, vocab: int, params: dict, action: s
                     else "would be dropped from the export")
             raise HFConfigError(
                 f"{len(unmapped)} parameter(s) have no place in the Step-3.5 layout and {what}: "
-                f"{unmapped[:4]} (the model is not the dense Step-3.5 architecture)"
+                f"{unmapped[:4]} (the model is not the Step-3.5 architecture)"
             )
     except HFConfigError as err:
         failure = err
@@ -228,15 +356,23 @@ def _units(model, spec: Step35Config, vocab: int):
                layout.EMBEDDING.hf)
     for index, layer in enumerate(model.decoder.layers):
         g = layer.layer_number - 1  # global layer index
-        for entry in layout.LAYER_TABLE:
-            local = f"decoder.layers.{index}."
-            name = next((local + n for n in (entry.megatron, *entry.aliases) if local + n in params),
-                        None)
-            if name is None:
-                raise HFConfigError(f"the model has no {local}{entry.megatron} (its layer spec is "
-                                    "not the dense Step-3.5 layout)")
-            hf = tuple(layout.hf_layer_prefix(g) + n for n in entry.hf)
-            yield name, entry, layout.layer_mapping(entry, spec, g), hf
+        yield from _layer_units(params, f"decoder.layers.{index}.", spec, g,
+                                layout.hf_layer_prefix(g), vocab)
+    mtp = getattr(model, "mtp", None)
+    for k in range(len(mtp.layers) if mtp is not None and spec.num_mtp_layers else 0):
+        g = spec.num_layers + k
+        local, hf_prefix = f"mtp.layers.{k}.", layout.hf_layer_prefix(g)
+        inner = next((local + p for p in layout.MTP_LAYER_PREFIXES
+                      if any(n.startswith(local + p) for n in params)), None)
+        if inner is None:
+            raise HFConfigError(f"the model has no {local}mtp_model_layer (MTP depth {k})")
+        yield from _layer_units(params, inner, spec, g, hf_prefix, vocab)
+        for entry in layout.MTP_TABLE:
+            if local + entry.megatron not in params:
+                raise HFConfigError(f"the model has no {local}{entry.megatron} (Step-3.5's MTP "
+                                    "depths have their own norm and output head)")
+            yield (local + entry.megatron, entry, layout.mtp_mapping(entry, spec, vocab),
+                   tuple(hf_prefix + n for n in entry.hf))
     if layout.FINAL_NORM.megatron in params:
         yield (layout.FINAL_NORM.megatron, layout.FINAL_NORM, layout.Replicated(),
                layout.FINAL_NORM.hf)
@@ -300,27 +436,39 @@ def save_pretrained(model, hf_dir: str, *, vocab_size: int | None = None,
     # Which global rank sends each unit: TP rank 0 / DP rank 0 of the stage that holds it.
     params = _named_params(model)
     units = {}  # unit name -> list of (megatron name, entry, mapping, hf names)
-    items = _mapped_units(model, spec, model.vocab_size, params, "save")
-    for item in items:
-        units.setdefault(_unit_of(item[3]), []).append(item)
+    # Routed experts go one at a time from their expert-data-parallel rank 0 (ETP rank 0).
+    experts = {}  # (stacked HF name, global expert) -> item, on expert-DP rank 0
+    expert_writer = _expert_dp_rank() == 0
+    for item in _mapped_units(model, spec, model.vocab_size, params, "save"):
+        if isinstance(item[2], layout.Expert):
+            if expert_writer:
+                experts.update({(n, item[2].index): item for n in item[3]})
+        else:
+            units.setdefault(_unit_of(item[3]), []).append(item)
     mine = {unit: world_rank for unit in units} if owner else {}
+    if _expert_tp_rank()[0] == 0:
+        mine.update({key: world_rank for key in experts})
     gathered = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
     if dist.is_initialized():
         dist.all_gather_object(gathered, (mine, next(model.parameters()).dtype),
                                group=world_group)
     else:
         gathered = [(mine, next(model.parameters()).dtype)]
-    # One dtype for the whole file: rank 0's first parameter's (the embedding's).
+    # One dtype for the whole file: rank 0's first parameter's (the embedding's); the router
+    # bias stays fp32 (layout.hf_dtype).
     dtype = dtype or gathered[0][1]
     sender = {}
     for table, _ in gathered:
         sender.update(table)
     order = _unit_order(spec)
     absent = [u for u in order if u not in sender and not (u == "lm_head" and "embed" in sender)]
+    absent += sorted({n for n in layout.hf_shapes(spec) if n.endswith(layout.STACKED_EXPERT_NAMES)
+                      and any((n, e) not in sender for e in range(spec.num_experts))})
     if absent:
-        raise HFConfigError(f"no rank holds {absent} (is this the whole model?)")
+        raise HFConfigError(f"no rank holds {absent[:6]} (is this the whole model?)")
 
-    plan = [(name, dtype, shape) for name, shape in layout.hf_shapes(spec).items()]
+    plan = [(name, layout.hf_dtype(name, dtype), shape)
+            for name, shape in layout.hf_shapes(spec).items()]
     writer = None
     if world_rank == 0:
         config_text = json.dumps(spec.to_hf_dict(), indent=2) + "\n"
@@ -339,12 +487,17 @@ def save_pretrained(model, hf_dir: str, *, vocab_size: int | None = None,
             if unit == "embed" and tied and world_rank == source:
                 kept_embedding = tensors["model.embed_tokens.weight"]
             for name in _unit_names(unit, shapes):
-                if world_rank == 0 and source == 0:
-                    writer.write(name, tensors[name].to(dtype))
+                out_dtype = layout.hf_dtype(name, dtype)
+                if name.endswith(layout.STACKED_EXPERT_NAMES):
+                    _write_experts(name, spec.num_experts, experts, sender, params, writer,
+                                   (1, *shapes[name][1:]), out_dtype)
+                elif world_rank == 0 and source == 0:
+                    writer.write(name, tensors[name].to(out_dtype))
                 elif world_rank == source:
-                    dist.send(tensors[name].to(dtype).contiguous(), dst=0, group=world_group)
+                    dist.send(tensors[name].to(out_dtype).contiguous(), dst=0,
+                              group=world_group)
                 elif world_rank == 0:
-                    tensor = torch.empty(shapes[name], dtype=dtype)
+                    tensor = torch.empty(shapes[name], dtype=out_dtype)
                     dist.recv(tensor, src=source, group=world_group)
                     writer.write(name, tensor)
             del tensors
@@ -367,7 +520,38 @@ def _unit_of(hf_names) -> str:
 
 
 def _unit_order(spec: Step35Config) -> list[str]:
-    return ["embed", *(f"layer{i}" for i in range(spec.num_layers)), "norm", "lm_head"]
+    layers = spec.num_layers + spec.num_mtp_layers
+    return ["embed", *(f"layer{i}" for i in range(layers)), "norm", "lm_head"]
+
+
+def _expert_dp_rank() -> int:
+    return parallel_state.get_expert_data_parallel_rank()
+
+
+def _write_experts(name: str, num_experts: int, experts: dict, sender: dict, params: dict,
+                   writer, row_shape: tuple, dtype: torch.dtype) -> None:
+    """Stream stacked tensor ``name`` expert by expert: the ETP ranks holding expert e gather
+    it, their rank 0 sends its rows for ``name`` to global rank 0, which appends them."""
+    world_rank = dist.get_rank() if dist.is_initialized() else 0
+    etp_rank, etp = _expert_tp_rank()
+    group = cpu_group(parallel_state.get_expert_tensor_parallel_group()) if etp > 1 else None
+    world_group = cpu_group() if dist.is_initialized() else None
+    for e in range(num_experts):
+        source = sender[(name, e)]
+        rows = None
+        item = experts.get((name, e))
+        if item is not None:
+            full = _gather_unit([item], params, group, etp)
+            rows = full[name].unsqueeze(0).to(dtype)
+        if world_rank == 0 and source == 0:
+            writer.write_rows(name, rows)
+        elif world_rank == source:
+            dist.send(rows.contiguous(), dst=0, group=world_group)
+        elif world_rank == 0:
+            rows = torch.empty(row_shape, dtype=dtype)
+            dist.recv(rows, src=source, group=world_group)
+            writer.write_rows(name, rows)
+        del rows
 
 
 def _unit_names(unit: str, shapes: dict) -> list[str]:

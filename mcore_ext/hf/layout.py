@@ -131,6 +131,47 @@ LAYER_TABLE = (
     Entry("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
     Entry("mlp.linear_fc2.weight", ("mlp.down_proj.weight",)),
 )
+# MoE layers: these replace the dense MLP's two entries (names relative to the layer).
+MOE_TABLE = (
+    Entry("mlp.router.weight", ("moe.gate.weight",)),
+    Entry("mlp.router.expert_bias", ("moe.router_bias",)),  # an fp32 buffer on both sides
+    Entry("mlp.shared_experts.linear_fc1.weight",
+          ("share_expert.gate_proj.weight", "share_expert.up_proj.weight")),
+    Entry("mlp.shared_experts.linear_fc2.weight", ("share_expert.down_proj.weight",)),
+)
+# Routed experts: HF stacks them ([E, ...], expert e = row e), megatron holds its EP rank's
+# E / EP experts as local_experts.{j} (global e = ep_rank * E / EP + j), split over ETP.
+EXPERT_TABLE = (
+    Entry("mlp.experts.local_experts.{j}.linear_fc1.weight",
+          ("moe.gate_proj.weight", "moe.up_proj.weight")),
+    Entry("mlp.experts.local_experts.{j}.linear_fc2.weight", ("moe.down_proj.weight",)),
+)
+STACKED_EXPERT_NAMES = ("moe.gate_proj.weight", "moe.up_proj.weight", "moe.down_proj.weight")
+# MTP depth k = HF layer num_layers + k: a dense layer (LAYER_TABLE under mtp_model_layer.) plus
+# these (names relative to mtp.layers.{k}. and model.layers.{num_layers + k}.).
+MTP_TABLE = (
+    Entry("enorm.weight", ("enorm.weight",)),
+    Entry("hnorm.weight", ("hnorm.weight",)),
+    Entry("eh_proj.weight", ("eh_proj.weight",)),
+    Entry("final_layernorm.weight", ("transformer.shared_head.norm.weight",)),
+    Entry("output_layer.weight", ("transformer.shared_head.output.weight",)),
+)
+# megatron 0.16 names an MTP depth's layer transformer_layer, later releases mtp_model_layer.
+MTP_LAYER_PREFIXES = ("mtp_model_layer.", "transformer_layer.")
+
+# transformers 5.23's names for the released ones (conversion_mapping.py "step3p7"), read on
+# import. Its gate_up_proj [E, 2F, H] holds moe.gate_proj (rows :F) and moe.up_proj (F:).
+TRANSFORMERS_NAMES = {
+    "moe.gate.weight": "mlp.gate.weight",
+    "moe.router_bias": "mlp.gate.e_score_correction_bias",
+    "moe.down_proj.weight": "mlp.experts.down_proj",
+    "share_expert.gate_proj.weight": "mlp.shared_experts.gate_proj.weight",
+    "share_expert.up_proj.weight": "mlp.shared_experts.up_proj.weight",
+    "share_expert.down_proj.weight": "mlp.shared_experts.down_proj.weight",
+}
+TRANSFORMERS_GATE_UP = ("mlp.experts.gate_up_proj", ("moe.gate_proj.weight",
+                                                     "moe.up_proj.weight"))
+
 EMBEDDING = Entry("embedding.word_embeddings.weight", ("model.embed_tokens.weight",))
 FINAL_NORM = Entry("decoder.final_layernorm.weight", ("model.norm.weight",))
 OUTPUT = Entry("output_layer.weight", ("lm_head.weight",))
@@ -147,8 +188,38 @@ def layer_mapping(entry: Entry, spec: Step35Config, layer: int) -> Mapping:
         return QkvGate(spec.heads(layer), spec.kv_heads(layer), spec.head_dim)
     if name == "mlp.linear_fc1.weight":
         return Glu()
-    if name in ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight"):
+    if name in ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight",
+                "mlp.shared_experts.linear_fc2.weight"):
         return Split(dim=1)
+    if name == "mlp.shared_experts.linear_fc1.weight":
+        return Glu()
+    return Replicated()
+
+
+@dataclass
+class Expert(Mapping):
+    """Routed expert ``index`` (global) of a stacked HF tensor: ``inner`` maps its rows
+    (``hf[e]``) over the expert-tensor-parallel ranks."""
+
+    inner: Mapping
+    index: int
+
+    def to_local(self, hf, rank, tp):
+        return self.inner.to_local(hf, rank, tp)
+
+    def from_locals(self, locals_):
+        return self.inner.from_locals(locals_)
+
+
+def expert_mapping(entry: Entry, index: int) -> Expert:
+    return Expert(Glu() if entry.megatron.endswith("linear_fc1.weight") else Split(dim=1), index)
+
+
+def mtp_mapping(entry: Entry, spec: Step35Config, padded_vocab: int) -> Mapping:
+    if entry.megatron == "output_layer.weight":
+        return vocab_mapping(spec, padded_vocab)
+    if entry.megatron == "eh_proj.weight":
+        return Split(dim=0)  # column-parallel [H, 2H]; input cat[enorm(emb), hnorm(h)] as HF
     return Replicated()
 
 
@@ -157,10 +228,11 @@ def vocab_mapping(spec: Step35Config, padded_vocab: int) -> Split:
 
 
 def hf_shapes(spec: Step35Config) -> dict[str, tuple]:
-    """Every HF tensor of the model and its shape, in the order the export writes them."""
+    """Every HF tensor of the model and its shape, in the order the export writes them: main
+    layers, MTP layers (``model.layers.{num_layers + k}``), final norm, lm_head."""
     h, hn, f = spec.hidden_size, spec.head_dim, spec.intermediate_size
     shapes = {"model.embed_tokens.weight": (spec.vocab_size, h)}
-    for layer in range(spec.num_layers):
+    for layer in range(spec.num_layers + spec.num_mtp_layers):
         np_, ng = spec.heads(layer), spec.kv_heads(layer)
         p = hf_layer_prefix(layer)
         shapes.update({
@@ -173,10 +245,42 @@ def hf_shapes(spec: Step35Config) -> dict[str, tuple]:
             p + "self_attn.k_norm.weight": (hn,),
             p + "self_attn.o_proj.weight": (h, np_ * hn),
             p + "post_attention_layernorm.weight": (h,),
-            p + "mlp.gate_proj.weight": (f, h),
-            p + "mlp.up_proj.weight": (f, h),
-            p + "mlp.down_proj.weight": (h, f),
         })
+        if spec.is_sparse(layer):
+            e, fe, fs = spec.num_experts, spec.moe_intermediate_size, spec.share_expert_dim
+            shapes.update({
+                p + "moe.gate.weight": (e, h),
+                p + "moe.router_bias": (e,),
+                p + "moe.gate_proj.weight": (e, fe, h),
+                p + "moe.up_proj.weight": (e, fe, h),
+                p + "moe.down_proj.weight": (e, h, fe),
+                p + "share_expert.gate_proj.weight": (fs, h),
+                p + "share_expert.up_proj.weight": (fs, h),
+                p + "share_expert.down_proj.weight": (h, fs),
+            })
+        else:
+            shapes.update({
+                p + "mlp.gate_proj.weight": (f, h),
+                p + "mlp.up_proj.weight": (f, h),
+                p + "mlp.down_proj.weight": (h, f),
+            })
+        if layer >= spec.num_layers:
+            shapes.update({
+                p + "enorm.weight": (h,),
+                p + "hnorm.weight": (h,),
+                p + "eh_proj.weight": (h, 2 * h),
+                p + "transformer.shared_head.norm.weight": (h,),
+                p + "transformer.shared_head.output.weight": (spec.vocab_size, h),
+            })
     shapes["model.norm.weight"] = (h,)
     shapes["lm_head.weight"] = (spec.vocab_size, h)
     return shapes
+
+
+FP32_NAMES = ("moe.router_bias",)  # kept in fp32 whatever the weights' dtype
+
+
+def hf_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype HF tensor ``name`` has in a checkpoint of ``dtype`` weights."""
+    return torch.float32 if name.endswith(FP32_NAMES) else dtype
+MEGATRON_FP32_NAMES = ("router.expert_bias",)  # megatron's fp32 buffer of moe.router_bias

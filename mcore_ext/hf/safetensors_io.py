@@ -82,6 +82,14 @@ class SafetensorsReader:
         return dtype, shape
 
     def get(self, name: str) -> torch.Tensor:
+        return self._handle(name).get_tensor(name)
+
+    def get_slice(self, name: str, index) -> torch.Tensor:
+        """``tensor[index]`` read without the rest of the tensor (e.g. one expert's rows of a
+        stacked [E, ...] tensor): only the pages of the slice are touched."""
+        return self._handle(name).get_slice(name)[index]
+
+    def _handle(self, name: str):
         file = self._entries[name][0]
         handle = self._handles.get(file)
         if handle is None:
@@ -90,7 +98,7 @@ class SafetensorsReader:
             handle = self._handles[file] = safe_open(
                 os.path.join(self.directory, file), framework="pt"
             )
-        return handle.get_tensor(name)
+        return handle
 
     def close(self):
         self._handles.clear()
@@ -181,12 +189,35 @@ class ShardedSafetensorsWriter:
                 f"writer expected {expected} {dtype} {tuple(shape)}, got {name} {tensor.dtype} "
                 f"{tuple(tensor.shape)}"
             )
+        if self._rows_written:
+            raise SafetensorsError(f"{name}: write_rows started it, write() cannot finish it")
+        self._write_bytes(tensor)
+        self._next += 1
+
+    _rows_written = 0  # rows of plan[_next] written so far by write_rows
+
+    def write_rows(self, name: str, rows: torch.Tensor) -> None:
+        """The next ``rows.shape[0]`` rows (dim 0) of tensor ``name``: a large tensor (the stacked
+        experts) is written in pieces, in order, without ever being whole in memory."""
+        expected, dtype, shape = self.plan[self._next]
+        if (name != expected or rows.dtype != dtype or tuple(rows.shape[1:]) != tuple(shape[1:])
+                or self._rows_written + rows.shape[0] > shape[0]):
+            raise SafetensorsError(
+                f"writer expected rows of {expected} {dtype} {tuple(shape)} (from row "
+                f"{self._rows_written}), got {name} {rows.dtype} {tuple(rows.shape)}"
+            )
+        self._write_bytes(rows)
+        self._rows_written += rows.shape[0]
+        if self._rows_written == shape[0]:
+            self._rows_written = 0
+            self._next += 1
+
+    def _write_bytes(self, tensor: torch.Tensor) -> None:
         shard = self._shard_of(self._next)
         if shard != self._shard:
             self._open_shard(shard)
         data = tensor.detach().contiguous().cpu()
         data.view(torch.uint8).numpy().tofile(self._file)  # no copy of the tensor's bytes
-        self._next += 1
 
     def _shard_of(self, index: int) -> int:
         for shard, (first, last) in enumerate(self.shards):

@@ -233,3 +233,164 @@ def assert_same_tensors(a_dir, b_dir):
     assert a.keys() == b.keys()
     different = [n for n in a if a[n].dtype != b[n].dtype or not torch.equal(a[n], b[n])]
     assert not different, f"tensors differ: {different[:5]}"
+
+
+# ------------------------------------------------------------------------------ MoE + MTP
+
+MOE_TYPES = ["dense", "sparse", "sparse", "sparse"]
+EXPERTS, TOPK, SCALING = 8, 3, 2.5
+ROUTED_LIMITS = [0.0, 0.3, 0.0, 0.5]  # routed experts' clamp: layers 1 and 3
+SHARED_LIMITS = [1.0, 0.0, 0.4, 0.0]  # dense MLP (layer 0) and shared expert (layer 2)
+MTP_LIMIT = 0.5  # the MTP layer's dense MLP
+
+
+def tiny_moe_config(**overrides):
+    """tiny_config with MoE layers 1-3 (both attention kinds; 8 experts, top-3, scaling 2.5) and
+    clamps of each kind on different layers."""
+    fields = dict(mlp_layer_types=MOE_TYPES, n_routed_experts=EXPERTS, num_experts_per_tok=TOPK,
+                  moe_intermediate_size=16, share_expert_dim=24,
+                  moe_router_scaling_factor=SCALING, swiglu_limits=ROUTED_LIMITS,
+                  swiglu_limits_shared=SHARED_LIMITS)
+    fields.update(overrides)
+    return tiny_config(**fields)
+
+
+def build_moe(config=None, seed=0, dtype=torch.float32):
+    """build() of the MoE config, with a random router bias (HF starts it at 0) large enough
+    to change which experts are chosen."""
+    model = build(config or tiny_moe_config(), seed=seed).to(dtype)
+    gen = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None:
+                gate.e_score_correction_bias.copy_(torch.randn(EXPERTS, generator=gen) * 0.3)
+    return model
+
+
+def released_tensors(model) -> dict:
+    """The model's tensors under the released checkpoint's names (the inverse of transformers'
+    step3p7 conversion mapping): stacked moe.{gate,up}_proj, fp32 router_bias."""
+    out = {}
+    for name, tensor in model.state_dict().items():
+        t = tensor.detach().clone()
+        if name.endswith("mlp.experts.gate_up_proj"):
+            p = name[: -len("mlp.experts.gate_up_proj")]
+            out[p + "moe.gate_proj.weight"], out[p + "moe.up_proj.weight"] = (
+                x.contiguous() for x in t.chunk(2, dim=1))
+            continue
+        for theirs, released in (("mlp.experts.down_proj", "moe.down_proj.weight"),
+                                 ("mlp.gate.e_score_correction_bias", "moe.router_bias"),
+                                 ("mlp.gate.weight", "moe.gate.weight"),
+                                 ("mlp.shared_experts.", "share_expert.")):
+            if theirs in name:
+                name = name.replace(theirs, released)
+        out[name] = t.float() if name.endswith("router_bias") else t
+    return out
+
+
+def mtp_tensors(config, seed=1, dtype=torch.float32) -> dict:
+    """Random released-layout tensors of one MTP layer (global index num_hidden_layers):
+    dense, sliding, with its own head and norm."""
+    gen = torch.Generator().manual_seed(seed)
+    h, hn, f, v = config.hidden_size, config.head_dim, config.intermediate_size, config.vocab_size
+    heads, groups = config.num_sliding_attention_heads, config.num_key_value_heads
+    shapes = {
+        "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (heads * hn, h), "self_attn.k_proj.weight": (groups * hn, h),
+        "self_attn.v_proj.weight": (groups * hn, h), "self_attn.g_proj.weight": (heads, h),
+        "self_attn.o_proj.weight": (h, heads * hn), "self_attn.q_norm.weight": (hn,),
+        "self_attn.k_norm.weight": (hn,), "mlp.gate_proj.weight": (f, h),
+        "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f),
+        "enorm.weight": (h,), "hnorm.weight": (h,), "eh_proj.weight": (h, 2 * h),
+        "transformer.shared_head.norm.weight": (h,),
+        "transformer.shared_head.output.weight": (v, h),
+    }
+    prefix = f"model.layers.{config.num_hidden_layers}."
+    return {prefix + k: (torch.randn(*s, generator=gen) * (0.5 if len(s) == 1 else 0.2)).to(dtype)
+            for k, s in shapes.items()}
+
+
+def save_moe(model, directory, *, mtp=True, released=True, shard_tensors=7):
+    """A MoE checkpoint: released names (or transformers' own), plus one MTP layer, several
+    shards with an index, and the released config.json (MoE keys, lists padded for MTP)."""
+    from safetensors.torch import save_file
+
+    os.makedirs(directory, exist_ok=True)
+    tensors = released_tensors(model) if released else {
+        k: v.detach().clone() for k, v in model.state_dict().items()}
+    dtype = model.model.embed_tokens.weight.dtype
+    if mtp:
+        tensors.update(mtp_tensors(model.config, dtype=dtype))
+    names = list(tensors)
+    weight_map = {}
+    for i in range(0, len(names), shard_tensors):
+        file = f"model-{i // shard_tensors:05d}.safetensors"
+        save_file({n: tensors[n].contiguous() for n in names[i:i + shard_tensors]},
+                  os.path.join(directory, file), metadata={"format": "pt"})
+        weight_map.update({n: file for n in names[i:i + shard_tensors]})
+    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    config = legacy_config_dict(model.config.to_dict())
+    n = model.config.num_hidden_layers
+    config.update(
+        moe_layers_enum=",".join(str(i) for i, t in enumerate(MOE_TYPES) if t == "sparse"),
+        moe_num_experts=EXPERTS, moe_top_k=TOPK, moe_intermediate_size=16, share_expert_dim=24,
+        moe_router_activation="sigmoid", moe_router_scaling_factor=SCALING,
+        use_moe_router_bias=True, need_fp32_gate=True, norm_expert_weight=True,
+        swiglu_limits=ROUTED_LIMITS + [0.0], swiglu_limits_shared=SHARED_LIMITS + [MTP_LIMIT],
+        torch_dtype=str(dtype).removeprefix("torch."),
+    )
+    config["layer_types"][n] = "sliding_attention"  # Step's MTP layers are sliding
+    config["rope_theta"][n] = config["rope_theta"][1]
+    config["partial_rotary_factors"][n] = config["partial_rotary_factors"][1]
+    if not mtp:
+        config["num_nextn_predict_layers"] = 1  # declared, absent: the decoder alone
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return directory, tensors
+
+
+def reference_weights(tensors: dict, num_layers: int, mtp_layers: int = 1) -> dict:
+    """tests.reference's weights dict (step35_logits / step35_mtp_logits) from released-layout
+    tensors, in fp32."""
+    t = {k: v.float() for k, v in tensors.items()}
+
+    def layer(i):
+        p = f"model.layers.{i}."
+        w = {k[len(p):].removeprefix("self_attn.").removeprefix("mlp.").removesuffix(".weight"): v
+             for k, v in t.items() if k.startswith(p)}
+        if p + "moe.gate.weight" in t:
+            w.update(router=t[p + "moe.gate.weight"], router_bias=t[p + "moe.router_bias"],
+                     experts_gate_proj=t[p + "moe.gate_proj.weight"],
+                     experts_up_proj=t[p + "moe.up_proj.weight"],
+                     experts_down_proj=t[p + "moe.down_proj.weight"],
+                     shared_gate_proj=t[p + "share_expert.gate_proj.weight"],
+                     shared_up_proj=t[p + "share_expert.up_proj.weight"],
+                     shared_down_proj=t[p + "share_expert.down_proj.weight"])
+        if p + "enorm.weight" in t:
+            w.update(shared_head_norm=t[p + "transformer.shared_head.norm.weight"],
+                     shared_head_output=t[p + "transformer.shared_head.output.weight"])
+        return w
+
+    return {"embed": t["model.embed_tokens.weight"], "norm": t["model.norm.weight"],
+            "lm_head": t["lm_head.weight"], "layers": [layer(i) for i in range(num_layers)],
+            "mtp": [layer(num_layers + k) for k in range(mtp_layers)]}
+
+
+def reference_kinds(config):
+    """(main, MTP) layer dicts for tests.reference from a transformers config (tiny_moe_config)."""
+    def kind(i, mtp=False):
+        sliding = mtp or config.layer_types[i] == "sliding_attention"
+        rope = config.rope_parameters["sliding_attention" if sliding else "full_attention"]
+        out = dict(heads=config.num_sliding_attention_heads if sliding
+                   else config.per_layer_config[0].num_attention_heads,  # layer 0 is full
+                   groups=config.num_key_value_heads, window=config.sliding_window if sliding
+                   else None, rope_base=rope["rope_theta"],
+                   rope_fraction=rope.get("partial_rotary_factor", 1.0),
+                   swiglu_limit=MTP_LIMIT if mtp else (SHARED_LIMITS[i] or None))
+        if not mtp and MOE_TYPES[i] == "sparse":
+            out["moe"] = dict(topk=TOPK, scaling=SCALING, routed_limit=ROUTED_LIMITS[i] or None)
+        return out
+
+    return [kind(i) for i in range(config.num_hidden_layers)], [kind(0, mtp=True)]

@@ -38,6 +38,8 @@ def test_released_legacy_and_transformers_configs_read_the_same():
     assert a.rope_theta == {"full_attention": 10000.0, "sliding_attention": 500.0}
     assert a.partial_rotary_factor == {"full_attention": 0.5, "sliding_attention": 1.0}
     assert a.swiglu_limits == [None, 1.0, 1.0, None]
+    assert (b.num_mtp_layers, b.mtp_layer_types, b.mtp_swiglu_limits) == (
+        1, ["full_attention"], [None])
 
 
 def test_sliding_kv_heads_read_from_every_form_and_written_for_transformers():
@@ -60,8 +62,11 @@ def test_sliding_kv_heads_read_from_every_form_and_written_for_transformers():
 
 
 def dataclass_fields(spec):
+    """The fields both forms hold: the legacy form pads one MTP layer onto its lists, which
+    transformers' saved config (no num_nextn_predict_layers) does not have."""
     fields = dict(vars(spec))
-    fields.pop("extra")
+    for key in ("extra", "num_mtp_layers", "mtp_layer_types", "mtp_swiglu_limits"):
+        fields.pop(key)
     return fields
 
 
@@ -83,8 +88,13 @@ def test_exported_config_reads_back_in_transformers_and_here():
 
 @pytest.mark.parametrize("change, message", [
     ({"model_type": "llama"}, "model_type='llama'"),
-    ({"mlp_layer_types": ["dense", "sparse", "dense", "dense"]}, r"layers \[1\] are MoE"),
-    ({"mlp_layer_types": None}, r"layers \[3\] are MoE"),  # transformers' default: MoE from 3 on
+    ({"mlp_layer_types": None, "moe_router_activation": "softmax"},  # MoE from 3 on
+     "moe_router_activation='softmax'"),
+    ({"mlp_layer_types": None, "norm_expert_weight": False}, "norm_expert_weight=False"),
+    ({"mlp_layer_types": None, "use_moe_router_bias": False}, "use_moe_router_bias=False"),
+    ({"mlp_layer_types": None, "num_experts_per_tok": 1}, "moe_top_k=1"),
+    ({"mlp_layer_types": None, "num_nextn_predict_layers": 1, "moe_layers_enum": "4"},
+     r"MTP layers \[4\] are MoE"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope_scaling"),
     ({"attention_bias": True}, "attention_bias=True"),
     ({"gating": "full"}, "gating='full'"),
@@ -204,12 +214,18 @@ def test_export_refuses_a_model_the_layout_cannot_hold_naming_each_field():
         assert field in str(err.value)
 
 
-def test_mtp_layers_are_skipped_and_other_extra_tensors_refused(tmp_path):
+def test_partial_mtp_layers_and_extra_tensors_are_refused(tmp_path):
     from safetensors.torch import save_file
 
-    from mcore_ext.hf.convert import check_weights, read_hf_config
+    from mcore_ext.hf.convert import check_weights, read_hf_config, resolve_mtp
 
     directory = models.write_released(str(tmp_path / "hf"))
+    _, spec = read_hf_config(directory)
+    assert spec.num_mtp_layers == 1  # the legacy config declares one MTP layer ...
+    spec = resolve_mtp(SafetensorsReader(directory), spec)
+    assert spec.num_mtp_layers == 0  # ... the weights hold none: the decoder alone
+    assert check_weights(SafetensorsReader(directory), spec) == torch.float32
+
     index_path = os.path.join(directory, INDEX_NAME)
     index = json.load(open(index_path))
     # The released checkpoint appends its MTP layers after the decoder's (here layer 4).
@@ -217,13 +233,19 @@ def test_mtp_layers_are_skipped_and_other_extra_tensors_refused(tmp_path):
               os.path.join(directory, "mtp.safetensors"))
     index["weight_map"]["model.layers.4.eh_proj.weight"] = "mtp.safetensors"
     json.dump(index, open(index_path, "w"))
-    _, spec = read_hf_config(directory)
-    assert check_weights(SafetensorsReader(directory), spec) == torch.float32
+    _, declared = read_hf_config(directory)
+    reader = SafetensorsReader(directory)
+    with pytest.raises(HFConfigError, match="missing.*model.layers.4"):
+        check_weights(reader, resolve_mtp(reader, declared))
+    with pytest.raises(HFConfigError, match="not part of the Step-3.5 model.*eh_proj"):
+        check_weights(reader, spec)  # MTP tensors the config does not declare are not dropped
 
     save_file({"model.extra.weight": torch.zeros(2)}, os.path.join(directory, "x.safetensors"))
     index["weight_map"]["model.extra.weight"] = "x.safetensors"
+    del index["weight_map"]["model.layers.4.eh_proj.weight"]
+    os.remove(os.path.join(directory, "mtp.safetensors"))
     json.dump(index, open(index_path, "w"))
-    with pytest.raises(HFConfigError, match="not part of a dense Step-3.5 decoder.*model.extra"):
+    with pytest.raises(HFConfigError, match="not part of the Step-3.5 model.*model.extra"):
         check_weights(SafetensorsReader(directory), spec)
 
 

@@ -1,0 +1,181 @@
+"""Step-3.5 MoE + MTP checkpoints (tests/hf/models.py: tiny_moe_config) against transformers 5.23
+and the plain-PyTorch MTP reference, on real gloo ranks.
+
+The tiny model: 4 layers (dense full, MoE sliding, MoE sliding, MoE full), 8 experts, top-3, a
+random router bias that changes the chosen experts, routed scaling 2.5, the routed clamp hit on
+layers 1 and 3, the shared expert's on layer 2 and the dense MLP's on layer 0 (each checked to
+change transformers' logits), one MTP layer (dense, sliding, its own clamp, head and norm).
+
+- Main logits equal transformers' ``Step3p7TextModel`` + lm_head within 1e-5 (fp32, max abs) at
+  TP 1 / 2, EP 2 / 4, TP 2 x EP 2 and PP 2. transformers scales the routed sum by 2.5 after
+  adding the experts up and renormalises without megatron's + 1e-20: both are fp32 rounding
+  differences (1e-20 vanishes next to a sum of sigmoids >= top-k * sigmoid(min logit)).
+- MTP logits (``mcore_ext.models.mtp_logits``) equal ``tests.reference.step35_mtp_logits`` on the
+  checkpoint's tensors within 1e-5 at TP 1 and 2 (transformers has no MTP forward).
+- HF -> megatron -> HF gives back every tensor bit for bit with its dtype (fp32 router bias in a
+  bf16 checkpoint included), from TP 2 x EP 2 and PP 2.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+
+from tests import reference
+from tests.hf import models
+from tests.hf.test_hf_parity import _full_logits, _tensors
+
+pytest.importorskip("transformers")
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory):
+    """(directory, tensors, tokens, transformers' logits) of the fp32 tiny MoE + MTP model."""
+    model = models.build_moe()
+    directory, tensors = models.save_moe(model, str(tmp_path_factory.mktemp("hf") / "moe"))
+    tokens = models.tokens()
+    with torch.no_grad():
+        logits = model(tokens)
+    return directory, tensors, tokens, logits
+
+
+def test_the_tiny_model_exercises_bias_and_every_clamp(moe_checkpoint):
+    """Each feature the parity tests rely on changes transformers' logits."""
+    _, _, tokens, expected = moe_checkpoint
+    model = models.build_moe()
+    changed = {}
+    with torch.no_grad():
+        for what, module, attr in (
+                ("router bias", model.model.layers[1].mlp.gate, "e_score_correction_bias"),
+                ("routed clamp 1", model.model.layers[1].mlp.experts, "limit"),
+                ("routed clamp 3", model.model.layers[3].mlp.experts, "limit"),
+                ("shared clamp 2", model.model.layers[2].mlp.shared_experts, "limit"),
+                ("dense clamp 0", model.model.layers[0].mlp, "limit")):
+            saved = getattr(module, attr)
+            if attr == "limit":
+                setattr(module, attr, float("inf"))
+            else:
+                saved = saved.clone()
+                module.e_score_correction_bias.zero_()
+            changed[what] = (model(tokens) - expected).abs().max().item()
+            if attr == "limit":
+                setattr(module, attr, saved)
+            else:
+                module.e_score_correction_bias.copy_(saved)
+    assert all(diff > 1e-3 for diff in changed.values()), changed
+
+
+def _moe_parity(hf_dir, tokens, tp, pp, ep, etp=None):
+    import mcore_ext
+    from mcore_ext.hf import load_pretrained
+
+    mcore_ext.init_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                            expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+    model = load_pretrained(hf_dir, backend="sdpa").eval()
+    logits = _full_logits(model, tokens)
+    return None if logits is None else logits[..., : models.VOCAB]
+
+
+def _check(results, expected, tol=TOL):
+    got = [r for r in results if r is not None]
+    assert got, "no rank returned logits"
+    for logits in got:
+        assert logits.shape == expected.shape
+        diff = (logits.float() - expected).abs().max().item()
+        assert diff <= tol, f"max abs diff {diff:.3g} > {tol}"
+
+
+@pytest.mark.parametrize("tp, pp, ep, world", [
+    (1, 1, 1, 1), (2, 1, 1, 2), (1, 1, 2, 2), (1, 2, 1, 2), (2, 1, 2, 4), (1, 1, 4, 4)])
+def test_moe_logits_match_transformers(run_distributed, moe_checkpoint, tp, pp, ep, world):
+    directory, _, tokens, expected = moe_checkpoint
+    _check(run_distributed(_moe_parity, directory, tokens, tp, pp, ep, world_size=world),
+           expected)
+
+
+def _mtp_parity(hf_dir, tokens, tp):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    import mcore_ext
+    from mcore_ext.hf import load_pretrained
+    from mcore_ext.models import mtp_logits
+
+    mcore_ext.init_parallel(tensor_model_parallel_size=tp)
+    model = load_pretrained(hf_dir, backend="sdpa").eval()
+    positions = torch.arange(tokens.size(1)).expand_as(tokens)
+    out = []
+    with torch.no_grad():
+        for local in mtp_logits(model, tokens, positions):
+            parts = [torch.empty_like(local) for _ in range(tp)]
+            dist.all_gather(parts, local.contiguous(), group=ps.get_tensor_model_parallel_group())
+            out.append(torch.cat(parts, dim=-1)[..., : models.VOCAB])
+    return out
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_mtp_logits_match_the_reference(run_distributed, moe_checkpoint, tp):
+    directory, tensors, tokens, expected = moe_checkpoint
+    config = models.tiny_moe_config()
+    main_kinds, mtp_kinds = models.reference_kinds(config)
+    weights = models.reference_weights(tensors, config.num_hidden_layers)
+    with torch.no_grad():
+        main = reference.step35_logits(tokens, weights, main_kinds, config.rms_norm_eps)
+        want = reference.step35_mtp_logits(tokens, weights, main_kinds, mtp_kinds,
+                                           config.rms_norm_eps)
+    assert (main - expected).abs().max() <= TOL  # the reference is transformers' model
+    results = run_distributed(_mtp_parity, directory, tokens, tp, world_size=max(tp, 1))
+    s = tokens.size(1)
+    for per_rank in results:
+        assert len(per_rank) == 1
+        valid = s - 1  # depth 0 has real input tokens at t < s - 1
+        diff = (per_rank[0][:, :valid] - want[0][:, :valid]).abs().max().item()
+        assert diff <= TOL, diff
+
+
+def _round_trip(hf_dir, out_dir, tp, pp, ep):
+    import mcore_ext
+    from mcore_ext.hf import load_pretrained, save_pretrained
+
+    mcore_ext.init_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                            expert_model_parallel_size=ep)
+    model = load_pretrained(hf_dir, backend="sdpa")
+    save_pretrained(model, out_dir, max_shard_bytes=40_000)
+
+
+@pytest.mark.parametrize("tp, pp, ep, world", [(1, 1, 1, 1), (2, 1, 2, 4), (1, 2, 1, 2)])
+def test_round_trip_is_bit_identical(run_distributed, moe_checkpoint, tmp_path, tp, pp, ep,
+                                     world):
+    directory, _, _, _ = moe_checkpoint
+    out = str(tmp_path / "out")
+    run_distributed(_round_trip, directory, out, tp, pp, ep, world_size=world)
+    a, b = _tensors(directory), _tensors(out)
+    assert a.keys() == b.keys()
+    different = [n for n in a if a[n].dtype != b[n].dtype or not torch.equal(a[n], b[n])]
+    assert not different, different[:5]
+    config = json.load(open(os.path.join(out, "config.json")))
+    assert config["moe_layers_enum"] == "1,2,3" and config["num_nextn_predict_layers"] == 1
+    assert config["swiglu_limits"] == models.ROUTED_LIMITS + [0.0]
+    assert config["swiglu_limits_shared"] == models.SHARED_LIMITS + [models.MTP_LIMIT]
+
+
+def test_transformers_names_import_and_export_in_the_released_layout(run_distributed, tmp_path):
+    """A checkpoint under transformers' names (mlp.experts.gate_up_proj, mlp.gate.*,
+    mlp.shared_experts.*) loads to the same logits and exports the released layout."""
+    model = models.build_moe()
+    directory, _ = models.save_moe(model, str(tmp_path / "hf"), released=False)
+    assert "model.layers.1.mlp.experts.gate_up_proj" in _tensors(directory)
+    tokens = models.tokens()
+    with torch.no_grad():
+        expected = model(tokens)
+    _check(run_distributed(_moe_parity, directory, tokens, 2, 1, 1, world_size=2), expected)
+    out = str(tmp_path / "out")
+    run_distributed(_round_trip, directory, out, 1, 1, 2, world_size=2)
+    released = models.released_tensors(model)
+    released.update(models.mtp_tensors(model.config))
+    exported = _tensors(out)
+    assert exported.keys() == released.keys()
+    assert all(torch.equal(exported[n], released[n]) and exported[n].dtype == released[n].dtype
+               for n in released)

@@ -1,0 +1,371 @@
+"""MoE layers (megatron's MoELayer) with Step-3.5's router and clamps, and expert parallelism.
+
+Numerics: every rank builds one set of global weights from a seed (HF's shapes), loads its TP /
+EP / expert-TP slices into the megatron model and compares the logits with
+``tests.reference.step35_logits`` / ``sigmoid_topk_moe``, plain PyTorch written from HF's
+formulas (router logits in fp32, p = sigmoid, topk(p + bias) selects, the selected p renormalised
+(sum + 1e-20) times the scaling factor; routed out = sum_k w_k expert_k(x), plus the shared expert
+unscaled). fp32, max abs diff <= 1e-5 (logits are O(1)).
+
+The model has 4 layers: layer 1 dense, layers 2-4 MoE (4 experts, top-2, scaling 3.0, a router
+bias that changes which experts are chosen, a shared expert), both attention kinds, and a distinct
+clamp per layer and per expert kind (dense MLP 0.11, routed 0.07 / 0.05 on layers 2 / 4, shared
+0.06 / 0.09 on layers 3 / 4), each one hit. Controls: the reference without any one of these
+clamps, with layer 4's routed and shared clamps swapped, with layer 4's clamps also on layer 2,
+or without the router bias, differs from the model by more than 100 x the tolerance, so a clamp
+seen by another layer or expert kind, or a bias that does not select, fails the test.
+
+Gradients: loss = sum(logits * a fixed random tensor); every rank feeds the same tokens, so the
+tokens an expert receives come from all EP ranks: its weight gradient is EP x the reference's.
+"""
+
+import pytest
+import torch
+
+from tests import builders, reference
+
+TOL = 1e-5
+GRAD_TOL = 1e-4
+SEQ, BATCH, VOCAB, WINDOW, EPS = 8, 2, 64, 3, 1e-5
+HIDDEN, HEAD_DIM, FFN, MOE_FFN, SHARED_FFN, EXPERTS, TOPK, SCALING = 32, 8, 48, 16, 24, 4, 2, 3.0
+LAYER_TYPES = ["full_attention", "sliding_attention", "sliding_attention", "full_attention"]
+MOE_LAYER_FREQ = [0, 1, 1, 1]
+SWIGLU_LIMITS = [0.11, None, 0.06, 0.09]  # dense MLP (layer 1), shared experts (layers 3, 4)
+EXPERT_SWIGLU_LIMITS = [None, 0.07, 0.0, 0.05]  # routed experts (layers 2, 4)
+
+
+def moe_config(tp=1, ep=1, dispatcher="allgather", etp=None, **overrides):
+    """The 4-layer Step-3.5-like MoE config of these tests (global sizes)."""
+    import torch.nn.functional as F
+
+    fields = dict(
+        num_layers=4, hidden_size=HIDDEN, num_attention_heads=4, num_query_groups=2,
+        kv_channels=HEAD_DIM, ffn_hidden_size=FFN, tensor_model_parallel_size=tp,
+        sequence_parallel=tp > 1, normalization="RMSNorm", layernorm_zero_centered_gamma=True,
+        qk_layernorm=True, layernorm_epsilon=EPS, gated_linear_unit=True, activation_func=F.silu,
+        bias_activation_fusion=False, layer_types=LAYER_TYPES, sliding_window=WINDOW,
+        sliding_num_attention_heads=8, rotary_base=5e6, rotary_percent=0.5,
+        sliding_rotary_base=1e4, swiglu_limits=SWIGLU_LIMITS,
+        num_moe_experts=EXPERTS, moe_router_topk=TOPK, moe_ffn_hidden_size=MOE_FFN,
+        moe_shared_expert_intermediate_size=SHARED_FFN, moe_layer_freq=MOE_LAYER_FREQ,
+        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+        moe_router_topk_scaling_factor=SCALING, moe_router_dtype="fp32",
+        moe_expert_swiglu_limits=EXPERT_SWIGLU_LIMITS, moe_token_dispatcher_type=dispatcher,
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+    )
+    fields.update(overrides)
+    return builders.gated_config(**fields)
+
+
+def reference_layers(config):
+    from mcore_ext.moe import is_moe_layer
+
+    layers = []
+    for number in range(1, config.num_layers + 1):
+        kind = config.get_config_for_layer(number)
+        sliding = config.layer_type(number) == "sliding_attention"
+        layer = dict(heads=kind.num_attention_heads, groups=kind.num_query_groups,
+                     window=config.sliding_window if sliding else None,
+                     rope_base=kind.rotary_base, rope_fraction=kind.rotary_percent,
+                     swiglu_limit=config.swiglu_limit(number))
+        if is_moe_layer(config, number):
+            layer["moe"] = dict(topk=config.moe_router_topk,
+                                scaling=config.moe_router_topk_scaling_factor,
+                                routed_limit=config.moe_expert_swiglu_limit(number))
+        layers.append(layer)
+    return layers
+
+
+def global_weights(layers, seed=0):
+    """HF-shaped global weights; MoE layers get router, bias, stacked experts and a shared one."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, std):
+        return torch.randn(*shape, generator=gen) * std
+
+    h, d = HIDDEN, HEAD_DIM
+    weights = {"embed": rand(VOCAB, h, std=1.0), "norm": rand(h, std=0.3),
+               "lm_head": rand(VOCAB, h, std=0.2), "layers": []}
+    for kind in layers:
+        n, g = kind["heads"], kind["groups"]
+        w = dict(input_layernorm=rand(h, std=0.3), post_attention_layernorm=rand(h, std=0.3),
+                 q_proj=rand(n * d, h, std=0.3), k_proj=rand(g * d, h, std=0.3),
+                 v_proj=rand(g * d, h, std=0.3), g_proj=rand(n, h, std=0.3),
+                 q_norm=rand(d, std=0.3), k_norm=rand(d, std=0.3), o_proj=rand(h, n * d, std=0.1))
+        if kind.get("moe"):
+            w.update(router=rand(EXPERTS, h, std=0.3), router_bias=rand(EXPERTS, std=0.5),
+                     experts_gate_proj=rand(EXPERTS, MOE_FFN, h, std=0.3),
+                     experts_up_proj=rand(EXPERTS, MOE_FFN, h, std=0.3),
+                     experts_down_proj=rand(EXPERTS, h, MOE_FFN, std=0.3),
+                     shared_gate_proj=rand(SHARED_FFN, h, std=0.2),
+                     shared_up_proj=rand(SHARED_FFN, h, std=0.2),
+                     shared_down_proj=rand(h, SHARED_FFN, std=0.2))
+        else:
+            w.update(gate_proj=rand(FFN, h, std=0.2), up_proj=rand(FFN, h, std=0.2),
+                     down_proj=rand(h, FFN, std=0.2))
+        weights["layers"].append(w)
+    return weights
+
+
+def local_weights(model, config, weights):
+    """This rank's TP / EP / expert-TP slices of the global weights, by megatron name (parameters
+    and the router's expert_bias buffer), for the layers of this pipeline stage."""
+    from megatron.core import parallel_state as ps
+
+    rank, tp = builders.tp_rank_and_size()
+    ep_rank, ep = ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()
+    etp_rank, etp = ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
+
+    def rows(t, r=rank, n=tp):
+        return t.chunk(n, dim=0)[r]
+
+    def cols(t, r=rank, n=tp):
+        return t.chunk(n, dim=1)[r]
+
+    local = {}
+    if model.pre_process:
+        local["embedding.word_embeddings.weight"] = rows(weights["embed"])
+    if model.post_process:
+        local["decoder.final_layernorm.weight"] = weights["norm"]
+        local["output_layer.weight"] = rows(weights["lm_head"])
+    for i, layer in enumerate(model.decoder.layers):
+        number = layer.layer_number
+        w = weights["layers"][number - 1]
+        kind = config.get_config_for_layer(number)
+        p = f"decoder.layers.{i}."
+        qkv = builders.interleave_qkv(w["q_proj"], w["k_proj"], w["v_proj"],
+                                      kind.num_attention_heads, kind.num_query_groups)
+        local.update({
+            p + "input_layernorm.weight": w["input_layernorm"],
+            p + "self_attention.linear_qkv.weight": torch.cat([rows(qkv), rows(w["g_proj"])]),
+            p + "self_attention.q_layernorm.weight": w["q_norm"],
+            p + "self_attention.k_layernorm.weight": w["k_norm"],
+            p + "self_attention.linear_proj.weight": cols(w["o_proj"]),
+            p + "pre_mlp_layernorm.weight": w["post_attention_layernorm"],
+        })
+        if "router" not in w:
+            local[p + "mlp.linear_fc1.weight"] = torch.cat([rows(w["gate_proj"]),
+                                                            rows(w["up_proj"])])
+            local[p + "mlp.linear_fc2.weight"] = cols(w["down_proj"])
+            continue
+        local[p + "mlp.router.weight"] = w["router"]
+        local[p + "mlp.router.expert_bias"] = w["router_bias"]
+        local[p + "mlp.shared_experts.linear_fc1.weight"] = torch.cat(
+            [rows(w["shared_gate_proj"]), rows(w["shared_up_proj"])])
+        local[p + "mlp.shared_experts.linear_fc2.weight"] = cols(w["shared_down_proj"])
+        per_rank = EXPERTS // ep
+        for j in range(per_rank):
+            e = ep_rank * per_rank + j
+            q = f"{p}mlp.experts.local_experts.{j}."
+            local[q + "linear_fc1.weight"] = torch.cat(
+                [rows(w["experts_gate_proj"][e], etp_rank, etp),
+                 rows(w["experts_up_proj"][e], etp_rank, etp)])
+            local[q + "linear_fc2.weight"] = cols(w["experts_down_proj"][e], etp_rank, etp)
+    return local
+
+
+def load_weights(model, config, weights):
+    local = local_weights(model, config, weights)
+    tensors = dict(model.named_parameters())
+    tensors.update({n: b for n, b in model.named_buffers() if n.endswith("expert_bias")})
+    assert set(tensors) == set(local), set(tensors) ^ set(local)
+    with torch.no_grad():
+        for name, value in local.items():
+            tensors[name].copy_(value)
+
+
+def _clamp_variants(layers):
+    """Reference layer lists that move, swap or drop one clamp (or the router bias)."""
+    def edit(number, key, value, moe=False):
+        out = [dict(kind, moe=dict(kind["moe"])) if kind.get("moe") else dict(kind)
+               for kind in layers]
+        (out[number - 1]["moe"] if moe else out[number - 1])[key] = value
+        return out
+
+    variants = {
+        "no dense clamp (layer 1)": edit(1, "swiglu_limit", None),
+        "no routed clamp (layer 2)": edit(2, "routed_limit", None, moe=True),
+        "no shared clamp (layer 3)": edit(3, "swiglu_limit", None),
+        "no routed clamp (layer 4)": edit(4, "routed_limit", None, moe=True),
+        "no shared clamp (layer 4)": edit(4, "swiglu_limit", None),
+        "layer 4 routed clamp on layer 2": edit(2, "routed_limit", 0.05, moe=True),
+        "layer 4 shared clamp on layer 2": edit(2, "swiglu_limit", 0.09),
+        "layer 3 shared clamp on layer 4": edit(4, "swiglu_limit", 0.06),
+    }
+    swapped = edit(4, "routed_limit", 0.09, moe=True)
+    swapped[3]["swiglu_limit"] = 0.05
+    variants["layer 4 routed / shared swapped"] = swapped
+    return variants
+
+
+def _logits_and_grads(model, tokens, target):
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    positions = torch.arange(tokens.size(1)).expand_as(tokens)
+    logits = gather_from_tensor_model_parallel_region(model(tokens, positions, None))
+    (logits * target).sum().backward()
+    return logits.detach()
+
+
+def _expert_grads(model, weights):
+    """{(global layer, global expert): (fc1 grad, fc2 grad)} of this rank's experts, as the
+    global [2 f / etp, h] / [h, f / etp] slices."""
+    out = {}
+    for layer in model.decoder.layers:
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is None:
+            continue
+        for j, expert in enumerate(experts.local_experts):
+            e = layer.mlp.local_expert_indices[j]
+            out[(layer.layer_number, e)] = (expert.linear_fc1.weight.grad.clone(),
+                                            expert.linear_fc2.weight.grad.clone())
+    return out
+
+
+def model_vs_reference(tp=1, ep=1, dispatcher="allgather", etp=None, controls=False):
+    """Logits of the model vs the reference, and expert gradients vs EP x the reference's."""
+    import mcore_ext
+    from megatron.core import parallel_state as ps
+
+    mcore_ext.init_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                            expert_tensor_parallel_size=etp)
+    config = moe_config(tp, ep, dispatcher, etp)
+    layers = reference_layers(config)
+    weights = global_weights(layers)
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    target = torch.randn(BATCH, SEQ, VOCAB, generator=gen)
+
+    model = mcore_ext.build_gpt_model(config, vocab_size=VOCAB, max_sequence_length=SEQ,
+                                      backend="sdpa")
+    load_weights(model, config, weights)
+    logits = _logits_and_grads(model, tokens, target)
+
+    ref_weights = {**weights, "layers": [{k: v.clone().requires_grad_() for k, v in w.items()}
+                                         for w in weights["layers"]]}
+    expected = reference.step35_logits(tokens, ref_weights, layers, EPS)
+    (expected * target).sum().backward()
+    etp_rank = ps.get_expert_tensor_parallel_rank()
+    etp_size = ps.get_expert_tensor_parallel_world_size()
+    grad_diff, grad_scale = 0.0, 0.0
+    for (number, e), (fc1, fc2) in _expert_grads(model, weights).items():
+        w = ref_weights["layers"][number - 1]
+        ref_fc1 = torch.cat([w["experts_gate_proj"].grad[e].chunk(etp_size)[etp_rank],
+                             w["experts_up_proj"].grad[e].chunk(etp_size)[etp_rank]])
+        ref_fc2 = w["experts_down_proj"].grad[e].chunk(etp_size, dim=1)[etp_rank]
+        for got, want in ((fc1, ref_fc1), (fc2, ref_fc2)):
+            grad_diff = max(grad_diff, (got - ep * want).abs().max().item())
+            grad_scale = max(grad_scale, want.abs().max().item())
+    result = dict(diff=(logits - expected.detach()).abs().max().item(),
+                  scale=expected.abs().max().item(), grad_diff=grad_diff, grad_scale=grad_scale,
+                  experts=sorted(_expert_grads(model, weights)))
+    if controls:
+        with torch.no_grad():
+            result["controls"] = {
+                name: (reference.step35_logits(tokens, weights, variant, EPS) - logits)
+                .abs().max().item()
+                for name, variant in _clamp_variants(layers).items()
+            }
+            no_bias = {**weights, "layers": [dict(w, router_bias=torch.zeros(EXPERTS))
+                                             if "router" in w else w
+                                             for w in weights["layers"]]}
+            result["controls"]["no router bias"] = (
+                reference.step35_logits(tokens, no_bias, layers, EPS) - logits).abs().max().item()
+            result["limits"] = _module_limits(model)
+    return result
+
+
+def _module_limits(model):
+    """The clamp each MLP module of the model applies: {(layer, module): limit or None}."""
+    limits = {}
+    for layer in model.decoder.layers:
+        mlp = layer.mlp
+        modules = {"dense": mlp} if not hasattr(mlp, "router") else {
+            **{f"expert {e}": m for e, m in zip(mlp.local_expert_indices,
+                                                 mlp.experts.local_experts)},
+            "shared": mlp.shared_experts}
+        for name, module in modules.items():
+            fn = module.activation_func
+            limits[(layer.layer_number, name)] = getattr(fn, "keywords", {}).get("limit")
+    return limits
+
+
+@pytest.mark.smoke  # also on megatron-core 0.16 - 0.18
+def test_moe_model_matches_hf_formulas_with_distinct_clamps(run_distributed):
+    (r,) = run_distributed(model_vs_reference, controls=True, world_size=1)
+    assert r["diff"] <= TOL and r["scale"] > 0.1, r
+    assert r["grad_diff"] <= GRAD_TOL * max(1.0, r["grad_scale"]), r
+    for name, effect in r["controls"].items():
+        assert effect > 100 * TOL, (name, effect)  # each clamp / the bias is seen by the check
+    # every module holds its own clamp, and only its own
+    expected = {(1, "dense"): 0.11, (2, "shared"): None, (3, "shared"): 0.06, (4, "shared"): 0.09}
+    for e in range(EXPERTS):
+        expected.update({(2, f"expert {e}"): 0.07, (3, f"expert {e}"): None,
+                         (4, f"expert {e}"): 0.05})
+    assert r["limits"] == expected, r["limits"]
+
+
+@pytest.mark.parametrize("world_size, tp, ep, dispatcher", [
+    pytest.param(2, 1, 2, "allgather", marks=pytest.mark.smoke),
+    (2, 1, 2, "alltoall"),
+    (4, 1, 4, "allgather"),
+    (4, 1, 4, "alltoall"),
+    (4, 2, 2, "allgather"),
+    (4, 2, 2, "alltoall"),
+    (4, 1, 2, "alltoall"),  # with expert data parallelism 2
+])
+def test_expert_parallel_matches_reference(run_distributed, world_size, tp, ep, dispatcher):
+    results = run_distributed(model_vs_reference, tp, ep, dispatcher, world_size=world_size)
+    seen = set()
+    for rank, r in enumerate(results):
+        assert r["diff"] <= TOL, (rank, r)
+        assert r["grad_diff"] <= GRAD_TOL * max(1.0, r["grad_scale"]), (rank, r)
+        seen.update(r["experts"])
+        assert len(r["experts"]) == 3 * EXPERTS // ep, (rank, r["experts"])
+    assert seen == {(n, e) for n in (2, 3, 4) for e in range(EXPERTS)}
+
+
+# ------------------------------------------------------------------------------ validation
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(moe_router_score_function="softmax"),
+     "moe_router_enable_expert_bias=True needs moe_router_score_function 'sigmoid' or "
+     "'sqrtsoftplus', got 'softmax'"),
+    (dict(moe_layer_freq=[0, 1, 1]), "moe_layer_freq has 3 entries, num_layers is 4"),
+    (dict(moe_layer_freq=[0, 1, 2, 1]), "moe_layer_freq=[0, 1, 2, 1]: entry 2 is not 0 or 1"),
+    (dict(expert_model_parallel_size=3), "expert_model_parallel_size=3 must divide "
+                                         "num_moe_experts=4"),
+    (dict(moe_router_dtype="bf16"), "moe_router_dtype='bf16' is not one of"),
+    (dict(moe_router_topk=5), "moe_router_topk=5 must be in [1, num_moe_experts=4]"),
+    (dict(moe_token_dispatcher_type="a2a"), "moe_token_dispatcher_type='a2a' is not one of"),
+    (dict(moe_router_bias_update_rate=-1e-3), "moe_router_bias_update_rate=-0.001 must be >= 0"),
+    (dict(moe_expert_swiglu_limits=[None, 7.0]), "moe_expert_swiglu_limits has 2 entries"),
+    (dict(moe_expert_swiglu_limits=[None, -1.0, None, None]), "-1.0 is negative"),
+    (dict(gated_linear_unit=False, swiglu_limits=None),
+     "moe_expert_swiglu_limits clamps SwiGLU experts: it needs gated_linear_unit=True"),
+    (dict(moe_grouped_gemm=True), "moe_expert_swiglu_limits with moe_grouped_gemm=True"),
+    (dict(activation_func_clamp_value=7.0), "activation_func_clamp_value=7.0 (megatron's clamp"),
+    (dict(moe_expert_swiglu_limits=None, swiglu_limits=None, activation_func_clamp_value=7.0,
+          bias_activation_fusion=True), "megatron's fused SwiGLU ignores the clamp"),
+    (dict(num_moe_experts=None, expert_model_parallel_size=1),
+     "moe_expert_swiglu_limits=[None, 0.07, 0.0, 0.05] clamps routed experts: it needs "
+     "num_moe_experts"),
+])
+def test_moe_config_errors_name_field_and_value(overrides, message):
+    with pytest.raises(ValueError) as err:
+        moe_config(**overrides)
+    assert message in str(err.value)
+
+
+def test_moe_defaults_keep_routing_unchanged():
+    config = moe_config()  # no load-balancing loss, a frozen expert bias
+    assert config.moe_router_load_balancing_type == "none"
+    assert config.moe_router_bias_update_rate == 0.0
+
+
+def test_moe_expert_limits_take_main_or_mtp_padded_lists():
+    with pytest.raises(ValueError, match="moe_expert_swiglu_limits has 5 entries"):
+        moe_config(moe_expert_swiglu_limits=EXPERT_SWIGLU_LIMITS + [None])
+    padded = moe_config(moe_expert_swiglu_limits=EXPERT_SWIGLU_LIMITS + [7.0], mtp_num_layers=1)
+    assert [padded.moe_expert_swiglu_limit(n) for n in range(1, 6)] == [None, 0.07, None, 0.05, 7.0]
