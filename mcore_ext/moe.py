@@ -113,6 +113,11 @@ def validate_moe_fields(config) -> None:
     if shared is not None and shared < 1:
         raise ValueError(f"moe_shared_expert_intermediate_size={shared} must be at least 1 (None = "
                          "no shared expert)")
+    if shared is not None and config.add_bias_linear:
+        raise ValueError(
+            f"moe_shared_expert_intermediate_size={shared} with add_bias_linear=True: megatron's "
+            "shared expert has no bias; set add_bias_linear=False"
+        )
 
 
 def validate_moe_clamps(config) -> None:
