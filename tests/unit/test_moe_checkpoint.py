@@ -3,11 +3,11 @@
 The 4-layer Step-3.5-like MoE model of test_moe.py (layer 1 dense, 2-4 MoE with 4 experts, a
 shared expert, both attention kinds, clamps) trains 3 steps at TP 2 x EP 2 on 4 ranks with
 megatron's distributed optimizer (fully_reshardable; the expert parameters have their own chained
-optimizer), saves model + optimizer, and resumes for 3 more steps at TP 1 x EP 4 and TP 1 x EP 2 x
-PP 2; the losses must equal an uninterrupted TP 2 x EP 2 run's within 1e-5 (fp32; the global batch
-is fixed, so the DP size changing with the layout does not change a step). At TP 1 x EP 1 the
-weights load (megatron's optimizer there is one optimizer, not a chain of two: optimizer state does
-not reshard from EP > 1 to EP 1, see README Known gaps) and the first step's loss must match.
+optimizer), saves model + optimizer, and resumes for 3 more steps at TP 1 x EP 4, TP 1 x EP 2 x
+PP 2 and TP 1 x EP 1 (where megatron alone would build one optimizer instead of a chain of two:
+mcore_ext.moe.mark_expert_parameters); the losses must equal an uninterrupted TP 2 x EP 2 run's
+within 1e-5 (fp32; the global batch is fixed, so the DP size changing with the layout does not
+change a step).
 Loaded weights are exact: saving them again at the new layout reproduces every model tensor of
 the checkpoint bit for bit (experts keyed by global index, the gate's _qkv / _gate keys as
 before). Resuming with a fresh Adam does not reproduce the run (the moments matter).
@@ -135,12 +135,7 @@ def test_moe_checkpoint_reshards_across_ep_tp_pp_with_optimizer(run_distributed,
     assert max(abs(a - b) for a, b in zip(fresh_adam, uninterrupted[3:])) > 1e-3
     for layout in ((1, 4, 1), (1, 2, 2), (1, 1, 1)):
         name = "_".join(map(str, layout))
-        # EP 1: megatron builds one optimizer (experts are plain data-parallel parameters), at
-        # EP > 1 two; their checkpoints differ in structure (a known gap): weights only there.
-        with_optimizer = layout[1] > 1
-        r = run(layout, 3, load_dir=source, first_step=3, resave_dir=str(tmp_path / name),
-                load_optimizer=with_optimizer)
+        r = run(layout, 3, load_dir=source, first_step=3, resave_dir=str(tmp_path / name))
         assert r["identical"] == [], (layout, r["identical"])
-        steps = 3 if with_optimizer else 1  # the first step's loss needs the weights only
-        diffs = [abs(a - b) for a, b in zip(r["losses"][:steps], uninterrupted[3:3 + steps])]
+        diffs = [abs(a - b) for a, b in zip(r["losses"], uninterrupted[3:])]
         assert max(diffs) <= TOL, (layout, r["losses"], uninterrupted[3:])
