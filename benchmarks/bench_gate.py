@@ -115,6 +115,9 @@ def parse_args(argv=None):
     p.add_argument("--no-control", action="store_true",
                    help="CPU runs only: leave out the second no-gate module (none-2) that shows "
                         "the run's noise floor")
+    p.add_argument("--moe", action="store_true",
+                   help="MoE block (Step-3.5's router: 8 experts, top-2, sigmoid + expert bias, "
+                        "x3.0, a shared expert; every layer MoE): none vs head-wise gate")
     p.add_argument("--json", metavar="PATH", help="write every figure to PATH")
     return p.parse_args(argv)
 
@@ -146,6 +149,7 @@ def resolve_options(args, on_gpu):
     opts["threads"] = None if on_gpu else (args.threads or 1)
     opts["groups"] = opts["groups"] or opts["heads"]
     opts["preset"] = "quick" if args.quick else preset
+    opts["moe"] = args.moe
     # The targets hold for a preset run on its own kind of machine, at the preset's shapes.
     shapes = ("hidden", "heads", "seq", "dtype")
     opts["at_preset"] = (
@@ -178,7 +182,18 @@ def make_config(opts, variant, dtype):
         fp16=dtype is torch.float16,
         head_wise_attn_gate=variant == "head-wise",  # none and none-2: no gate
         attention_output_gate=variant == "full",
+        **(_moe_fields(opts) if opts.get("moe") else {}),
     )
+
+
+def _moe_fields(opts):
+    """Step-3.5-Flash's MoE in miniature: experts as wide as a quarter of the dense MLP."""
+    return dict(num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=opts["hidden"],
+                moe_shared_expert_intermediate_size=opts["hidden"],
+                moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                moe_router_topk_scaling_factor=3.0, moe_router_dtype="fp32",
+                gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+                bias_activation_fusion=False, add_bias_linear=False)
 
 
 def build(opts, variant, scope, dtype, backend):
@@ -544,6 +559,8 @@ def main(argv=None):
             largest = DTYPES[max(dtypes, key=lambda d: DTYPES[d].itemsize)]
             opts["batch"] = pick_gpu_batch(opts, largest, backend, device, log) if on_gpu else 1
         scopes = ("layer", "block") if args.scope == "both" else (args.scope,)
+        if opts["moe"]:
+            scopes = ("block",)  # the attention layer is the same with or without MoE
         log(f"bench_gate: device {device_name(device)}, torch {torch.__version__}, "
             f"threads {torch.get_num_threads()}, backend {backend}, dtypes {', '.join(dtypes)}")
         log(f"  preset {opts['preset']}: hidden {opts['hidden']}, heads {opts['heads']}, groups "
@@ -561,7 +578,8 @@ def main(argv=None):
                 "mmap threshold 64 KiB) + parameter bytes + input bytes; held: bytes the forward "
                 "leaves allocated for backward")
 
-        variants = VARIANTS + (() if on_gpu or args.no_control else (CONTROL,))
+        base = ("none", "head-wise") if opts["moe"] else VARIANTS  # the MoE case: the gate's cost
+        variants = base + (() if on_gpu or args.no_control else (CONTROL,))
         timed, profile = {}, None
         for dtype_name in dtypes:
             for scope in scopes:

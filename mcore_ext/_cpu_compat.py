@@ -24,8 +24,11 @@ weights, fp16 loss scaling and inf checks) accept a CPU ``torch.BFloat16Tensor``
 
 MoE (megatron-core 0.16 - 0.19): the router's weight and buffers go to ``current_device()`` (the
 CPU, above); the all-to-all token dispatcher creates a class-wide CUDA stream for its
-device-to-host copies and waits on it, and 0.16 / 0.17's aux-loss tracker allocates on a literal
-"cuda" -> the stream is a null stream, and ``MoELayer.forward`` runs inside ``cuda_to_cpu()``.
+device-to-host copies and waits on it, hands its split sizes to ``all_to_all_single`` as numpy
+arrays only when they were CUDA tensors, and 0.16 / 0.17's aux-loss tracker allocates on a literal
+"cuda" -> the stream is a null stream, CPU split sizes become numpy arrays as on a GPU, and
+``MoELayer.forward`` runs inside ``cuda_to_cpu()``. At TP > 1 it all-gathers and reduce-scatters
+tensors of unequal sizes, which gloo refuses -> padded / all-reduced equivalents.
 
 This is the only module that patches megatron-core or torch. ``install()`` and ``cuda_to_cpu()``
 are no-ops when CUDA is available, so GPU runs execute megatron-core unmodified.
@@ -67,6 +70,7 @@ def install() -> bool:
     torch.cuda.manual_seed = lambda seed: None
     _install_rope_cp()
     _install_moe()
+    _install_uneven_collectives()
     _installed = True
     return True
 
@@ -108,6 +112,21 @@ def _install_moe():
     if getattr(dispatcher, "cuda_dtoh_stream", None) is None:
         dispatcher.cuda_dtoh_stream = _NullStream()
 
+    # The dispatcher's split sizes reach all_to_all_single as numpy arrays only when they come
+    # from a GPU (``maybe_move_tensor_to_cpu(..., as_numpy=True)`` converts CUDA tensors only);
+    # torch's all_to_all_single takes no CPU tensor as split sizes.
+    move = token_dispatcher.maybe_move_tensor_to_cpu
+    if not getattr(move, "_mcore_ext_cpu", False):
+
+        @functools.wraps(move)
+        def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+            if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+                return tensor.numpy()
+            return move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+        maybe_move_tensor_to_cpu._mcore_ext_cpu = True
+        token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
     forward = moe_layer.MoELayer.forward
     if getattr(forward, "_mcore_ext_cpu", False):
         return
@@ -121,6 +140,48 @@ def _install_moe():
 
     forward_on_cpu._mcore_ext_cpu = True
     moe_layer.MoELayer.forward = forward_on_cpu
+
+
+def _install_uneven_collectives():
+    """Uneven all-gather / reduce-scatter over gloo (the all-to-all dispatcher at TP > 1).
+
+    megatron's ``_gather_along_first_dim`` / ``_reduce_scatter_along_first_dim`` take per-rank
+    split sizes and call ``all_gather`` / ``reduce_scatter`` with tensors of unequal sizes, which
+    NCCL accepts and gloo does not (``invalid tensor size``). On a CPU the uneven case pads to the
+    largest size, gathers evenly and trims; it reduces by an all-reduce and keeps this rank's rows.
+    """
+    import functools
+
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import mappings
+
+    gather = mappings._gather_along_first_dim
+    if getattr(gather, "_mcore_ext_cpu", False):
+        return
+    reduce_scatter = mappings._reduce_scatter_along_first_dim
+
+    @functools.wraps(gather)
+    def _gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in output_split_sizes]
+        padded = input_.new_zeros((max(sizes), *input_.shape[1:]))
+        padded[: input_.size(0)] = input_
+        chunks = gather(padded, group).chunk(len(sizes))
+        return torch.cat([chunk[:n] for chunk, n in zip(chunks, sizes)])
+
+    @functools.wraps(reduce_scatter)
+    def _reduce_scatter_along_first_dim(input_, group, input_split_sizes=None,
+                                        use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+        total = input_.clone()
+        dist.all_reduce(total, group=group)
+        return total.split([int(n) for n in input_split_sizes])[group.rank()].clone()
+
+    _gather_along_first_dim._mcore_ext_cpu = True
+    mappings._gather_along_first_dim = _gather_along_first_dim
+    mappings._reduce_scatter_along_first_dim = _reduce_scatter_along_first_dim
 
 
 def _cpu_tracker_class(cuda_tracker_class):

@@ -18,6 +18,8 @@ there were one megatron-core; each shim below says which releases need it and wh
    (``check_mtp_supported``).
 7. megatron.training (mcore_ext.megatron_lm): 0.19 only (``check_megatron_training``); the wheel's
    dataset helpers come compiled, without the Makefile megatron runs (``skip_dataset_helper_...``).
+8. The MoE aux-loss tracker moved from a dict in ``moe_utils`` (0.16, 0.17) to a
+   ``MoEMetricsTracker`` in ``moe_logging`` (0.18+) (``take_moe_aux_losses``).
 
 This module adapts megatron-core to other releases; ``_cpu_compat`` adapts it to a CPU.
 """
@@ -155,19 +157,33 @@ def prepare_optimizer_for_loading(optimizer) -> None:
 def load_optimizer_state_dict(optimizer, state_dict) -> None:
     """``optimizer.load_state_dict(state_dict)``, with bugs b and c worked around where they apply.
 
-    For a single torch-Adam distributed optimizer and a fully_reshardable state dict: the param
-    groups load first, then the parameter state with the steps set aside, and each parameter gets
-    its own copy of the step.
+    For each torch-Adam distributed optimizer (a MoE model's optimizer chains one for the dense
+    and one for the expert parameters) and a fully_reshardable state dict: the param groups load
+    first, then the parameter state with the steps set aside, and each parameter gets its own
+    copy of the step. Other optimizers load as megatron loads them.
     """
     chained = getattr(optimizer, "chained_optimizers", [optimizer])
-    torch_adam = torch_adam_distributed_optimizers(optimizer)
+    if len(chained) == 1:
+        _load_one_optimizer(chained[0], state_dict)
+        return
+    if len(state_dict) != len(chained):  # megatron's own check, with its message
+        raise RuntimeError(f"Expected {len(chained)} entries in state dict, but got "
+                           f"{len(state_dict)}.")
+    states = [v for _, v in sorted(state_dict.items())] if isinstance(state_dict, dict) else (
+        list(state_dict))
+    for inner, state in zip(chained, states):
+        _load_one_optimizer(inner, state)
+    if hasattr(optimizer, "_synchronize_steps"):
+        optimizer._synchronize_steps()
+
+
+def _load_one_optimizer(inner, state_dict) -> None:
     if not (
-        len(chained) == len(torch_adam) == 1
+        torch_adam_distributed_optimizers(inner)
         and state_dict.get("param_state_sharding_type") == "fully_reshardable"
     ):
-        optimizer.load_state_dict(state_dict)
+        inner.load_state_dict(state_dict)
         return
-    (inner,) = torch_adam
     state_dict = dict(state_dict)
     param_state = state_dict.pop("param_state")
     state_dict.pop("param_state_sharding_type")
@@ -317,3 +333,27 @@ def skip_dataset_helper_compilation() -> None:
     except ImportError:
         return  # a source tree: megatron compiles it as usual
     dataset_utils.compile_helpers = lambda: None
+
+
+# ------------------------------------------------------------------- 8. MoE aux-loss tracker
+
+
+def take_moe_aux_losses() -> dict:
+    """The MoE routers' recorded losses since the last call, and clear them: {name: (per-layer
+    values [num_layers], reduce_group)}; values summed over this rank's micro-batches, not yet
+    reduced over ranks (megatron's own reduction averages with ReduceOp.AVG, which gloo lacks)."""
+    try:
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+    except ImportError:  # 0.16, 0.17
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        out = {}
+        for name, entry in get_moe_layer_wise_logging_tracker().items():
+            out[name] = (entry["values"].clone(), entry.get("reduce_group"))
+            entry["values"].zero_()
+        return out
+    out = {}
+    for name, entry in get_moe_metrics_tracker().metrics.items():
+        out[name] = (entry.values.clone(), entry.reduce_group)
+        entry.values.zero_()
+    return out

@@ -58,6 +58,7 @@ class KindTransformerLayer(TransformerLayer):
         self.moe_expert_swiglu_limit = moe_expert_swiglu_limit
         if isinstance(self.mlp, MoELayer):
             moe.clamp_moe_layer(self.mlp, moe_expert_swiglu_limit, swiglu_limit)
+            moe.mark_expert_parameters(self.mlp)
         elif swiglu_limit:
             clamp_swiglu_mlp(self.mlp, swiglu_limit)
 

@@ -10,6 +10,8 @@ expert); the others are dense. This module adds only what megatron cannot expres
   on each expert module's own copy of its config so that no layer or expert kind sees another's
   (``clamp_moe_layer``; megatron's ``activation_func_clamp_value`` is another function, and
   TEGroupedMLP shares one config between all layers);
+- the experts' parameters marked expert-parallel at EP 1 too, so the optimizer (and its
+  checkpoint) has the same structure at every EP size (``mark_expert_parameters``);
 - validation naming fields and values (``validate_moe_fields`` / ``validate_moe_clamps``).
 """
 
@@ -113,6 +115,11 @@ def validate_moe_fields(config) -> None:
     if shared is not None and shared < 1:
         raise ValueError(f"moe_shared_expert_intermediate_size={shared} must be at least 1 (None = "
                          "no shared expert)")
+    if shared is not None and config.add_bias_linear:
+        raise ValueError(
+            f"moe_shared_expert_intermediate_size={shared} with add_bias_linear=True: megatron's "
+            "shared expert has no bias; set add_bias_linear=False"
+        )
 
 
 def validate_moe_clamps(config) -> None:
@@ -195,3 +202,18 @@ def clamp_moe_layer(moe_layer, routed_limit: Optional[float], shared_limit: Opti
                 "swiglu_limits with moe_shared_expert_overlap=True is not supported"
             )
         clamp_swiglu_mlp(shared, shared_limit, field="swiglu_limits")
+
+
+def mark_expert_parameters(moe_layer) -> None:
+    """Mark the routed experts' parameters as expert-parallel (``allreduce=False``) at every EP
+    size, as megatron marks them only when expert_model_parallel_size > 1.
+
+    megatron's DDP and optimizer group parameters by this mark: at EP > 1 the experts get their
+    own gradient buffer (reduced over the expert-data-parallel group) and their own optimizer in
+    a chain of two; at EP 1 they would join the dense ones, and the optimizer's checkpoint would
+    have another structure, so an EP > 1 checkpoint could not resume at EP 1 with its optimizer
+    state. At EP 1 (expert TP = TP) the expert-data-parallel group holds the same ranks as the
+    data-parallel group, so gradients and updates are unchanged.
+    """
+    for param in moe_layer.experts.parameters():
+        param.allreduce = False

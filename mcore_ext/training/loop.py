@@ -22,6 +22,7 @@ from megatron.core.transformer.module import Float16Module
 
 from mcore_ext import _mcore_compat
 from mcore_ext._cpu_compat import cuda_to_cpu
+from mcore_ext.moe import is_moe_layer
 from mcore_ext.config import GatedTransformerConfig
 from mcore_ext.runtime import destroy_parallel, device, init_parallel
 from mcore_ext.models import build_gpt_model
@@ -53,6 +54,8 @@ def pretrain(cfg) -> None:
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
         context_parallel_size=p.context_parallel_size,
+        expert_model_parallel_size=p.expert_model_parallel_size,
+        expert_tensor_parallel_size=p.expert_tensor_parallel_size,
         seed=cfg.training.seed,
     )
     signals = faults.ExitSignalHandler() if cfg.checkpoint.exit_on_signal else None
@@ -104,7 +107,9 @@ def flops_per_iteration(
     Counts every GEMM of the model ``config`` describes, including the gate rows of linear_qkv
     (``config.linear_qkv_rows``: the head-wise gate adds num_attention_heads output rows to the
     QKV GEMM), per layer kind (heads, window). Causal attention counts half the scores, a window
-    the scores inside it. MTP depths count their layer (its kind), eh_proj and logits.
+    the scores inside it. A MoE layer counts its router, the top-k routed experts each token
+    runs through and the shared expert (the FLOPs done, not the parameters held). MTP depths count their layer
+    (its kind), eh_proj and logits.
     """
     h, hn, s, ffn = config.hidden_size, config.kv_channels, seq_length, config.ffn_hidden_size
     depths = config.mtp_num_layers or 0
@@ -120,9 +125,25 @@ def flops_per_iteration(
             h * layer.linear_qkv_rows  # linear_qkv (Q, K, V and gates)
             + 2 * heads * hn * keys  # Q K^T and P V
             + heads * hn * h  # linear_proj
-            + h * ffn * (2 if config.gated_linear_unit else 1) + ffn * h  # linear_fc1, linear_fc2
         )
+        if is_moe_layer(config, number):
+            moe_ffn = config.moe_ffn_hidden_size * config.moe_router_topk + (
+                config.moe_shared_expert_intermediate_size or 0)
+            macs_per_token += h * config.num_moe_experts + _mlp_macs(config, h, moe_ffn)
+        else:
+            macs_per_token += _mlp_macs(config, h, ffn)
     return 3 * 2 * macs_per_token * global_batch_size * s
+
+
+def _mlp_macs(config, h: int, ffn: int) -> int:
+    """MACs per token of an MLP of width ``ffn``: linear_fc1 (gate and up with SwiGLU), linear_fc2."""
+    return h * ffn * (2 if config.gated_linear_unit else 1) + ffn * h
+
+
+# The name megatron's router records each load-balancing loss under, per balancing type.
+_BALANCING_LOSS_NAMES = {"aux_loss": "load_balancing_loss",
+                         "seq_aux_loss": "seq_load_balancing_loss",
+                         "global_aux_loss": "global_load_balancing_loss"}
 
 
 def _forward_step(data_iterator, model):
@@ -188,6 +209,7 @@ class _Trainer:
         self.train_iterator = batch_iterator(self.train_data, cfg, start_sample=consumed)
 
         self.forward_backward = get_forward_backward_func()
+        self.balancing_losses = []  # per step since the last log line
         self.flops = flops_per_iteration(
             self.model.config, self.vocab_size, cfg.model.seq_length, cfg.training.global_batch_size
         )
@@ -206,9 +228,11 @@ class _Trainer:
         pp = cfg.parallelism.pipeline_model_parallel_size
         cp = cfg.parallelism.context_parallel_size
         cp = f"CP {cp} x " if cp > 1 else ""
+        ep = cfg.parallelism.expert_model_parallel_size
+        ep = f" (experts: EP {ep})" if ep > 1 else ""
         dp, t = cfg.data_parallel_size, cfg.training
         self._print(
-            f"[setup] world {cfg.world_size} = TP {tp} x {cp}PP {pp} x DP {dp}; global batch "
+            f"[setup] world {cfg.world_size} = TP {tp} x {cp}PP {pp} x DP {dp}{ep}; global batch "
             f"{t.global_batch_size} = micro {t.micro_batch_size} x DP {dp} x "
             f"{cfg.num_microbatches} micro-batches; vocab {tokenizer.vocab_size} (padded "
             f"{self.vocab_size}); {params / 1e6:.2f}M parameters on rank 0; {t.precision} on "
@@ -257,6 +281,7 @@ class _Trainer:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         losses = self._run_schedule(self.train_iterator, forward_only=False)
+        self.balancing_losses.append(self._moe_balancing_losses())
         faults.fault_point("step", self.iteration + 1)
         ok, grad_norm, _ = self.optimizer.step()
         if ok:  # fp16 skips the step (and the schedule) when gradients overflow
@@ -276,6 +301,29 @@ class _Trainer:
             decoder_seq_length=cfg.model.seq_length,
             forward_only=forward_only,
         )
+
+    def _moe_balancing_losses(self) -> dict:
+        """This step's MoE load-balancing losses (unscaled by their coefficient), each the mean
+        over MoE layers and micro-batches, averaged over data-parallel ranks: {name: value}."""
+        config = self.model.config
+        types = config.moe_router_load_balancing_type if config.num_moe_experts else []
+        types = types if isinstance(types, list) else [types]
+        names = [_BALANCING_LOSS_NAMES[t] for t in types if t in _BALANCING_LOSS_NAMES]
+        if not names:
+            return {}
+        recorded = _mcore_compat.take_moe_aux_losses()
+        moe_layers = sum(is_moe_layer(config, n) for n in range(1, config.num_layers + 1))
+        out = {}
+        for name in names:  # every rank reduces every name, whether its stage recorded it or not
+            values, reduce_group = recorded.get(name, (torch.zeros(config.num_layers), None))
+            values = values.to(device(), torch.float32)
+            if reduce_group is not None:  # partial losses of a token shard (TP / CP)
+                dist.all_reduce(values, group=reduce_group)
+            dist.all_reduce(values, group=parallel_state.get_pipeline_model_parallel_group())
+            dist.all_reduce(values, group=parallel_state.get_data_parallel_group())
+            out[name] = values.sum().item() / (
+                moe_layers * self.cfg.num_microbatches * self.cfg.data_parallel_size)
+        return out
 
     def _evaluate(self):
         """Mean loss over the first eval_iters global batches of the validation split."""
@@ -368,6 +416,10 @@ class _Trainer:
         mtp = window.mean_mtp()
         if mtp is not None:
             record["mtp_losses"] = mtp
+        for name in self.balancing_losses[-1] if self.balancing_losses else {}:
+            record[name] = sum(step[name] for step in self.balancing_losses) / len(
+                self.balancing_losses)
+        self.balancing_losses = []
         self._record(record)
 
         done = self.iteration / t.train_iters
@@ -381,6 +433,8 @@ class _Trainer:
             + f" | lr {record['lr']:.2e} | grad norm "
             f"{record['grad_norm'] or float('nan'):.3f} | {tokens_per_s:,.0f} tok/s | {tflops:.3f} "
             f"TFLOP/s/device{mfu} | mem {record['peak_memory_gb']:.2f} GB | eta {eta:.0f}s"
+            + "".join(f" | {name} {record[name]:.4f}" for name in _BALANCING_LOSS_NAMES.values()
+                      if name in record)
             + (" | step skipped (fp16 overflow)" if not ok else "")
         )
 

@@ -41,6 +41,7 @@ def transformer_config(cfg, **runtime_fields) -> GatedTransformerConfig:
         sliding_rotary_base=m.sliding_rotary_base,
         sliding_rotary_percent=m.sliding_rotary_percent,
         swiglu_limits=list(m.swiglu_limits) if m.swiglu_limits is not None else None,
+        **_moe_fields(m, p),
         layernorm_zero_centered_gamma=m.layernorm_zero_centered_gamma,
         qk_layernorm=m.qk_layernorm,
         layernorm_epsilon=m.layernorm_epsilon,
@@ -67,6 +68,36 @@ def transformer_config(cfg, **runtime_fields) -> GatedTransformerConfig:
         fp16=dtype is torch.float16,
         **runtime_fields,
     )
+
+
+def _moe_fields(m, p) -> dict:
+    """The model section's MoE keys (megatron's names) and the expert parallel sizes."""
+    if m.num_moe_experts is None:
+        return dict(expert_model_parallel_size=p.expert_model_parallel_size,
+                    expert_tensor_parallel_size=p.expert_tensor_parallel_size,
+                    moe_expert_swiglu_limits=_optional_list(m.moe_expert_swiglu_limits))
+    return dict(
+        num_moe_experts=m.num_moe_experts,
+        moe_router_topk=m.moe_router_topk,
+        moe_ffn_hidden_size=m.moe_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
+        moe_layer_freq=_optional_list(m.moe_layer_freq),
+        moe_router_score_function=m.moe_router_score_function,
+        moe_router_enable_expert_bias=m.moe_router_enable_expert_bias,
+        moe_router_topk_scaling_factor=m.moe_router_topk_scaling_factor,
+        moe_router_dtype=m.moe_router_dtype,
+        moe_router_load_balancing_type=m.moe_router_load_balancing_type,
+        moe_aux_loss_coeff=m.moe_aux_loss_coeff,
+        moe_router_bias_update_rate=m.moe_router_bias_update_rate,
+        moe_token_dispatcher_type=m.moe_token_dispatcher_type,
+        moe_expert_swiglu_limits=_optional_list(m.moe_expert_swiglu_limits),
+        expert_model_parallel_size=p.expert_model_parallel_size,
+        expert_tensor_parallel_size=p.expert_tensor_parallel_size,
+    )
+
+
+def _optional_list(value):
+    return list(value) if isinstance(value, (list, tuple)) else value
 
 
 def ddp_config(cfg) -> DistributedDataParallelConfig:

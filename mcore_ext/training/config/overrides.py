@@ -132,8 +132,13 @@ def _check_type(key: str, value, hint):
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        (hint,) = [a for a in args if a is not type(None)]
-        return _check_type(key, value, hint)
+        hints = [a for a in args if a is not type(None)]
+        for hint in hints[:-1]:  # e.g. int or list[int]: the first that fits
+            try:
+                return _check_type(key, value, hint)
+            except ConfigError:
+                pass
+        return _check_type(key, value, hints[-1])
     if origin is Literal:
         if value in args:
             return value

@@ -8,7 +8,7 @@ with its default and a docstring. How a file and command-line overrides become t
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 import yaml
 
@@ -89,6 +89,52 @@ class ModelConfig:
     """Per layer, HF's SwiGLU clamp L (silu(gate).clamp(max=L) * up.clamp(-L, L)); null or 0 =
     none. Needs swiglu: true."""
 
+    # MoE (megatron's MoELayer; field names are megatron's TransformerConfig's)
+    num_moe_experts: Optional[int] = None
+    """Routed experts per MoE layer; null = a dense model."""
+
+    moe_router_topk: int = 2
+    """Experts each token is routed to."""
+
+    moe_ffn_hidden_size: Optional[int] = None
+    """Routed experts' MLP width; null = ffn_hidden_size."""
+
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    """Width of the always-on shared expert (output added unscaled); null = none."""
+
+    moe_layer_freq: Union[int, list[int]] = 1
+    """Which layers are MoE: a list of 0 (dense) / 1 (MoE), one per layer, or N = every N-th
+    layer starting with the first (HF's moe_layers_enum / mlp_layer_types)."""
+
+    moe_router_score_function: Literal["softmax", "sigmoid", "sqrtsoftplus"] = "softmax"
+    """Router scores: softmax or sigmoid (Step-3.5, DeepSeek-V3)."""
+
+    moe_router_enable_expert_bias: bool = False
+    """An fp32 per-expert bias added to the scores only to choose experts (needs sigmoid)."""
+
+    moe_router_topk_scaling_factor: Optional[float] = None
+    """The routed output's scale (Step-3.5: 3.0); null = 1."""
+
+    moe_router_dtype: Optional[Literal["fp32", "fp64"]] = "fp32"
+    """Router logits / scores dtype; null = the activations' dtype."""
+
+    moe_router_load_balancing_type: str = "none"
+    """none (keeps a converted model's routing), aux_loss, seq_aux_loss, global_aux_loss."""
+
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of the load-balancing loss (with an aux-loss type); logged as load_balancing_loss."""
+
+    moe_router_bias_update_rate: float = 0.0
+    """Aux-loss-free balancing: the expert bias moves by this per step towards balance; 0 keeps
+    it as loaded."""
+
+    moe_token_dispatcher_type: Literal["allgather", "alltoall", "flex"] = "allgather"
+    """How tokens reach their experts' ranks (flex: DeepEP, GPU only)."""
+
+    moe_expert_swiglu_limits: Optional[list[Optional[float]]] = None
+    """Per layer, the routed experts' SwiGLU clamp (HF's swiglu_limits); swiglu_limits clamps
+    dense MLPs and shared experts (HF's swiglu_limits_shared). null or 0 = none."""
+
     layernorm_zero_centered_gamma: bool = False
     """Norms scale by 1 + weight, weights start at 0 (Gemma / Step-3.5 RMSNorm), q/k norms too."""
 
@@ -157,6 +203,13 @@ class ParallelismConfig:
     context_parallel_size: int = 1
     """CP size: each sequence split over this many ranks (megatron's load-balanced 2 x CP
     chunks; model.seq_length must be divisible by 2 x CP; sdpa backend or te)."""
+
+    expert_model_parallel_size: int = 1
+    """EP size: each MoE layer's experts split over this many ranks (must divide
+    model.num_moe_experts; ETP x EP x PP must divide the world size)."""
+
+    expert_tensor_parallel_size: Optional[int] = None
+    """Each expert's TP size; null = tensor_model_parallel_size."""
 
 
 @dataclass

@@ -71,6 +71,7 @@ def validate(cfg: PretrainConfig, world_size: int) -> None:
             f"training.micro_batch_size ({t.micro_batch_size}) x data-parallel size ({dp}) = "
             f"{t.micro_batch_size * dp}"
         )
+    _validate_experts(m, p, world_size)
     cfg.world_size, cfg.data_parallel_size = world_size, dp
     cfg.num_microbatches = t.global_batch_size // (t.micro_batch_size * dp)
     if m.num_layers % pp:
@@ -159,6 +160,36 @@ def validate(cfg: PretrainConfig, world_size: int) -> None:
         transformer_config(cfg)
     except (ValueError, NotImplementedError, AssertionError) as err:
         raise ConfigError(f"model config rejected by megatron-core: {err}") from None
+
+
+def _validate_experts(m, p, world_size: int) -> None:
+    """Expert parallelism: experts' ranks are ETP x EP x expert-DP x PP = world."""
+    ep, tp = p.expert_model_parallel_size, p.tensor_model_parallel_size
+    pp = p.pipeline_model_parallel_size
+    etp = p.expert_tensor_parallel_size if p.expert_tensor_parallel_size is not None else tp
+    if ep < 1 or etp < 1:
+        raise ConfigError(
+            f"parallelism.expert_model_parallel_size={ep} and expert_tensor_parallel_size={etp} "
+            "must be at least 1"
+        )
+    if m.num_moe_experts is None:
+        if ep > 1:
+            raise ConfigError(
+                f"parallelism.expert_model_parallel_size={ep} needs MoE layers "
+                "(model.num_moe_experts)"
+            )
+        return
+    if world_size % (etp * ep * pp):
+        raise ConfigError(
+            f"expert layout does not divide the world size: {world_size} ranks are not divisible "
+            f"by expert_tensor_parallel_size ({etp}) x expert_model_parallel_size ({ep}) x "
+            f"pipeline_model_parallel_size ({pp}) = {etp * ep * pp}"
+        )
+    if ep > 1 and tp > 1 and not p.sequence_parallel:
+        raise ConfigError(
+            f"parallelism.expert_model_parallel_size={ep} with tensor_model_parallel_size={tp} "
+            "needs parallelism.sequence_parallel=true (megatron's MoE with EP and TP)"
+        )
 
 
 def _validate_data(d: DataConfig, t: TrainingConfig) -> None:
