@@ -108,8 +108,8 @@ def flops_per_iteration(
     (``config.linear_qkv_rows``: the head-wise gate adds num_attention_heads output rows to the
     QKV GEMM), per layer kind (heads, window). Causal attention counts half the scores, a window
     the scores inside it. A MoE layer counts its router, the top-k routed experts each token
-    runs through and the shared expert (the FLOPs done, not the parameters held). MTP depths count their layer
-    (its kind), eh_proj and logits.
+    runs through and the shared expert (the FLOPs done, not the parameters held). MTP depths
+    count their layer (its kind), eh_proj and logits.
     """
     h, hn, s, ffn = config.hidden_size, config.kv_channels, seq_length, config.ffn_hidden_size
     depths = config.mtp_num_layers or 0
