@@ -13,7 +13,7 @@ _QUANT_ALIGNMENT = {"fp8": 16, "fp4": 32}
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
-ATTENTION_KERNELS = ("sdpa", "flex")
+ATTENTION_KERNELS = ("sdpa", "flex", "varlen")
 
 
 @dataclass
@@ -85,10 +85,11 @@ class GatedTransformerConfig(TransformerConfig):
     0 = no clamp. (megatron's activation_func_clamp_value clamps the gate before the SiLU: not
     the same function.)"""
 
-    attention_kernel: Literal["sdpa", "flex"] = "sdpa"
+    attention_kernel: Literal["sdpa", "flex", "varlen"] = "sdpa"
     """Inner attention of the sdpa backend: torch scaled_dot_product_attention with a dense
     mask where one is needed ("sdpa"), or torch flex_attention with a block mask for causal,
-    window and packed documents ("flex"). Other backends ignore it."""
+    window and packed documents ("flex"), or torch's flash varlen kernel for packed batches
+    ("varlen", CUDA only). Other backends ignore it."""
 
     # ------------------------------------------------------------ MTP (Step-3.5, see mtp.py)
 
