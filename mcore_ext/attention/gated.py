@@ -297,16 +297,16 @@ def _scale_heads(x, scale):
 
 
 def _head_dots(a, b):
-    """<a_h, b_h> per head, [..., np, hn] x2 -> [..., np] as fp32, summed in fp32 on every
-    device (a bf16 GEMM would round each per-head sum to bf16). The products are taken in a's
-    dtype, in slabs, so the temporary stays small (on a CPU: in the core's cache; on a GPU: few
-    enough kernel launches)."""
+    """<a_h, b_h> per head, [..., np, hn] x2 -> [..., np] as fp32, on every device: products
+    in fp32 (exact for bf16 / fp16 inputs) summed in fp32. A bf16 GEMM would round each sum to
+    bf16, a bf16 product each term. Slabs keep the fp32 temporaries small (on a CPU: in the
+    core's cache; on a GPU: few kernel launches)."""
     out = a.new_empty(a.shape[:-1], dtype=torch.float32)
     slab = (1 << 24) if a.is_cuda else (1 << 16)
     rows = max(1, slab // max(1, a[0].numel()))
     for start in range(0, a.size(0), rows):
         part = slice(start, start + rows)
-        torch.sum(a[part] * b[part], dim=-1, dtype=torch.float32, out=out[part])
+        torch.sum(a[part].float() * b[part].float(), dim=-1, out=out[part])
     return out
 
 
