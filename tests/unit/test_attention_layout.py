@@ -366,3 +366,26 @@ def _varlen_vs_sdpa(window):
     return dict(output=(o1 - o2).abs().max().item(),
                 grads=max((a - b)[real].abs().max().item() for a, b in zip(g1, g2)),
                 scale=o1.abs().max().item())
+
+
+def test_launcher_refuses_varlen_on_a_cpu_and_accepts_it_on_a_gpu(tmp_path, monkeypatch):
+    """varlen is a CUDA kernel: refused on a CPU with the reason, before anything is built."""
+    from mcore_ext.training.config import ConfigError, load_config, validation
+
+    path = tmp_path / "run.yaml"
+    path.write_text("data:\n  source: mock\n")
+    overrides = ["model.attention_backend=sdpa", "model.attention_kernel=varlen"]
+    monkeypatch.setattr(validation, "_cuda_available", lambda: False)
+    with pytest.raises(ConfigError, match="model.attention_kernel=varlen runs on a GPU only"):
+        load_config(str(path), overrides, world_size=1)
+    monkeypatch.setattr(validation, "_cuda_available", lambda: True)
+    assert load_config(str(path), overrides, world_size=1).model.attention_kernel == "varlen"
+
+
+def test_varlen_kernel_on_a_cpu_says_why():
+    from mcore_ext.attention import layout, varlen
+
+    q = torch.zeros(4, 2, 8)
+    with pytest.raises(NotImplementedError, match="needs CUDA"):
+        varlen.batched(q[:, None], q[:, None], q[:, None], layout.AttentionLayout(), True,
+                       None, None)
