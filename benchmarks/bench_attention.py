@@ -47,6 +47,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=3, help="timed steps per process")
     p.add_argument("--rounds", type=int, default=3, help="processes per tree")
     p.add_argument("--json", metavar="PATH")
+    p.add_argument("--no-ref", action="store_true",
+                   help="measure this tree only (e.g. flex vs sdpa vs varlen on a GPU)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -55,6 +57,11 @@ def main(argv=None):
     args = parse_args(argv)
     if args.worker:
         print(json.dumps(_worker(args)))
+        return
+    if args.no_ref:
+        runs = {"this tree": [_run_worker(ROOT, argv if argv is not None else sys.argv[1:])
+                              for _ in range(args.rounds)]}
+        _report(args, runs)
         return
     tmp = tempfile.mkdtemp(prefix="bench_attention_ref_")
     subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", "-q", tmp, args.ref],
@@ -159,7 +166,20 @@ def _worker(args):
         step()
         peak = _proc_status_bytes("VmHWM") - before
     device = torch.cuda.get_device_name() if on_gpu else "CPU"
-    return dict(times=times, peak=peak, device=device, dtype=str(dtype).split(".")[-1])
+    return dict(times=times, peak=peak, device=device, dtype=str(dtype).split(".")[-1],
+                kernels=attention_kernels(step))
+
+
+def attention_kernels(step) -> list:
+    """The attention ops one ``step()`` runs (flash / efficient / math SDPA, flex, varlen), by
+    the profiler's op names: which kernel SDPA picked."""
+    import torch
+
+    words = ("flash", "efficient_attention", "attention_math", "flex", "varlen", "cudnn_attention")
+    with torch.profiler.profile() as prof:
+        step()
+    return sorted({e.key for e in prof.key_averages()
+                   if e.key.startswith("aten::") and any(w in e.key for w in words)})
 
 
 def _report(args, runs):
@@ -176,6 +196,10 @@ def _report(args, runs):
         peak = statistics.median(r["peak"] for r in results) / mib
         figures[name] = dict(seconds=seconds, peak_mib=peak, runs=results)
         print(f"{name:32}{seconds:>16.3f}{peak:>19.1f}")
+    for name, fig in figures.items():
+        print(f"  {name} attention ops: {', '.join(fig['runs'][0]['kernels']) or '-'}")
+    if len(figures) == 1:
+        return
     (ref, ours) = figures.values()
     print(f"ratio this / ref: time {ours['seconds'] / ref['seconds']:.3f}, peak "
           f"{ours['peak_mib'] / ref['peak_mib']:.3f}")
