@@ -10,7 +10,8 @@ core attention:
   ng groups of them, never repeated per query head, and keeps only its own K/V for backward,
   where they are gathered again;
 - each local chunk attends to its key range: a causal chunk to its key prefix (bottom-right
-  causal, no dense mask), otherwise under a mask built from the tokens' *global* positions (``masks.allowed``, the rule of the sdpa and flex kernels: causal, and megatron's
+  causal, no dense mask), otherwise under a mask built from the tokens' *global* positions
+  (``masks.allowed``, the rule of the sdpa and flex kernels: causal, and megatron's
   window (left, right) when the layer has one), plus same document and a real (not padding) key
   for packed THD batches. Key orders and masks come from the batch's ``AttentionLayout``
   (``layout.py``): made once per batch and layer kind, shared by every layer.

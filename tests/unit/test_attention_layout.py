@@ -219,7 +219,8 @@ def _once_per_batch_and_no_sync(cp):
         sdpa.allowed, context_parallel.allowed_mask = build_fns["sdpa"], build_fns["cp"]
     dist.barrier()
     mcore_ext.destroy_parallel()
-    return dict(rank=dist.get_rank(), counts=counts, sbhd_syncs=sbhd_syncs, packed_syncs=packed_sync.calls,
+    return dict(rank=dist.get_rank(), counts=counts, sbhd_syncs=sbhd_syncs,
+                packed_syncs=packed_sync.calls,
                 sliding=len(sliding), embeddings=len(embeddings), rope_misses=rope_misses)
 
 
