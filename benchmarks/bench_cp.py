@@ -149,6 +149,10 @@ def _measure(args, cp, dtype, on_gpu, recompute):
         torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
         peak = torch.cuda.max_memory_allocated() - before
+        from bench_attention import attention_kernels
+
+        print(f"[bench_cp] rank {torch.distributed.get_rank()} CP {cp} recompute {recompute}: "
+              f"attention ops {attention_kernels(step)}", flush=True)
     else:
         from bench_gate import _proc_status_bytes, _reset_resident_peak
 

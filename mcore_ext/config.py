@@ -13,7 +13,7 @@ _QUANT_ALIGNMENT = {"fp8": 16, "fp4": 32}
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
-ATTENTION_KERNELS = ("sdpa", "flex")
+ATTENTION_KERNELS = ("sdpa", "flex", "varlen")
 
 
 @dataclass
@@ -104,10 +104,11 @@ class GatedTransformerConfig(TransformerConfig):
     dense MLPs and, on MoE layers, the shared expert (HF's ``swiglu_limits_shared``). One entry
     per main layer, or ``num_layers + mtp_num_layers`` (HF's lists padded with MTP entries)."""
 
-    attention_kernel: Literal["sdpa", "flex"] = "sdpa"
+    attention_kernel: Literal["sdpa", "flex", "varlen"] = "sdpa"
     """Inner attention of the sdpa backend: torch scaled_dot_product_attention with a dense
     mask where one is needed ("sdpa"), or torch flex_attention with a block mask for causal,
-    window and packed documents ("flex"). Other backends ignore it."""
+    window and packed documents ("flex"), or torch's flash varlen kernel for packed batches
+    ("varlen", CUDA only). Other backends ignore it."""
 
     # ------------------------------------------------------------ MTP (Step-3.5, see mtp.py)
 

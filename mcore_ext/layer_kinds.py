@@ -6,7 +6,8 @@ with its own layer's config, whatever the block passes, plus the two things a pe
 cannot express:
 
 - RoPE of its kind: GPTModel computes one rotary embedding (the full layers' base and fraction)
-  for all layers; a layer whose kind has another base or fraction computes its own.
+  for all layers; a layer whose kind has another base or fraction uses its kind's (one
+  embedding per kind, shared by its layers).
 - HF's SwiGLU clamp, ``silu(gate).clamp(max=L) * up.clamp(-L, L)`` (megatron's
   ``activation_func_clamp_value`` clamps the gate before the SiLU, a different function): on a
   dense layer its MLP's, on a MoE layer its routed experts' and its shared expert's (mcore_ext.moe).
@@ -47,13 +48,7 @@ class KindTransformerLayer(TransformerLayer):
         self.kind_rotary_pos_emb = None
         own_rotary = (float(layer_config.rotary_base), float(layer_config.rotary_percent))
         if model_rotary is not None and own_rotary != tuple(map(float, model_rotary)):
-            self.kind_rotary_pos_emb = RotaryEmbedding(
-                kv_channels=layer_config.kv_channels,
-                rotary_percent=layer_config.rotary_percent,
-                rotary_interleaved=layer_config.rotary_interleaved,
-                rotary_base=layer_config.rotary_base,
-                use_cpu_initialization=layer_config.use_cpu_initialization,
-            )
+            self.kind_rotary_pos_emb = kind_rotary_embedding(layer_config)
         self.swiglu_limit = swiglu_limit
         self.moe_expert_swiglu_limit = moe_expert_swiglu_limit
         if isinstance(self.mlp, MoELayer):
@@ -83,6 +78,37 @@ class KindTransformerLayer(TransformerLayer):
         if cp > 1 and not packed:  # the model's embedding is this CP rank's slice of seq_len
             seq_len *= cp
         return self.kind_rotary_pos_emb(seq_len, packed_seq=packed)
+
+
+# One RotaryEmbedding per kind, shared by its layers: megatron caches RotaryEmbedding.forward in
+# one class-level lru_cache(32) keyed by the instance, which one instance per layer thrashes once
+# a model has more than 32 such layers (Step-3.5-Flash has 34 sliding ones). It holds no
+# parameters or buffers, so sharing it changes no checkpoint key.
+_KIND_ROTARY: dict = {}
+_KIND_ROTARY_CP_GROUP: list = [None]  # the CP group the cached embeddings were made with
+
+
+def kind_rotary_embedding(layer_config) -> RotaryEmbedding:
+    """The rotary embedding of a layer kind (its base, fraction, head dim), shared by every layer
+    of the kind while the parallel state lasts (an embedding keeps the CP group it was made in:
+    a new group, after ``init_parallel`` again, starts a new set)."""
+    cp_group = parallel_state.get_context_parallel_group(check_initialized=False)
+    if _KIND_ROTARY_CP_GROUP[0] is not cp_group:
+        _KIND_ROTARY.clear()
+        _KIND_ROTARY_CP_GROUP[0] = cp_group
+    key = (layer_config.kv_channels, float(layer_config.rotary_percent),
+           bool(layer_config.rotary_interleaved), float(layer_config.rotary_base),
+           bool(layer_config.use_cpu_initialization),
+           torch.cuda.current_device() if torch.cuda.is_available() else None)
+    if key not in _KIND_ROTARY:
+        _KIND_ROTARY[key] = RotaryEmbedding(
+            kv_channels=layer_config.kv_channels,
+            rotary_percent=layer_config.rotary_percent,
+            rotary_interleaved=layer_config.rotary_interleaved,
+            rotary_base=layer_config.rotary_base,
+            use_cpu_initialization=layer_config.use_cpu_initialization,
+        )
+    return _KIND_ROTARY[key]
 
 
 def _check_local_window_mask(attention_mask, window_size):

@@ -9,10 +9,12 @@ core attention:
 - every rank all-gathers K and V over the CP group (their gradients are reduce-scattered back),
   ng groups of them, never repeated per query head, and keeps only its own K/V for backward,
   where they are gathered again;
-- each local query attends to the gathered keys under a mask built from the tokens' *global*
-  positions (``masks.allowed``, the rule of the sdpa and flex kernels: causal, and megatron's
+- each local chunk attends to its key range: a causal chunk to its key prefix (bottom-right
+  causal, no dense mask), otherwise under a mask built from the tokens' *global* positions
+  (``masks.allowed``, the rule of the sdpa and flex kernels: causal, and megatron's
   window (left, right) when the layer has one), plus same document and a real (not padding) key
-  for packed THD batches.
+  for packed THD batches. Key orders and masks come from the batch's ``AttentionLayout``
+  (``layout.py``): made once per batch and layer kind, shared by every layer.
 
 Packed THD batches follow megatron's (and Transformer Engine's) convention: ``cu_seqlens_*`` and
 ``cu_seqlens_*_padded`` describe the *whole* packed sequence; every document's padded length is a
@@ -23,13 +25,14 @@ Shapes (megatron notation): s local tokens (2 chunks), S = CP x s gathered token
 np / ng heads / groups on this TP rank, hn head dim, t local tokens of a packed batch.
 """
 
-from typing import Optional
+import contextlib
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from mcore_ext import _mcore_compat
+from mcore_ext.attention.layout import KeyPrefixCausal, additive_mask, layout_for
 from mcore_ext.attention.masks import allowed
 
 # cp_comm_type values that mean "all-gather K/V" (None is megatron's default).
@@ -37,7 +40,8 @@ SUPPORTED_CP_COMM_TYPES = (None, "all_gather")
 
 
 class _GatherSequence(torch.autograd.Function):
-    """All-gather along dim 0 over ``group``; backward reduce-scatters (sums) the gradient."""
+    """All-gather along dim 0 over ``group``; backward reduce-scatters (sums, in fp32) the
+    gradient."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -49,10 +53,12 @@ class _GatherSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous()
-        out = grad.new_empty(grad.size(0) // ctx.group.size(), *grad.shape[1:])
-        dist.reduce_scatter_tensor(out, grad, group=ctx.group)
-        return out, None
+        # dK / dV are sums of CP partial gradients: add them in fp32 (as Transformer Engine
+        # does), rounding to the activation dtype once, not once per rank added.
+        grad32 = grad.float().contiguous()
+        out = grad32.new_empty(grad32.size(0) // ctx.group.size(), *grad32.shape[1:])
+        dist.reduce_scatter_tensor(out, grad32, group=ctx.group)
+        return out.to(grad.dtype), None
 
 
 def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
@@ -72,16 +78,22 @@ class _GatherAgainInBackward:
     or when an evaluation's outputs die), also when the garbage collector is off.
     """
 
-    def __init__(self, group, order=None):
-        self.group, self.order = group, order
+    def __init__(self, group, order=None, regather=True):
+        self.group, self.order, self.regather = group, order, regather
         self.sources = {}  # storage pointer of a gathered tensor -> _Gathered
+
+    def saving(self):
+        """The context SDPA runs in: these hooks, or nothing when not gathering again."""
+        if not self.regather:
+            return contextlib.nullcontext()
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def gathered(self, local):
         """all-gather(local) [in sequence order], with autograd, registered for re-gathering."""
         full = gather_sequence(local, self.group)
         if self.order is not None:
             full = full.index_select(0, self.order)
-        if torch.is_grad_enabled():  # else nothing is saved for backward
+        if self.regather and torch.is_grad_enabled():  # else nothing is packed
             self.sources[full.untyped_storage().data_ptr()] = _Gathered(
                 local.detach(), self.group, self.order)
         return full
@@ -148,51 +160,75 @@ def allowed_mask(q_pos, k_pos, causal=True, window=None, q_doc=None, k_doc=None,
     return ok
 
 
-def attention(query, key, value, *, group, causal, scale, dropout_p, window=None):
+def attention(query, key, value, *, group, causal, scale, dropout_p, window=None, layout=None):
     """Core attention of the local chunks against all-gathered keys.
 
     query [s, b, np, hn], key / value [s, b, ng, hn] (local; strided views are fine)
-    -> [s, b, np * hn].
+    -> [s, b, np * hn]. ``layout``: the batch's ``AttentionLayout`` (default: the active one),
+    which holds the key order and masks every layer shares.
 
     Causal: the gathered K/V are put in sequence order, and each of the two local chunks attends
-    only to the keys up to its own end (a prefix view), so no work or mask is spent on the keys
-    after it: about half of the [s, S] score block.
+    only to the keys up to its own end (a prefix view), so no work is spent on the keys after it:
+    about half of the [s, S] score block. That is bottom-right-aligned causal attention, which
+    SDPA runs without a dense mask (flash, GQA included); only a window needs a mask.
     """
     cp_size, cp_rank = group.size(), group.rank()
     s, device = query.size(0), query.device
+    layout = layout if layout is not None else layout_for(None)
     # Gathered rows come rank by rank ([chunk j, chunk 2CP-1-j] each): sort them by position.
-    order = _cached(("order", s, cp_size, device), lambda: torch.cat(
+    order = layout.cached(("cp_order", s, cp_size, device), lambda: torch.cat(
         [zigzag_positions(s, cp_size, r, device) for r in range(cp_size)]).argsort())
-    hooks = _GatherAgainInBackward(group, order)
+    hooks = _GatherAgainInBackward(group, order, regather=not _recomputing_in_backward())
     # [S, b, ng, hn] in sequence order -> [b, ng, S, hn]
     k, v = (hooks.gathered(x).permute(1, 2, 0, 3) for x in (key, value))
     q = query.permute(1, 2, 0, 3)  # [b, np, s, hn]
-    with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
-        out = _attend_chunks(q, k, v, cp_size, cp_rank, causal, scale, dropout_p, window)
+    with hooks.saving():
+        out = _attend_chunks(q, k, v, cp_size, cp_rank, causal, scale, dropout_p, window, layout)
     # [b, np, s, hn] -> [s, b, np * hn]
     return out.permute(2, 0, 1, 3).reshape(s, out.size(0), -1)
 
 
-def _attend_chunks(q, k, v, cp_size, cp_rank, causal, scale, dropout_p, window):
+def chunk_masks(layout, chunk, cp_size, cp_rank, causal, window, dtype, device):
+    """Per local chunk (key start, key end, mask): SDPA's ``attn_mask`` for the chunk's queries
+    against keys [start, end) in sequence order, made once per batch and layer kind.
+
+    Causal without a window: ``KeyPrefixCausal`` (no dense mask; a shared one where torch has to
+    materialize it). A window: an additive mask, rows padded to a multiple of 8, shared.
+    """
+    left = window[0] if window is not None and window[0] >= 0 else None
+    chunks = []
+    for index in (cp_rank, 2 * cp_size - 1 - cp_rank):
+        # Keys after the chunk (causal) or left of its window are all masked: not attended at all.
+        end = (index + 1) * chunk if causal else chunk * 2 * cp_size
+        start = max(0, index * chunk - left) if left is not None else 0
+
+        def build(index=index, start=start, end=end):
+            q_pos = index * chunk + torch.arange(chunk, device=device)
+            k_pos = torch.arange(start, end, device=device)
+            return additive_mask(allowed_mask(q_pos, k_pos, causal, window), dtype)
+
+        key = ("cp_chunk", chunk, index, start, end, causal, window, dtype, device)
+        if causal and window is None:
+            mask = KeyPrefixCausal(chunk, end - start,
+                                   lambda _device, key=key, build=build: layout.cached(key, build))
+        elif window is None:
+            mask = None
+        else:
+            mask = layout.cached(key, build)
+        chunks.append((start, end, mask))
+    return chunks
+
+
+def _attend_chunks(q, k, v, cp_size, cp_rank, causal, scale, dropout_p, window, layout):
     """[b, np, s, hn] local queries x [b, ng, S, hn] gathered keys -> [b, np, s, hn]."""
-    chunk, device = q.size(2) // 2, q.device
+    chunk = q.size(2) // 2
     gqa = q.size(1) != k.size(1)
     if not causal and window is None:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale,
                                               enable_gqa=gqa)
-    left = window[0] if window is not None and window[0] >= 0 else None
     outs = []
-    for half, index in enumerate((cp_rank, 2 * cp_size - 1 - cp_rank)):
-        # Keys after the chunk (causal) or left of its window are all masked: not attended at all.
-        end = (index + 1) * chunk if causal else k.size(2)
-        start = max(0, index * chunk - left) if left is not None else 0
-
-        def build():
-            q_pos = index * chunk + torch.arange(chunk, device=device)
-            k_pos = torch.arange(start, end, device=device)
-            return _additive(allowed_mask(q_pos, k_pos, causal, window), q.dtype)
-
-        mask = _cached(("sbhd", chunk, index, start, end, causal, window, q.dtype, device), build)
+    masks = chunk_masks(layout, chunk, cp_size, cp_rank, causal, window, q.dtype, q.device)
+    for half, (start, end, mask) in enumerate(masks):
         outs.append(F.scaled_dot_product_attention(
             q[:, :, half * chunk:(half + 1) * chunk], k[:, :, start:end], v[:, :, start:end],
             attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=gqa,
@@ -200,18 +236,22 @@ def _attend_chunks(q, k, v, cp_size, cp_rank, causal, scale, dropout_p, window):
     return torch.cat(outs, dim=2)
 
 
-def packed_attention(query, key, value, params, *, group, causal, scale, dropout_p, window=None):
+def packed_attention(query, key, value, params, *, group, causal, scale, dropout_p, window=None,
+                     layout=None):
     """THD core attention under CP: query [t, np, hn], key / value [t, ng, hn] -> [t, np * hn].
 
     ``params`` (megatron's PackedSeqParams) describes the whole packed sequence. Padding tokens
-    (past a document's real length) get a zero output, as without CP.
+    (past a document's real length) get a zero output, as without CP. ``layout``: the batch's
+    ``AttentionLayout`` (default: the one made for ``params``); the mask is made once per batch
+    and layer kind.
     """
     cp_size, cp_rank = group.size(), group.rank()
+    layout = layout if layout is not None else layout_for(params)
 
     def build():
-        layout = [_packed_layout(params, cp_size, r, query.device) for r in range(cp_size)]
-        q_pos, q_doc, q_valid = layout[cp_rank]
-        k_pos, k_doc, k_valid = (torch.cat(parts) for parts in zip(*layout))
+        parts = [_packed_layout(layout, cp_size, r, query.device) for r in range(cp_size)]
+        q_pos, q_doc, q_valid = parts[cp_rank]
+        k_pos, k_doc, k_valid = (torch.cat(p) for p in zip(*parts))
         if q_pos.size(0) != query.size(0):
             raise ValueError(
                 f"packed batch has {query.size(0)} tokens on this context-parallel rank, but its "
@@ -222,18 +262,15 @@ def packed_attention(query, key, value, params, *, group, causal, scale, dropout
         # A padding query of a document with no real token before it would see no key (NaN
         # rows): let every padding query see everything; its output is zeroed below.
         allowed |= ~q_valid.unsqueeze(1)
-        return _additive(allowed, query.dtype), q_valid
+        return additive_mask(allowed, query.dtype), q_valid
 
-    cu_padded = params.cu_seqlens_q_padded
-    key_ = ("thd", tuple(params.cu_seqlens_q.tolist()),
-            None if cu_padded is None else tuple(cu_padded.tolist()), query.size(0), cp_size,
-            cp_rank, causal, window, query.dtype, query.device)
-    mask, q_valid = _cached(key_, build)
-    hooks = _GatherAgainInBackward(group)
+    key_ = ("cp_thd", query.size(0), cp_size, cp_rank, causal, window, query.dtype, query.device)
+    mask, q_valid = layout.cached(key_, build)
+    hooks = _GatherAgainInBackward(group, regather=not _recomputing_in_backward())
     # [t, n, hn] -> [n, t, hn]
     k, v = (hooks.gathered(x).transpose(0, 1) for x in (key, value))
     q = query.transpose(0, 1)
-    with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
+    with hooks.saving():
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
             enable_gqa=q.size(0) != k.size(0),
@@ -242,33 +279,18 @@ def packed_attention(query, key, value, params, *, group, causal, scale, dropout
     return out.reshape(out.size(0), -1)
 
 
-# The masks (and key orders) of the last few layouts. Every layer of a step uses the same ones, and
-# SDPA saves the mask it is given for backward: one shared tensor, not one per layer.
-_MASKS: dict = {}
-_MAX_MASKS = 8
+def _recomputing_in_backward() -> bool:
+    """Whether this forward runs inside a backward pass (megatron's selective recompute re-runs
+    core attention right before its backward): then the gathered K/V are used at once, and
+    gathering them a third time in SDPA's backward would only cost a collective."""
+    return torch._C._current_graph_task_id() >= 0
 
 
-def _cached(key, build):
-    if key not in _MASKS:
-        if len(_MASKS) >= _MAX_MASKS:
-            _MASKS.pop(next(iter(_MASKS)))
-        _MASKS[key] = build()
-    return _MASKS[key]
-
-
-def _additive(allowed, dtype):
-    """0 where allowed, -inf elsewhere, in the compute dtype. SDPA would convert a boolean mask to
-    this itself, per call, and save the converted copy (4 bytes per query-key pair) per layer."""
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
-        ~allowed, float("-inf"))
-
-
-def _packed_layout(params, cp_size, cp_rank, device):
-    """(global position within its document, document index, real token?) per token of a rank."""
-    cu = params.cu_seqlens_q
-    cu_padded = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else cu
-    lengths, padded = cu.diff().tolist(), cu_padded.diff().tolist()
+def _packed_layout(layout, cp_size, cp_rank, device):
+    """(global position within its document, document index, real token?) per token of a rank,
+    from the layout's host lists (no device read)."""
     positions, docs = [], []
+    padded = [b - a for a, b in zip(layout.cu_q_padded, layout.cu_q_padded[1:])]
     for doc, length in enumerate(padded):
         if length % (2 * cp_size):
             raise ValueError(
@@ -279,7 +301,7 @@ def _packed_layout(params, cp_size, cp_rank, device):
         positions.append(pos)
         docs.append(torch.full_like(pos, doc))
     pos, doc = torch.cat(positions), torch.cat(docs)
-    valid = pos < torch.tensor(lengths, device=device)[doc]
+    valid = pos < torch.tensor(layout.lengths_q, device=device)[doc]
     return pos, doc, valid
 
 

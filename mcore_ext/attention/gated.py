@@ -297,18 +297,16 @@ def _scale_heads(x, scale):
 
 
 def _head_dots(a, b):
-    """<a_h, b_h> per head, [..., np, hn] x2 -> [..., np] as fp32, accumulated in fp32."""
-    if a.is_cuda:
-        # A batched [1, hn] x [hn, 1] GEMM: no [..., hn] temporary; each sum is rounded to a's
-        # dtype once, as autograd's own gradient of the product would be.
-        return (a.unsqueeze(-2) @ b.unsqueeze(-1)).flatten(-3).float()
-    # bf16 GEMMs this small are slow on a CPU; a product (in a's dtype) and an fp32 sum are not.
-    # Slabs of 2^16 elements keep the product's temporary small and in the core's cache.
+    """<a_h, b_h> per head, [..., np, hn] x2 -> [..., np] as fp32, on every device: products
+    in fp32 (exact for bf16 / fp16 inputs) summed in fp32. A bf16 GEMM would round each sum to
+    bf16, a bf16 product each term. Slabs keep the fp32 temporaries small (on a CPU: in the
+    core's cache; on a GPU: few kernel launches)."""
     out = a.new_empty(a.shape[:-1], dtype=torch.float32)
-    rows = max(1, (1 << 16) // max(1, a[0].numel()))
+    slab = (1 << 24) if a.is_cuda else (1 << 16)
+    rows = max(1, slab // max(1, a[0].numel()))
     for start in range(0, a.size(0), rows):
         part = slice(start, start + rows)
-        torch.sum(a[part] * b[part], dim=-1, dtype=torch.float32, out=out[part])
+        torch.sum(a[part].float() * b[part].float(), dim=-1, out=out[part])
     return out
 
 

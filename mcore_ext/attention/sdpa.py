@@ -1,24 +1,26 @@
-"""Core attention on ``torch.nn.functional.scaled_dot_product_attention`` or ``flex_attention``.
+"""Core attention on torch's kernels: ``scaled_dot_product_attention``, ``flex_attention`` or
+``varlen_attn``.
 
 A drop-in for megatron's ``core_attention`` slot (same constructor and call signature as
 ``megatron.core.transformer.dot_product_attention.DotProductAttention``) that runs on CPU and GPU.
-``config.attention_kernel`` picks the inner kernel, as torchtitan does:
-- "sdpa": torch SDPA; torch picks the flash / memory-efficient kernel on a GPU when no dense
-  mask is needed (plain causal), the math kernel on a CPU. A window (``config.window_size``) or a
-  bottom-right causal mask is a dense [sq, sk] mask, which sends SDPA to its slower paths.
-- "flex": torch ``flex_attention`` with a block mask for causal + window + packed documents:
-  blocks that are fully masked are skipped, so a window keeps long sequences fast (compiled on a
-  GPU; eager, for tests, on a CPU).
-Both build their masks from one position rule, ``masks.allowed(q_pos, k_pos, ...)``, as the
-context-parallel attention does.
+It only dispatches; what it dispatches on is split by concern:
+- ``layout.py``: the per-batch layout (document boundaries, CP key orders, every layer kind's
+  masks), made once per forward at the model level and shared by every layer;
+- the kernels, picked by ``config.attention_kernel`` (as torchtitan does): "sdpa" (torch SDPA,
+  here: plain, KV-cache and packed THD), "flex" (``flex.py``, block masks for causal + window
+  + packed documents), "varlen" (``varlen.py``, torch's flash varlen kernel for packed batches,
+  GPU);
+- ``context_parallel.py``: CP (all-gathered K/V, chunks against their key ranges).
+All masks come from one position rule, ``masks.allowed(q_pos, k_pos, ...)``.
+
+On the sdpa kernel causal attention needs no dense mask, bottom-right aligned (KV-cache
+decoding, CP chunks) included (``layout.KeyPrefixCausal``), so SDPA keeps flash (GQA too) on a
+GPU; a window is an additive mask made once per batch per layer kind.
 
 Shapes (megatron notation): sq / sk query / key length, b batch, np query heads and ng key-value
 groups on this rank, hn head dim, t tokens of a packed (THD) batch.
     query [sq, b, np, hn], key / value [sk, b, ng, hn]  ->  output [sq, b, np * hn]
     THD:  query [t, np, hn], key / value [t, ng, hn]    ->  output [t, np * hn]
-
-With context_parallel_size > 1 the inputs are this CP rank's tokens and ``context_parallel``
-does the attention (all-gathered K/V, masks from token positions).
 """
 
 import contextlib
@@ -35,7 +37,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
-from mcore_ext.attention import context_parallel
+from mcore_ext.attention import context_parallel, flex, varlen
+from mcore_ext.attention.layout import KeyPrefixCausal, additive_mask, layout_for
 from mcore_ext.attention.masks import allowed
 
 _CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal, AttnMaskType.causal_bottom_right)
@@ -88,8 +91,9 @@ class SDPAttention(MegatronModule):
         self.window = tuple(config.window_size) if config.window_size is not None else None
         self.kernel = getattr(config, "attention_kernel", "sdpa")
         if self.kernel == "flex":
-            _check_flex(config, self.dropout_p)
-        self._block_masks = {}  # flex: (sq, sk, causal, device) -> BlockMask, for unpacked batches
+            flex.check_supported(self.dropout_p)
+        elif self.kernel == "varlen":
+            varlen.check_supported(self.dropout_p)
 
     def forward(
         self,
@@ -102,6 +106,8 @@ class SDPAttention(MegatronModule):
         packed_seq_params: Optional[PackedSeqParams] = None,
     ) -> torch.Tensor:
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        if mask_type is AttnMaskType.no_mask:  # megatron's no_mask ignores a given mask
+            attention_mask = None
         dropout_p = self.dropout_p if self.training else 0.0
         # Dropout inside a TP region draws from the TP rank's stream, as megatron's own does.
         rng = (
@@ -109,198 +115,117 @@ class SDPAttention(MegatronModule):
             if dropout_p > 0 and not self.config.sequence_parallel
             else contextlib.nullcontext()
         )
+        packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        layout = layout_for(packed_seq_params if packed else None)
+        causal = mask_type in _CAUSAL
         with rng:
             if self.cp_group is not None:
                 return self._context_parallel(
-                    query, key, value, attention_mask, attention_bias, mask_type, dropout_p,
-                    packed_seq_params,
+                    query, key, value, attention_mask, attention_bias, causal, dropout_p,
+                    packed_seq_params, layout,
                 )
-            if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            if packed:
                 if self.kernel == "flex":
-                    return self._packed_flex(query, key, value, mask_type, packed_seq_params)
-                return self._packed(query, key, value, mask_type, dropout_p, packed_seq_params)
+                    return flex.packed(query, key, value, layout, causal, self.window,
+                                       self.softmax_scale)
+                if self.kernel == "varlen":
+                    return varlen.packed(query, key, value, layout, causal, self.window,
+                                         self.softmax_scale)
+                return self._packed(query, key, value, causal, dropout_p, layout)
+            if (self.kernel == "varlen" and attention_mask is None and attention_bias is None
+                    and query.size(0) == key.size(0)):
+                return varlen.batched(query, key, value, layout, causal, self.window,
+                                      self.softmax_scale)
             # [s, b, n, hn] -> [b, n, s, hn]; SDPA accepts the strided view, no copy here.
             q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
-            out = self._attend(q, k, v, attention_mask, attention_bias, mask_type, dropout_p)
+            if self.kernel == "flex":
+                out = flex.attend(q, k, v, attention_mask, attention_bias, causal, self.window,
+                                  self.softmax_scale, layout)
+            else:
+                out = self._attend(q, k, v, attention_mask, attention_bias, causal, dropout_p,
+                                   layout)
         # [b, np, sq, hn] -> [sq, b, np * hn]
         return out.permute(2, 0, 1, 3).reshape(out.size(2), out.size(0), -1)
 
-    def _attend(self, q, k, v, attention_mask, attention_bias, mask_type, dropout_p):
-        """[b, n, sq, hn] x [b, g, sk, hn] -> [b, n, sq, hn]."""
-        if self.kernel == "flex":
-            return self._flex(q, k, v, attention_mask, attention_bias, mask_type)
-        mask = _sdpa_mask(
-            attention_mask, attention_bias, mask_type, self.window, q.size(-2), k.size(-2), q
-        )
+    def _attend(self, q, k, v, attention_mask, attention_bias, causal, dropout_p, layout):
+        """sdpa kernel: [b, n, sq, hn] x [b, g, sk, hn] -> [b, n, sq, hn]."""
+        sq, sk = q.size(-2), k.size(-2)
+        if attention_mask is None and attention_bias is None:
+            # From positions only: no mask, a causal bias, or the kind's mask made once per batch.
+            mask = position_mask(layout, sq, sk, causal, self.window, q.dtype, q.device)
+        else:
+            mask = _sdpa_mask(attention_mask, attention_bias, causal, self.window, sq, sk, q)
         return F.scaled_dot_product_attention(
             q,
             k,
             v,
             attn_mask=mask,
             dropout_p=dropout_p,
-            is_causal=mask is None and mask_type in _CAUSAL,
+            is_causal=mask is None and causal,
             scale=self.softmax_scale,
             enable_gqa=q.size(-3) != k.size(-3),
         )
 
-    def _context_parallel(self, query, key, value, attention_mask, attention_bias, mask_type,
-                          dropout_p, packed_seq_params):
+    def _context_parallel(self, query, key, value, attention_mask, attention_bias, causal,
+                          dropout_p, packed_seq_params, layout):
         if attention_mask is not None or attention_bias is not None:
             raise NotImplementedError(
                 "SDPAttention with context parallelism builds its masks from token positions: "
                 f"an explicit attention_mask ({attention_mask is not None}) or attention_bias "
                 f"({attention_bias is not None}) is not supported"
             )
-        kwargs = dict(group=self.cp_group, causal=mask_type in _CAUSAL, scale=self.softmax_scale,
-                      dropout_p=dropout_p, window=self.window)
+        kwargs = dict(group=self.cp_group, causal=causal, scale=self.softmax_scale,
+                      dropout_p=dropout_p, window=self.window, layout=layout)
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             return context_parallel.packed_attention(query, key, value, packed_seq_params, **kwargs)
         return context_parallel.attention(query, key, value, **kwargs)
 
-    def _packed(self, query, key, value, mask_type, dropout_p, params):
-        """THD: attend within each packed sequence; padding slots between sequences stay zero."""
-        lengths_q = params.cu_seqlens_q.diff().tolist()
-        lengths_kv = params.cu_seqlens_kv.diff().tolist()
-        starts_q = _starts(params.cu_seqlens_q_padded, params.cu_seqlens_q)
-        starts_kv = _starts(params.cu_seqlens_kv_padded, params.cu_seqlens_kv)
+    def _packed(self, query, key, value, causal, dropout_p, layout):
+        """THD on the sdpa kernel: one SDPA call per document (boundaries from the layout's host
+        lists, no device read); padding slots between documents stay zero."""
         out = query.new_zeros(query.shape)
-        for start_q, len_q, start_kv, len_kv in zip(starts_q, lengths_q, starts_kv, lengths_kv):
+        for start_q, len_q, start_kv, len_kv in zip(layout.starts_q, layout.lengths_q,
+                                                    layout.starts_kv, layout.lengths_kv):
             rows_q, rows_kv = slice(start_q, start_q + len_q), slice(start_kv, start_kv + len_kv)
             # [t_i, n, hn] -> [n, t_i, hn]
             q, k, v = (x.transpose(0, 1) for x in (query[rows_q], key[rows_kv], value[rows_kv]))
-            out[rows_q] = self._attend(q, k, v, None, None, mask_type, dropout_p).transpose(0, 1)
+            out[rows_q] = self._attend(q, k, v, None, None, causal, dropout_p,
+                                       layout).transpose(0, 1)
         return out.reshape(out.size(0), -1)
 
-    # ------------------------------------------------------------------------------- flex
 
-    def _flex(self, q, k, v, attention_mask, attention_bias, mask_type):
-        if attention_bias is not None:
-            raise NotImplementedError("attention_kernel='flex' does not take an attention_bias")
-        sq, sk = q.size(-2), k.size(-2)
-        causal = mask_type in _CAUSAL
-        if attention_mask is not None and mask_type is not AttnMaskType.no_mask:
-            # A dense user mask [b or 1, 1, sq, sk] (True = masked out): one block mask per call.
-            keep = ~attention_mask.bool().expand(q.size(0), 1, sq, sk)
-            positions = self._mask_mod(sq, sk, causal)
-            block_mask = _create_block_mask(
-                lambda b, h, qi, ki: positions(b, h, qi, ki) & keep[b, 0, qi, ki],
-                q.size(0), sq, sk, q.device,
-            )
-        else:
-            cache_key = (sq, sk, causal, q.device)
-            block_mask = self._block_masks.get(cache_key)
-            if block_mask is None:
-                block_mask = _create_block_mask(self._mask_mod(sq, sk, causal), None, sq, sk,
-                                                q.device)
-                if len(self._block_masks) >= 8:  # decoding grows sk every step: keep few
-                    self._block_masks.clear()
-                self._block_masks[cache_key] = block_mask
-        return _flex_attention(q, k, v, block_mask, self.softmax_scale)
+def position_mask(layout, sq, sk, causal, window, dtype, device):
+    """SDPA's ``attn_mask`` for megatron's position rule (aligned bottom-right: query i is at
+    key position i + sk - sq), or None where ``is_causal`` / no mask is exact.
 
-    def _mask_mod(self, sq, sk, causal):
-        """flex's mask_mod for megatron's bottom-right aligned masks: query i is at key position
-        i + sk - sq."""
-        offset, window = sk - sq, self.window
+    Causal without a window is ``KeyPrefixCausal`` (no dense mask on a GPU); a window is an
+    additive mask, made once per batch for every layer of the kind.
+    """
+    if window is None and (not causal or sq == sk):
+        return None
 
-        def mask_mod(b, h, q_idx, kv_idx):
-            return allowed(q_idx + offset, kv_idx, causal, window)
+    def build():
+        q_pos = torch.arange(sk - sq, sk, device=device).unsqueeze(1)
+        k_pos = torch.arange(sk, device=device).unsqueeze(0)
+        return additive_mask(allowed(q_pos, k_pos, causal, window), dtype)
 
-        return mask_mod
-
-    def _packed_flex(self, query, key, value, mask_type, params):
-        """THD in one flex call: a key is visible within its own document only; padding slots
-        between documents belong to none and stay zero."""
-        if params.cu_seqlens_q is not params.cu_seqlens_kv and not torch.equal(
-            params.cu_seqlens_q, params.cu_seqlens_kv
-        ):
-            raise NotImplementedError("attention_kernel='flex' packs self-attention only")
-        t = query.size(0)
-        doc = _document_ids(params.cu_seqlens_q, params.cu_seqlens_q_padded, t, query.device)
-        causal, window = mask_type in _CAUSAL, self.window
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            # Within one document, global index differences are position differences.
-            same = (doc[q_idx] == doc[kv_idx]) & (doc[q_idx] >= 0)
-            return same & allowed(q_idx, kv_idx, causal, window)
-
-        block_mask = _create_block_mask(mask_mod, None, t, t, query.device)
-        # [t, n, hn] -> [1, n, t, hn]
-        q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))
-        out = _flex_attention(q, k, v, block_mask, self.softmax_scale)[0].transpose(0, 1)
-        out = out.masked_fill((doc < 0).view(-1, 1, 1), 0.0)
-        return out.reshape(t, -1)
+    key = ("dense", sq, sk, causal, window, dtype, device)
+    if window is None:
+        return KeyPrefixCausal(sq, sk, lambda _device: layout.cached(key, build))
+    return layout.cached(key, build)
 
 
-def _document_ids(cu_seqlens, cu_seqlens_padded, t, device):
-    """[t]: the document of each packed token, -1 for padding slots between documents."""
-    starts = _starts(cu_seqlens_padded, cu_seqlens)
-    lengths = cu_seqlens.diff().tolist()
-    doc = torch.full((t,), -1, dtype=torch.int32, device=device)
-    for i, (start, length) in enumerate(zip(starts, lengths)):
-        doc[start : start + length] = i
-    return doc
-
-
-def _create_block_mask(mask_mod, batch, sq, sk, device):
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    return create_block_mask(mask_mod, batch, None, sq, sk, device=device)
-
-
-_compiled_flex = None
-
-
-def _flex_attention(q, k, v, block_mask, scale):
-    """torch flex_attention, compiled on a GPU (its eager form materializes the scores, which
-    is what it runs on a CPU, for tests: forward only, torch has no flex backward on a CPU)."""
-    global _compiled_flex
-    from torch.nn.attention.flex_attention import flex_attention
-
-    fn = flex_attention
-    if not q.is_cuda and torch.is_grad_enabled() and any(
-        x.requires_grad for x in (q, k, v)
-    ):
-        raise NotImplementedError(
-            "attention_kernel='flex' runs forward only on a CPU (torch's flex_attention has no "
-            "CPU backward): train with attention_kernel='sdpa' on a CPU, or on a GPU"
-        )
-    if q.is_cuda:
-        if _compiled_flex is None:
-            _compiled_flex = torch.compile(flex_attention, dynamic=False)
-        fn = _compiled_flex
-    return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.size(-3) != k.size(-3))
-
-
-def _check_flex(config, dropout_p):
-    try:
-        from torch.nn.attention import flex_attention  # noqa: F401
-    except ImportError:
-        raise ImportError(
-            f"attention_kernel='flex' needs torch.nn.attention.flex_attention (torch >= 2.5); "
-            f"this torch is {torch.__version__}"
-        ) from None
-    if dropout_p:
-        raise NotImplementedError(
-            f"attention_kernel='flex' has no attention dropout: attention_dropout={dropout_p} "
-            "needs attention_kernel='sdpa'"
-        )
-
-
-def _starts(cu_seqlens_padded, cu_seqlens):
-    return (cu_seqlens_padded if cu_seqlens_padded is not None else cu_seqlens)[:-1].tolist()
-
-
-def _sdpa_mask(attention_mask, attention_bias, mask_type, window, sq, sk, like):
-    """One SDPA mask from megatron's boolean mask (True = masked out), mask type, window and bias.
+def _sdpa_mask(attention_mask, attention_bias, causal, window, sq, sk, like):
+    """One SDPA mask from megatron's boolean mask (True = masked out), causality, window and bias
+    (per call: a user's mask or bias may differ between layers).
 
     Returns None when SDPA's own ``is_causal`` (aligned top-left) or no mask is exact. Megatron's
     causal and window masks, KV-cache decoding included, are aligned bottom-right (query i is at
     key position i + sk - sq), which differs from is_causal when sq != sk.
     """
     keep = None  # True = attend
-    if attention_mask is not None and mask_type is not AttnMaskType.no_mask:
+    if attention_mask is not None:
         keep = ~attention_mask.bool()
-    causal = mask_type in _CAUSAL
     if window is not None or (
         causal and (keep is not None or attention_bias is not None or sq != sk)
     ):

@@ -7,6 +7,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
 from mcore_ext import _mcore_compat
+from mcore_ext.attention import layout as attention_layout
 from mcore_ext.config import GatedTransformerConfig
 from mcore_ext.models.mtp import MTPGPTModel
 from mcore_ext.specs import get_gpt_block_spec, get_gpt_mtp_block_spec
@@ -31,7 +32,8 @@ def build_gpt_model(
     with MTP layers on the last pipeline stage (Step-3.5's with ``mtp_step35_heads``, see
     mcore_ext/mtp.py; ``vocab_size`` also sizes their heads). ``pre_process`` /
     ``post_process`` (embedding / output layer on this rank) default to whether this is the
-    first / last pipeline stage.
+    first / last pipeline stage. Each forward first makes the batch's attention layout
+    (``mcore_ext.attention.layout``), shared by every layer.
     """
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
@@ -42,7 +44,7 @@ def build_gpt_model(
         _mcore_compat.check_mtp_supported(getattr(config, "mtp_step35_heads", False))
         mtp_block_spec = get_gpt_mtp_block_spec(config, backend, vocab_size)
         model_class = MTPGPTModel
-    return model_class(
+    model = model_class(
         config,
         transformer_layer_spec=get_gpt_block_spec(config, backend, vp_stage=vp_stage),
         vocab_size=vocab_size,
@@ -56,6 +58,8 @@ def build_gpt_model(
         mtp_block_spec=mtp_block_spec,
         vp_stage=vp_stage,
     )
+    # The attention layout of each batch is made here, once per forward, for every layer.
+    return attention_layout.install_on(model)
 
 
 def padded_vocab_size(vocab_size: int, multiple: int, tensor_model_parallel_size: int) -> int:

@@ -159,10 +159,10 @@ class ModelConfig:
     attention_backend: Literal["auto", "sdpa", "local", "te"] = "auto"
     """Attention implementation; auto: Transformer Engine on a GPU if installed, else SDPA."""
 
-    attention_kernel: Literal["sdpa", "flex"] = "sdpa"
-    """Inner kernel of the sdpa backend: torch SDPA (dense mask for windows) or flex_attention
-    (block mask: windows stay fast on long sequences; GPU for training, a CPU runs it forward
-    only)."""
+    attention_kernel: Literal["sdpa", "flex", "varlen"] = "sdpa"
+    """Inner kernel of the sdpa backend: torch SDPA (a mask made once per batch for windows),
+    flex_attention (block mask: windows stay fast on long sequences; GPU for training, a CPU
+    runs it forward only) or varlen (torch's flash varlen kernel for packed batches; GPU only)."""
 
     mtp_num_layers: Optional[int] = None
     """Multi-token prediction depths (HF num_nextn_predict_layers), on the last pipeline stage;

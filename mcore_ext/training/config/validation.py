@@ -129,17 +129,23 @@ def validate(cfg: PretrainConfig, world_size: int) -> None:
     if c.finetune and not c.load:
         raise ConfigError("checkpoint.finetune=true needs checkpoint.load (the weights to use)")
 
-    if m.attention_kernel == "flex":
+    if m.attention_kernel in ("flex", "varlen"):
+        kernel = m.attention_kernel
         if cp > 1:  # no hardware helps: say it first
             raise ConfigError(
-                f"model.attention_kernel=flex does not support parallelism.context_parallel_size="
-                f"{cp}: context parallelism uses the sdpa kernel (set model.attention_kernel=sdpa "
-                "or parallelism.context_parallel_size=1)"
+                f"model.attention_kernel={kernel} does not support "
+                f"parallelism.context_parallel_size={cp}: context parallelism uses the sdpa "
+                "kernel (set model.attention_kernel=sdpa or parallelism.context_parallel_size=1)"
             )
         if m.attention_backend != "sdpa":
             raise ConfigError(
-                f"model.attention_kernel=flex is the sdpa backend's kernel: set "
+                f"model.attention_kernel={kernel} is the sdpa backend's kernel: set "
                 f"model.attention_backend=sdpa (got {m.attention_backend!r})"
+            )
+        if not on_gpu and kernel == "varlen":
+            raise ConfigError(
+                "model.attention_kernel=varlen runs on a GPU only (torch's varlen_attn is a "
+                "CUDA flash kernel): use model.attention_kernel=sdpa on a CPU"
             )
         if not on_gpu:
             raise ConfigError(
