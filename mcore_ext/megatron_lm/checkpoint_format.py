@@ -71,7 +71,7 @@ def megatron_lm_args(cfg, iteration: int, consumed_samples: int) -> argparse.Nam
         num_query_groups=m.num_query_groups,
         seq_length=m.seq_length,
         max_position_embeddings=m.seq_length,
-        add_position_embedding=False,  # RoPE
+        add_position_embedding=True,  # megatron.training keeps its default with RoPE too
         position_embedding_type="rope",
         head_wise_attn_gate=m.head_wise_attn_gate,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
