@@ -316,10 +316,9 @@ def load_checkpoint(cfg, model, optimizer, scheduler) -> tuple[int, int]:
                 f"{load} only starts a run whose checkpoint.save is empty)")
     directory = iteration_dir(root, iteration)
     # A Megatron-LM checkpoint's launcher content derives from its own (args, scheduler).
-    common = checkpoint_format.launcher_common(
-        dist_checkpointing.load_common_state_dict(directory), cfg
-    )
+    common = dist_checkpointing.load_common_state_dict(directory)
     by_megatron_lm = checkpoint_format.written_by_megatron_lm(common)
+    common = checkpoint_format.launcher_common(common, cfg)
     # An imported Hugging Face model (python -m mcore_ext.hf import) holds weights only.
     finetune = finetune or common.get("weights_only", False)
     distributed = cfg.optimizer.use_distributed_optimizer
