@@ -21,7 +21,10 @@ What is saved: the model's sharded state (layout-free: megatron and mcore_ext's 
 every tensor by its global shape), the optimizer's (keyed by model parameter, the distributed
 optimizer's in its ``fully_reshardable`` form, so it reshards too), the LR scheduler, iteration
 and consumed samples, and each rank's RNG state. RNG states are per rank, so they are restored
-only when the layout is unchanged; everything else loads at any layout.
+only when the layout is unchanged; everything else loads at any layout. Next to this, what
+megatron.training reads (mcore_ext.megatron_lm.checkpoint_format: ``args``, ``opt_param_scheduler``,
+its ``rng_state``; the launcher's RNG is ``mcore_ext_rng_state``), so Megatron-LM resumes these
+checkpoints and the launcher resumes Megatron-LM's.
 """
 
 import os
