@@ -8,7 +8,8 @@ after a round trip through the other one:
 
     Megatron-LM -> launcher -> Megatron-LM
         mlm_full     Megatron-LM, 5 iterations, checkpoints at 2, 4, 5
-        launcher_rt  the launcher loads mlm_full's iteration 2 and saves it again (no step)
+        launcher_rt  the launcher loads mlm_full's iteration 2 (a copy tracking it) and saves it
+                     again (no step)
         mlm_resumed  Megatron-LM resumes launcher_rt, trains 3..5
     launcher -> Megatron-LM -> launcher
         l_full       the launcher, 5 iterations, checkpoints at 2, 4, 5
@@ -29,6 +30,7 @@ RNG restore. Both sides use a 257-token vocabulary padded to 384 rows (NullToken
 
 import json
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -132,7 +134,11 @@ def assert_same_tensors(a: dict, b: dict) -> None:
 @pytest.mark.slow
 def test_megatron_lm_checkpoint_resumes_through_the_launcher(tmp_path):
     full = megatron_lm("--save", str(tmp_path / "mlm_full"), "--save-interval", "2")
-    launcher(tmp_path, "launcher_rt", f"checkpoint.load={tmp_path / 'mlm_full'}",
+    # The launcher loads the tracked (latest) iteration: a directory tracking iteration 2.
+    at2 = tmp_path / "mlm_at2"
+    shutil.copytree(tmp_path / "mlm_full" / "iter_0000002", at2 / "iter_0000002")
+    (at2 / "latest_checkpointed_iteration.txt").write_text("2")
+    launcher(tmp_path, "launcher_rt", f"checkpoint.load={at2}",
              f"checkpoint.save={tmp_path / 'launcher_rt'}",
              script="tests/functional/launcher_resave.py")
     resumed = megatron_lm("--load", str(tmp_path / "launcher_rt"),
