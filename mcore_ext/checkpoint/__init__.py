@@ -144,12 +144,15 @@ def _head_count_mismatch(sharded_state_dict, checkpoint_dir: str) -> str:
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
-def optimizer_sharded_state_dict(optimizer, model_sharded_state_dict, is_loading: bool = False):
-    """megatron's ``optimizer.sharded_state_dict`` in its TP-reshardable format."""
+def optimizer_sharded_state_dict(
+    optimizer, model_sharded_state_dict, is_loading: bool = False, metadata: dict | None = None
+):
+    """megatron's ``optimizer.sharded_state_dict`` in its TP-reshardable format (``metadata``:
+    megatron's content metadata, ``OPTIMIZER_METADATA`` by default)."""
     if is_loading:
         _mcore_compat.prepare_optimizer_for_loading(optimizer)
     return optimizer.sharded_state_dict(
-        model_sharded_state_dict, is_loading=is_loading, metadata=OPTIMIZER_METADATA
+        model_sharded_state_dict, is_loading=is_loading, metadata=metadata or OPTIMIZER_METADATA
     )
 
 

@@ -7,28 +7,27 @@
 - ``GatedGPTModelConfig`` / ``GatedGPTModelBuilder``: megatron.training's model config and builder
   for mcore_ext's GPT; ``gated_gpt_config_from_args`` builds the config from parsed flags.
 - ``pretrain_gpt``: the entry point (forward step, dataset provider, main).
+- ``checkpoint_format``: megatron.training's checkpoint content, for the launcher's checkpoints.
 """
 
-from mcore_ext import _mcore_compat
+import importlib
 
-_mcore_compat.check_megatron_training()
+# The names below load lazily, each refusing a megatron-core < 0.19 on first use (it has no
+# GPTModelConfig); checkpoint_format needs only megatron.core, so the launcher (0.16 to 0.19)
+# imports it on every release.
+_EXPORTS = {
+    "add_mcore_ext_args": "arguments",
+    "mcore_ext_fields": "arguments",
+    "transformer_config_from_args": "arguments",
+    "GatedGPTModelBuilder": "model",
+    "GatedGPTModelConfig": "model",
+    "gated_gpt_config_from_args": "model",
+}
 
-from mcore_ext.megatron_lm.arguments import (  # noqa: E402
-    add_mcore_ext_args,
-    mcore_ext_fields,
-    transformer_config_from_args,
-)
-from mcore_ext.megatron_lm.model import (  # noqa: E402
-    GatedGPTModelBuilder,
-    GatedGPTModelConfig,
-    gated_gpt_config_from_args,
-)
+__all__ = sorted(_EXPORTS)
 
-__all__ = [
-    "GatedGPTModelBuilder",
-    "GatedGPTModelConfig",
-    "add_mcore_ext_args",
-    "gated_gpt_config_from_args",
-    "mcore_ext_fields",
-    "transformer_config_from_args",
-]
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

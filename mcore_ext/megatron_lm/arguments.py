@@ -14,9 +14,13 @@ already fills the field, and two flags for one destination would fight.
 import argparse
 import dataclasses
 
-from megatron.core.transformer.transformer_config import TransformerConfig
+from mcore_ext import _mcore_compat
 
-from mcore_ext.config import GatedTransformerConfig
+_mcore_compat.check_megatron_training()
+
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+
+from mcore_ext.config import GatedTransformerConfig  # noqa: E402
 
 BACKEND_FLAG = "--mcore-ext-backend"
 BACKENDS = ("auto", "sdpa", "local", "te")

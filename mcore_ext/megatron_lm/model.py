@@ -11,17 +11,21 @@ survive serialisation.
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from megatron.core.pipeline_parallel.utils import (
+from mcore_ext import _mcore_compat
+
+_mcore_compat.check_megatron_training()
+
+from megatron.core.pipeline_parallel.utils import (  # noqa: E402
     is_pp_first_stage,
     is_pp_last_stage,
     is_vp_first_stage,
     is_vp_last_stage,
 )
-from megatron.training.models.gpt import GPTModelBuilder, GPTModelConfig
-from megatron.training.vocab_utils import calculate_padded_vocab_size
+from megatron.training.models.gpt import GPTModelBuilder, GPTModelConfig  # noqa: E402
+from megatron.training.vocab_utils import calculate_padded_vocab_size  # noqa: E402
 
-from mcore_ext.config import GatedTransformerConfig
-from mcore_ext.models import build_gpt_model
+from mcore_ext.config import GatedTransformerConfig  # noqa: E402
+from mcore_ext.models import build_gpt_model  # noqa: E402
 
 # Fields both GPTModelConfig and GatedTransformerConfig declare. GPTModelConfig forwards writes to
 # its transformer but reads its own class default (10000, 1.0) back, and as_dict would save that

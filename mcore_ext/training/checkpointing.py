@@ -21,7 +21,10 @@ What is saved: the model's sharded state (layout-free: megatron and mcore_ext's 
 every tensor by its global shape), the optimizer's (keyed by model parameter, the distributed
 optimizer's in its ``fully_reshardable`` form, so it reshards too), the LR scheduler, iteration
 and consumed samples, and each rank's RNG state. RNG states are per rank, so they are restored
-only when the layout is unchanged; everything else loads at any layout.
+only when the layout is unchanged; everything else loads at any layout. Next to this, what
+megatron.training reads (mcore_ext.megatron_lm.checkpoint_format: ``args``, ``opt_param_scheduler``,
+its ``rng_state``; the launcher's RNG is ``mcore_ext_rng_state``), so Megatron-LM resumes these
+checkpoints and the launcher resumes Megatron-LM's.
 """
 
 import os
@@ -37,6 +40,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from mcore_ext import checkpoint
 from mcore_ext.checkpoint.directory import TRACKER, iteration_dir, latest_iteration  # noqa: F401
+from mcore_ext.megatron_lm import checkpoint_format
 from mcore_ext.runtime import device, raise_unless_all_ok
 from mcore_ext.training.faults import CheckpointSaveError, fault_point
 
@@ -56,7 +60,7 @@ def _layout() -> dict:
     return layout
 
 
-def _rng_state() -> ShardedObject:
+def _rng_state(key: str = checkpoint_format.LAUNCHER_RNG_KEY) -> ShardedObject:
     """This rank's RNG streams, one entry of a (pp, tp, dp) grid of ranks ((pp, tp, cp, dp)
     with context parallelism: CP ranks are data-parallel replicas of the model, not of the RNG)."""
     state = {
@@ -70,7 +74,7 @@ def _rng_state() -> ShardedObject:
     cp = [layout["cp"]] if "cp" in layout else []
     cp_rank = [parallel_state.get_context_parallel_rank()] if cp else []
     return ShardedObject(
-        "rng_state",
+        key,
         state,
         (layout["pp"], layout["tp"], *cp, layout["dp"]),
         (
@@ -117,16 +121,23 @@ def save_checkpoint(
     )
 
     model_state = model.module.sharded_state_dict()
+    metadata = checkpoint_format.content_metadata(cfg.optimizer.use_distributed_optimizer)
     state = {
         "model": model_state,
-        "optimizer": checkpoint.optimizer_sharded_state_dict(optimizer, model_state),
+        "optimizer": checkpoint.optimizer_sharded_state_dict(
+            optimizer, model_state, metadata=metadata
+        ),
         "scheduler": scheduler.state_dict(),
         "iteration": iteration,
         "consumed_samples": consumed_samples,
         "layout": _layout(),
         "distributed_optimizer": cfg.optimizer.use_distributed_optimizer,
-        "rng_state": _rng_state(),
+        checkpoint_format.LAUNCHER_RNG_KEY: _rng_state(),
     }
+    # What megatron.training's load reads too (args, scheduler in samples, its RNG shape).
+    state.update(checkpoint_format.megatron_lm_content(
+        cfg, iteration, consumed_samples, scheduler.state_dict()
+    ))
 
     def publish():
         """Every rank has written: rename into place, then move the tracker (rank 0)."""
@@ -147,7 +158,8 @@ def save_checkpoint(
 
     if async_queue is not None:
         request = dist_checkpointing.save(
-            state, partial, async_sharded_save=True, async_strategy=_async_strategy()
+            state, partial, async_sharded_save=True, async_strategy=_async_strategy(),
+            content_metadata=metadata,
         )
         writer_finalize = list(request.finalize_fns)
 
@@ -165,7 +177,7 @@ def save_checkpoint(
         return
 
     try:
-        dist_checkpointing.save(state, partial)
+        dist_checkpointing.save(state, partial, content_metadata=metadata)
         fault_point("save", iteration)
     except (Exception, CheckpointException) as err:  # reported below, after every rank's say
         failure = err
@@ -293,7 +305,10 @@ def load_checkpoint(cfg, model, optimizer, scheduler) -> tuple[int, int]:
         _print0(f"[checkpoint] {root} holds this run's checkpoints: resuming it (checkpoint.load="
                 f"{load} only starts a run whose checkpoint.save is empty)")
     directory = iteration_dir(root, iteration)
+    # A Megatron-LM checkpoint's launcher content derives from its own (args, scheduler).
     common = dist_checkpointing.load_common_state_dict(directory)
+    by_megatron_lm = checkpoint_format.written_by_megatron_lm(common)
+    common = checkpoint_format.launcher_common(common, cfg)
     # An imported Hugging Face model (python -m mcore_ext.hf import) holds weights only.
     finetune = finetune or common.get("weights_only", False)
     distributed = cfg.optimizer.use_distributed_optimizer
@@ -305,15 +320,24 @@ def load_checkpoint(cfg, model, optimizer, scheduler) -> tuple[int, int]:
             "states are not interchangeable), or set checkpoint.finetune=true for weights only"
         )
 
+    if by_megatron_lm and not finetune and common["no_optimizer"]:
+        raise RuntimeError(
+            f"{directory} was saved by Megatron-LM with --no-save-optim: set "
+            "checkpoint.finetune=true to load its weights only"
+        )
+
     model_state = model.module.sharded_state_dict()
     state = {"model": model_state}
     if not finetune:
         state["optimizer"] = checkpoint.optimizer_sharded_state_dict(
-            optimizer, model_state, is_loading=True
+            optimizer, model_state, is_loading=True, metadata=common.get("content_metadata")
         )
-    same_layout = common.get("layout") == _layout()
+    same_layout = common.get("layout") == _layout() and not common.get("no_rng")
+    rng_key = checkpoint_format.launcher_rng_key(common)
     if same_layout and not finetune:
-        state["rng_state"] = _rng_state()
+        state[rng_key] = (
+            checkpoint_format.megatron_lm_rng_state() if by_megatron_lm else _rng_state(rng_key)
+        )
     loaded = checkpoint.load(
         state, directory, init_missing_gates=cfg.checkpoint.init_missing_gates
     )
@@ -325,7 +349,9 @@ def load_checkpoint(cfg, model, optimizer, scheduler) -> tuple[int, int]:
     checkpoint.load_optimizer_state_dict(optimizer, loaded["optimizer"])
     scheduler.load_state_dict(common["scheduler"])
     if same_layout:
-        _set_rng_state(loaded["rng_state"])
+        rng = loaded[rng_key]
+        _set_rng_state(checkpoint_format.launcher_rng_from_megatron_lm(rng) if by_megatron_lm
+                       else rng)
     change = f", layout {common.get('layout')} -> {_layout()}, RNG not restored"
     change = "" if same_layout else change
     _print0(f"[checkpoint] resumed from {directory} (iteration {iteration}{change})")
