@@ -179,3 +179,25 @@ def test_transformers_names_import_and_export_in_the_released_layout(run_distrib
     assert exported.keys() == released.keys()
     assert all(torch.equal(exported[n], released[n]) and exported[n].dtype == released[n].dtype
                for n in released)
+
+
+def test_cli_imports_and_exports_moe_and_mtp_bit_exact(moe_checkpoint, tmp_path):
+    """``python -m mcore_ext.hf import`` writes a launcher checkpoint of the MoE + MTP model (the
+    launcher's MoE / MTP keys in its config.yaml) and ``export`` gives back every tensor bit for
+    bit, fp32 router bias included."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from tests.functional.test_pretrain import ROOT
+
+    directory = moe_checkpoint[0]
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    for argv in (["import", directory, str(ckpt)], ["export", str(ckpt), str(out)]):
+        result = subprocess.run([sys.executable, "-m", "mcore_ext.hf", *argv], cwd=ROOT,
+                                capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-2000:]
+    model = yaml.safe_load(open(ckpt / "iter_0000000" / "config.yaml"))["model"]
+    assert model["num_moe_experts"] == models.EXPERTS and model["mtp_num_layers"] == 1
+    models.assert_same_tensors(directory, str(out))
