@@ -163,6 +163,9 @@ def load_optimizer_state_dict(optimizer, state_dict) -> None:
     copy of the step. Other optimizers load as megatron loads them.
     """
     chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    if not torch_adam_distributed_optimizers(optimizer):
+        optimizer.load_state_dict(state_dict)  # megatron's own path (e.g. Apex / TE fused Adam)
+        return
     if len(chained) == 1:
         _load_one_optimizer(chained[0], state_dict)
         return
