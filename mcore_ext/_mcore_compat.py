@@ -20,6 +20,9 @@ there were one megatron-core; each shim below says which releases need it and wh
    dataset helpers come compiled, without the Makefile megatron runs (``skip_dataset_helper_...``).
 8. The MoE aux-loss tracker moved from a dict in ``moe_utils`` (0.16, 0.17) to a
    ``MoEMetricsTracker`` in ``moe_logging`` (0.18+) (``take_moe_aux_losses``).
+9. 0.16's fp32 router GEMM reads ``moe_utils.te_general_gemm``, which it defines only when
+   Transformer Engine is installed (NameError without it; 0.17+ set it to None)
+   (``_define_missing_te_general_gemm``).
 
 This module adapts megatron-core to other releases; ``_cpu_compat`` adapts it to a CPU.
 """
@@ -360,3 +363,19 @@ def take_moe_aux_losses() -> dict:
         out[name] = (entry.values.clone(), entry.reduce_group)
         entry.values.zero_()
     return out
+
+
+# ------------------------------------------------- 9. 0.16's router GEMM without Transformer Engine
+
+
+def _define_missing_te_general_gemm() -> None:
+    """0.16 imports ``te_general_gemm`` into moe_utils only with Transformer Engine, then tests
+    ``te_general_gemm is not None`` in the fp32 router GEMM (``moe_router_dtype='fp32'``): define
+    it as None, as 0.17+ do, so the torch path runs."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+_define_missing_te_general_gemm()

@@ -13,6 +13,7 @@ the checkpoint bit for bit (experts keyed by global index, the gate's _qkv / _ga
 before). Resuming with a fresh Adam does not reproduce the run (the moments matter).
 """
 
+import pytest
 import torch
 
 from tests import builders
@@ -123,6 +124,7 @@ def _train_on_this_rank(layout, steps, save_dir, load_dir, first_step, load_opti
     return dict(losses=losses, identical=identical)
 
 
+@pytest.mark.slow  # 6 training runs on 4 ranks: about 4 minutes on 2 cores
 def test_moe_checkpoint_reshards_across_ep_tp_pp_with_optimizer(run_distributed, tmp_path):
     def run(*args, **kwargs):
         return run_distributed(_train, *args, world_size=4, timeout=600, **kwargs)[0]
