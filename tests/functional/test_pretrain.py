@@ -418,9 +418,10 @@ def _two_saves(save_dir, second, fault, async_save=False):
         def sharded_state_dict(self, model_state, is_loading=False, metadata=None):
             return {}
 
-    class Scheduler:
+    class Scheduler:  # the step counts of megatron's OptimizerParamScheduler.state_dict()
         def state_dict(self):
-            return {"num_steps": 1}
+            return {"num_steps": 1, "lr_warmup_steps": 0, "lr_decay_steps": 10,
+                    "wd_incr_steps": 10}
 
     faults.install_checkpoint_writer_queue(async_save)
     calls = AsyncCallsQueue() if async_save else None
