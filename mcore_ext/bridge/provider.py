@@ -22,6 +22,7 @@ from megatron.training.vocab_utils import calculate_padded_vocab_size
 
 from mcore_ext.config import GatedTransformerConfig
 from mcore_ext.models import build_gpt_model
+from mcore_ext.models.gpt import BUILT_GPT_SETTINGS, refuse_unbuilt_settings
 from mcore_ext.specs import get_gpt_block_spec
 
 
@@ -34,12 +35,7 @@ def gated_block_spec(provider: "GatedGPTModelProvider", vp_stage: Optional[int] 
 # GPTModelProvider values that build_gpt_model (RoPE from the config, megatron's defaults
 # otherwise) does not implement, with the value it implements.
 _IMPLEMENTED = {
-    "position_embedding_type": "rope",
-    "rope_scaling": False,
-    "seq_len_interpolation_factor": None,
-    "fp16_lm_cross_entropy": False,
-    "parallel_output": True,
-    "scatter_embedding_sequence_parallel": True,
+    **BUILT_GPT_SETTINGS,
     "use_transformer_engine_full_layer_spec": False,
     "init_model_with_meta_device": False,
 }
@@ -116,10 +112,5 @@ def _check(provider: GatedGPTModelProvider) -> None:
             f"transformer_layer_spec={provider.transformer_layer_spec!r} would replace mcore_ext's "
             "layer spec: leave it at its default and pick the backend with mcore_ext_backend"
         )
-    for name, value in _IMPLEMENTED.items():
-        if getattr(provider, name) != value:
-            raise ValueError(
-                f"{name}={getattr(provider, name)!r} is not supported by mcore_ext's GPT "
-                f"(it builds {name}={value!r})"
-            )
+    refuse_unbuilt_settings(provider, _IMPLEMENTED)
 

@@ -26,22 +26,12 @@ from megatron.training.vocab_utils import calculate_padded_vocab_size  # noqa: E
 
 from mcore_ext.config import GatedTransformerConfig  # noqa: E402
 from mcore_ext.models import build_gpt_model  # noqa: E402
+from mcore_ext.models.gpt import refuse_unbuilt_settings  # noqa: E402
 
 # Fields both GPTModelConfig and GatedTransformerConfig declare. GPTModelConfig forwards writes to
 # its transformer but reads its own class default (10000, 1.0) back, and as_dict would save that
 # default: here the transformer's value is the only one.
 _TRANSFORMER_OWNED = frozenset({"rotary_base", "rotary_percent"})
-
-# GPTModelConfig values that build_gpt_model (RoPE from the config, megatron's defaults otherwise)
-# does not implement, with the value it implements.
-_IMPLEMENTED = {
-    "position_embedding_type": "rope",
-    "rope_scaling": False,
-    "seq_len_interpolation_factor": None,
-    "fp16_lm_cross_entropy": False,
-    "parallel_output": True,
-    "scatter_embedding_sequence_parallel": True,
-}
 
 
 @dataclass(kw_only=True)
@@ -79,12 +69,7 @@ def _check(config: GatedGPTModelConfig) -> None:
             f"transformer_layer_spec={config.transformer_layer_spec!r} (--spec) would replace "
             "mcore_ext's layer spec: leave it unset and pick the backend with --mcore-ext-backend"
         )
-    for name, value in _IMPLEMENTED.items():
-        if getattr(config, name) != value:
-            raise ValueError(
-                f"{name}={getattr(config, name)!r} is not supported by mcore_ext's GPT "
-                f"(it builds {name}={value!r})"
-            )
+    refuse_unbuilt_settings(config)
 
 
 class GatedGPTModelBuilder(GPTModelBuilder):

@@ -68,3 +68,25 @@ def padded_vocab_size(vocab_size: int, multiple: int, tensor_model_parallel_size
     ``make_vocab_size_divisible_by``). Extra rows are padding."""
     step = math.lcm(multiple, tensor_model_parallel_size)
     return step * math.ceil(vocab_size / step)
+
+
+# GPTModel settings Megatron-LM's and Megatron-Bridge's configs carry that build_gpt_model
+# builds one way only (an adapter onto it refuses any other value rather than ignore it).
+BUILT_GPT_SETTINGS = {
+    "position_embedding_type": "rope",
+    "rope_scaling": False,
+    "seq_len_interpolation_factor": None,
+    "fp16_lm_cross_entropy": False,
+    "parallel_output": True,
+    "scatter_embedding_sequence_parallel": True,
+}
+
+
+def refuse_unbuilt_settings(config, built: dict = BUILT_GPT_SETTINGS) -> None:
+    """Raise ValueError naming the first of ``built``'s settings ``config`` holds otherwise."""
+    for name, value in built.items():
+        if getattr(config, name) != value:
+            raise ValueError(
+                f"{name}={getattr(config, name)!r} is not supported by mcore_ext's GPT "
+                f"(it builds {name}={value!r})"
+            )
