@@ -581,11 +581,17 @@ def _live_tensor_bytes():
     them with the collector off, too)."""
     import gc
 
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
     storages = {}
     for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and obj.device.type != "meta":
-            storage = obj.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
+        # Tracing tensors (left by an earlier torch.compile in the pytest process this rank forked
+        # from) have no data pointer and hold no memory.
+        if isinstance(obj, torch.Tensor) and not isinstance(obj, (FakeTensor, FunctionalTensor)):
+            if obj.device.type != "meta":
+                storage = obj.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
 
 
