@@ -1,15 +1,21 @@
 """The launcher trains configs/step35_moe_tiny_cpu.yaml (gate, both attention kinds, MoE with a
 shared expert, sigmoid router with expert bias, routed / shared clamps, aux loss and expert-bias
-update) on 4 gloo ranks at EP 4 with the all-to-all dispatcher, and resumes it.
+update, one Step-3.5 MTP depth) on 4 gloo ranks at EP 4 with the all-to-all dispatcher, and
+resumes it.
 
-Three runs: ``ep4`` trains 10 steps and saves at 5 and 10; ``ep4_resume`` loads the step-5
-checkpoint at the same layout and must reproduce steps 6-10 exactly; ``ep1`` loads it at EP 1 and
-TP 1 (DP 4, every expert on every rank) and must match within 1e-3 (fp32; other reduction orders).
+Four runs: ``ep4`` trains 10 steps and saves at 5 and 10; ``ep4_resume`` loads the step-5
+checkpoint at the same layout and must reproduce steps 6-10 exactly (main and MTP losses); ``ep1``
+loads it at EP 1 and TP 1 (DP 4, every expert on every rank) and ``tp2_ep2`` at TP 2 x EP 2 with
+expert TP 1 (expert TP != TP, sequence parallel, expert DP 2); both must match within 1e-3 (fp32;
+other reduction orders).
 """
 
 import pytest
 
-from tests.functional.test_pretrain import ROOT, check, losses, torchrun
+import json
+from pathlib import Path
+
+from tests.functional.test_pretrain import ROOT, check, torchrun
 from tests.functional.test_pretrain import stdlib_prefix  # noqa: F401  (the shared dataset fixture)
 
 MOE_TINY = str(ROOT / "configs" / "step35_moe_tiny_cpu.yaml")
@@ -30,31 +36,48 @@ def moe_runs(tmp_path_factory, stdlib_prefix):
     (tmp / "resume" / "latest_checkpointed_iteration.txt").write_text("5")
     for name, overrides in (("ep4_resume", []),
                             ("ep1", ["parallelism.expert_model_parallel_size=1",
-                                     "parallelism.tensor_model_parallel_size=1"])):
+                                     "parallelism.tensor_model_parallel_size=1"]),
+                            ("tp2_ep2", ["parallelism.expert_model_parallel_size=2",
+                                         "parallelism.tensor_model_parallel_size=2",
+                                         "parallelism.sequence_parallel=true"])):
         out[name] = check(torchrun(*common, f"logging.metrics_file={tmp / name}.jsonl",
                                    f"checkpoint.load={tmp / 'resume'}", "checkpoint.save=null",
                                    *overrides, nproc=4), name)
     return out
 
 
-@pytest.mark.slow
-def test_step35_moe_tiny_trains_at_ep4_and_resumes_exactly_and_at_ep1(moe_runs):
-    import json
+def _train_records(path) -> dict:
+    lines = Path(path).read_text().splitlines()
+    return {r["iteration"]: r for r in map(json.loads, lines) if r["kind"] == "train"}
 
+
+def _losses(record) -> list:
+    return [record["loss"], *record["mtp_losses"]]
+
+
+@pytest.mark.slow
+def test_step35_moe_tiny_trains_at_ep4_and_resumes_exactly_and_at_other_layouts(moe_runs):
     tmp = moe_runs["tmp"]
-    full = losses(f"{tmp / 'ep4'}.jsonl")
+    full = _train_records(f"{tmp / 'ep4'}.jsonl")
     assert "(experts: EP 4)" in moe_runs["ep4"].stdout
     assert "load_balancing_loss" in moe_runs["ep4"].stdout
+    assert "mtp loss" in moe_runs["ep4"].stdout
     assert sorted(full) == list(range(1, 11))
-    assert full[10] < full[1] - 0.5, full
-    records = [json.loads(line) for line in open(f"{tmp / 'ep4'}.jsonl")]
-    balance = [r["load_balancing_loss"] for r in records if r["kind"] == "train"]
+    first, last = _losses(full[1]), _losses(full[10])
+    assert len(first) == 2, full[1]  # main + 1 MTP depth
+    for before, after in zip(first, last):
+        assert after < before - 0.5, (first, last)
+    balance = [record["load_balancing_loss"] for record in full.values()]
     # sum over experts of (fraction routed x mean prob) x E / topk: 1 when balanced (here ~1)
     assert all(0.5 < b < 4.0 for b in balance), balance
-    same = losses(f"{tmp / 'ep4_resume'}.jsonl")
+    same = _train_records(f"{tmp / 'ep4_resume'}.jsonl")
     assert sorted(same) == list(range(6, 11))
     for step in range(6, 11):
-        assert same[step] == full[step], (step, full, same)
-    ep1 = losses(f"{tmp / 'ep1'}.jsonl")
-    for step in range(6, 11):
-        assert ep1[step] == pytest.approx(full[step], abs=1e-3, rel=0), (step, full, ep1)
+        assert _losses(same[step]) == _losses(full[step]), (step, full[step], same[step])
+    assert "(experts: EP 2)" in moe_runs["tp2_ep2"].stdout
+    for name in ("ep1", "tp2_ep2"):
+        other = _train_records(f"{tmp / name}.jsonl")
+        assert sorted(other) == list(range(6, 11)), name
+        for step in range(6, 11):
+            assert _losses(other[step]) == pytest.approx(_losses(full[step]), abs=1e-3, rel=0), (
+                name, step, full[step], other[step])
