@@ -289,6 +289,28 @@ def released_tensors(model) -> dict:
     return out
 
 
+def transformers_tensors(released: dict, num_layers: int) -> dict:
+    """released_tensors' inverse: transformers' names for the main layers (MTP layers, which
+    transformers does not build, left out)."""
+    out = {}
+    mtp = tuple(f"model.layers.{i}." for i in range(num_layers, num_layers + 8))
+    for name, tensor in released.items():
+        if name.startswith(mtp) or name.endswith("moe.up_proj.weight"):
+            continue
+        if name.endswith("moe.gate_proj.weight"):
+            up = released[name.replace("gate_proj", "up_proj")]
+            out[name.replace("moe.gate_proj.weight", "mlp.experts.gate_up_proj")] = torch.cat(
+                [tensor, up], dim=1)
+            continue
+        for ours, theirs in (("moe.down_proj.weight", "mlp.experts.down_proj"),
+                             ("moe.router_bias", "mlp.gate.e_score_correction_bias"),
+                             ("moe.gate.weight", "mlp.gate.weight"),
+                             ("share_expert.", "mlp.shared_experts.")):
+            name = name.replace(ours, theirs)
+        out[name] = tensor
+    return out
+
+
 def mtp_tensors(config, seed=1, dtype=torch.float32) -> dict:
     """Random released-layout tensors of one MTP layer (global index num_hidden_layers):
     dense, sliding, with its own head and norm."""
