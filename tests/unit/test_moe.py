@@ -15,8 +15,8 @@ clamps, with layer 4's routed and shared clamps swapped, with layer 4's clamps a
 or without the router bias, differs from the model by more than 100 x the tolerance, so a clamp
 seen by another layer or expert kind, or a bias that does not select, fails the test.
 
-Gradients: loss = sum(logits * a fixed random tensor); every rank feeds the same tokens, so the
-tokens an expert receives come from all EP ranks: its weight gradient is EP x the reference's.
+Gradients: loss = sum(logits * a fixed random tensor); every DP rank feeds the same tokens, so an
+expert's weight gradient summed over its expert-DP replicas is DP x the reference's.
 """
 
 import pytest
@@ -198,10 +198,9 @@ def _clamp_variants(layers):
     return variants
 
 
-def _logits_and_grads(model, tokens, target):
+def _logits_and_grads(model, tokens, target, positions):
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    positions = torch.arange(tokens.size(1)).expand_as(tokens)
     logits = gather_from_tensor_model_parallel_region(model(tokens, positions, None))
     (logits * target).sum().backward()
     return logits.detach()
@@ -222,43 +221,62 @@ def _expert_grads(model, weights):
     return out
 
 
-def model_vs_reference(tp=1, ep=1, dispatcher="allgather", etp=None, controls=False):
-    """Logits of the model vs the reference, and expert gradients vs EP x the reference's."""
+def model_vs_reference(tp=1, ep=1, dispatcher="allgather", etp=None, controls=False, cp=1):
+    """Logits of the model vs the reference, and expert gradients vs the reference's.
+
+    With CP each rank holds its load-balanced chunks of the sequence (the logits are compared
+    there). Every DP rank feeds the whole batch once (split over its TP ranks by sequence
+    parallelism and over its CP ranks), and the replicas of an expert (its expert-DP group) see
+    different shares of those tokens, so an expert's gradient summed over its expert-DP group
+    is DP = world / (TP x CP) times the reference's, at any EP / expert-TP."""
+    import torch.distributed as dist
+
     import mcore_ext
+    from mcore_ext.attention import context_parallel
     from megatron.core import parallel_state as ps
 
     mcore_ext.init_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
-                            expert_tensor_parallel_size=etp)
-    config = moe_config(tp, ep, dispatcher, etp)
+                            expert_tensor_parallel_size=etp, context_parallel_size=cp)
+    config = moe_config(tp, ep, dispatcher, etp, context_parallel_size=cp)
     layers = reference_layers(config)
     weights = global_weights(layers)
     gen = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
     target = torch.randn(BATCH, SEQ, VOCAB, generator=gen)
 
-    model = mcore_ext.build_gpt_model(config, vocab_size=VOCAB, max_sequence_length=SEQ,
-                                      backend="sdpa")
-    load_weights(model, config, weights)
-    logits = _logits_and_grads(model, tokens, target)
-
     ref_weights = {**weights, "layers": [{k: v.clone().requires_grad_() for k, v in w.items()}
                                          for w in weights["layers"]]}
     expected = reference.step35_logits(tokens, ref_weights, layers, EPS)
     (expected * target).sum().backward()
+    local = dict(tokens=tokens, target=target, expected=expected.detach(),
+                 positions=torch.arange(SEQ).expand_as(tokens))
+    if cp > 1:
+        local = context_parallel.get_batch_on_this_cp_rank(local)
+
+    model = mcore_ext.build_gpt_model(config, vocab_size=VOCAB, max_sequence_length=SEQ,
+                                      backend="sdpa")
+    load_weights(model, config, weights)
+    logits = _logits_and_grads(model, local["tokens"], local["target"], local["positions"])
+    expert_grads = _expert_grads(model, weights)
+    for fc1, fc2 in expert_grads.values():
+        for grad in (fc1, fc2):
+            dist.all_reduce(grad, group=ps.get_expert_data_parallel_group())
+    factor = dist.get_world_size() // (tp * cp)  # DP: copies of the batch over all ranks
+
     etp_rank = ps.get_expert_tensor_parallel_rank()
     etp_size = ps.get_expert_tensor_parallel_world_size()
     grad_diff, grad_scale = 0.0, 0.0
-    for (number, e), (fc1, fc2) in _expert_grads(model, weights).items():
+    for (number, e), (fc1, fc2) in expert_grads.items():
         w = ref_weights["layers"][number - 1]
         ref_fc1 = torch.cat([w["experts_gate_proj"].grad[e].chunk(etp_size)[etp_rank],
                              w["experts_up_proj"].grad[e].chunk(etp_size)[etp_rank]])
         ref_fc2 = w["experts_down_proj"].grad[e].chunk(etp_size, dim=1)[etp_rank]
         for got, want in ((fc1, ref_fc1), (fc2, ref_fc2)):
-            grad_diff = max(grad_diff, (got - ep * want).abs().max().item())
+            grad_diff = max(grad_diff, (got - factor * want).abs().max().item())
             grad_scale = max(grad_scale, want.abs().max().item())
-    result = dict(diff=(logits - expected.detach()).abs().max().item(),
+    result = dict(diff=(logits - local["expected"]).abs().max().item(),
                   scale=expected.abs().max().item(), grad_diff=grad_diff, grad_scale=grad_scale,
-                  experts=sorted(_expert_grads(model, weights)))
+                  experts=sorted(expert_grads))
     if controls:
         with torch.no_grad():
             result["controls"] = {
@@ -305,17 +323,23 @@ def test_moe_model_matches_hf_formulas_with_distinct_clamps(run_distributed):
     assert r["limits"] == expected, r["limits"]
 
 
-@pytest.mark.parametrize("world_size, tp, ep, dispatcher", [
-    pytest.param(2, 1, 2, "allgather", marks=pytest.mark.smoke),
-    (2, 1, 2, "alltoall"),
-    (4, 1, 4, "allgather"),
-    (4, 1, 4, "alltoall"),
-    (4, 2, 2, "allgather"),
-    (4, 2, 2, "alltoall"),
-    (4, 1, 2, "alltoall"),  # with expert data parallelism 2
+@pytest.mark.parametrize("world_size, tp, ep, dispatcher, etp, cp", [
+    pytest.param(2, 1, 2, "allgather", None, 1, marks=pytest.mark.smoke),
+    (2, 1, 2, "alltoall", None, 1),
+    (4, 1, 4, "allgather", None, 1),
+    (4, 1, 4, "alltoall", None, 1),
+    (4, 2, 2, "allgather", None, 1),
+    (4, 2, 2, "alltoall", None, 1),
+    (4, 1, 2, "alltoall", None, 1),  # with expert data parallelism 2
+    (4, 2, 2, "alltoall", 1, 1),     # expert TP 1 under TP 2
+    (4, 1, 2, "alltoall", 2, 1),     # expert TP 2 over TP 1
+    (4, 1, 2, "alltoall", None, 2),  # EP 2 with CP 2 (dense DP 2)
+    (2, 1, 2, "allgather", None, 2),  # EP 2 over the CP 2 ranks
 ])
-def test_expert_parallel_matches_reference(run_distributed, world_size, tp, ep, dispatcher):
-    results = run_distributed(model_vs_reference, tp, ep, dispatcher, world_size=world_size)
+def test_expert_parallel_matches_reference(run_distributed, world_size, tp, ep, dispatcher, etp,
+                                           cp):
+    results = run_distributed(model_vs_reference, tp, ep, dispatcher, etp, cp=cp,
+                              world_size=world_size)
     seen = set()
     for rank, r in enumerate(results):
         assert r["diff"] <= TOL, (rank, r)
