@@ -17,6 +17,12 @@ seen by another layer or expert kind, or a bias that does not select, fails the 
 
 Gradients: loss = sum(logits * a fixed random tensor); every DP rank feeds the same tokens, so an
 expert's weight gradient summed over its expert-DP replicas is DP x the reference's.
+
+Load balancing (one training step in megatron's DDP at EP 2 x DP 2, finalize_model_grads as the
+launcher runs it): the recorded aux loss of each MoE layer equals the Switch formula on the
+normalised sigmoid scores (top-k without the bias) within 1e-5 relative, its gradient reaches the
+last router's weight (DP-averaged, 1e-5), and the expert bias moves by rate x sign(mean - count)
+with counts of the biased top-k over both DP ranks' tokens.
 """
 
 import pytest
@@ -347,6 +353,106 @@ def test_expert_parallel_matches_reference(run_distributed, world_size, tp, ep, 
         seen.update(r["experts"])
         assert len(r["experts"]) == 3 * EXPERTS // ep, (rank, r["experts"])
     assert seen == {(n, e) for n in (2, 3, 4) for e in range(EXPERTS)}
+
+
+# ------------------------------------------------------- load balancing and the bias update
+
+
+def _train_step_with_balancing(coeff, rate):
+    """One forward + backward + megatron's finalize_model_grads (what the launcher's loop runs
+    after the last micro-batch) of the MoE model in megatron's DDP at EP 2 x DP 2, each DP rank
+    on its own tokens. Returns the routers' inputs, the recorded aux losses, the expert biases
+    before and after, and the router weights' reduced gradients."""
+    import torch.distributed as dist
+
+    import mcore_ext
+    from mcore_ext import _mcore_compat
+    from mcore_ext._cpu_compat import cuda_to_cpu
+    from megatron.core.distributed import (DistributedDataParallel,
+                                           DistributedDataParallelConfig, finalize_model_grads)
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    mcore_ext.init_parallel(expert_model_parallel_size=2)
+    config = moe_config(1, 2, "alltoall", moe_router_load_balancing_type="aux_loss",
+                        moe_aux_loss_coeff=coeff, moe_router_bias_update_rate=rate)
+    weights = global_weights(reference_layers(config))
+    gen = torch.Generator().manual_seed(10 + dist.get_rank())
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    target = torch.randn(BATCH, SEQ, VOCAB, generator=gen)
+    gpt = mcore_ext.build_gpt_model(config, vocab_size=VOCAB, max_sequence_length=SEQ,
+                                    backend="sdpa")
+    load_weights(gpt, config, weights)
+    model = DistributedDataParallel(config, DistributedDataParallelConfig(), gpt)
+    routers = {layer.layer_number: layer.mlp.router for layer in gpt.decoder.layers
+               if hasattr(layer.mlp, "router")}
+    inputs = {}
+    for number, router in routers.items():
+        router.register_forward_pre_hook(
+            lambda _, args, n=number: inputs.__setitem__(n, args[0].detach().reshape(-1, HIDDEN)))
+    bias_before = {n: r.expert_bias.clone() for n, r in routers.items()}
+    _mcore_compat.take_moe_aux_losses()  # nothing left over from another test
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))  # the schedule sets 1 / micro-batches
+    model.train()
+    with cuda_to_cpu():  # as the launcher's loop: megatron's DDP asks for a CUDA stream
+        _logits_and_grads(model, tokens, target, torch.arange(SEQ).expand_as(tokens))
+        recorded = _mcore_compat.take_moe_aux_losses()
+        finalize_model_grads([model])
+    return dict(inputs=inputs, weights=weights, bias_before=bias_before,
+                bias_after={n: r.expert_bias.clone() for n, r in routers.items()},
+                aux=recorded.get("load_balancing_loss", (None,))[0],
+                router_grads={n: r.weight.main_grad.clone() for n, r in routers.items()})
+
+
+def balancing_vs_reference(coeff=0.05, rate=0.01):
+    """Megatron's aux loss and expert-bias update under this project's router settings, against
+    the formulas written out here (Switch load balancing on the normalised sigmoid scores with
+    a top-k that ignores the bias; bias += rate * sign(mean count - count) over the global batch,
+    counted with the biased top-k that routes)."""
+    import torch.distributed as dist
+
+    import mcore_ext
+
+    run = _train_step_with_balancing(coeff, rate)
+    mcore_ext.destroy_parallel()
+    without = _train_step_with_balancing(0.0, rate)
+    out = {"aux": {}, "bias": {}, "aux_grad": None}
+    for number, x in run["inputs"].items():
+        w = run["weights"]["layers"][number - 1]
+        router = w["router"].clone().requires_grad_()
+        logits = x.float() @ router.t()
+        scores = logits.sigmoid()
+        normalised = scores / (scores.sum(-1, keepdim=True) + 1e-20)
+        chosen = torch.zeros_like(scores).scatter(1, normalised.topk(TOPK).indices, 1.0)
+        tokens = x.size(0)
+        aux = EXPERTS / (TOPK * tokens**2) * (chosen.sum(0) * normalised.sum(0)).sum()
+        out["aux"][number] = (run["aux"][number - 1].item(), aux.item())
+        routed = torch.zeros_like(scores).scatter(
+            1, (scores + run["bias_before"][number]).topk(TOPK).indices, 1.0).sum(0)
+        dist.all_reduce(routed)  # the global batch: every DP rank's tokens
+        expected_bias = run["bias_before"][number] + rate * torch.sign(routed.mean() - routed)
+        out["bias"][number] = (run["bias_after"][number] - expected_bias).abs().max().item()
+        if number == max(run["inputs"]):
+            # The last MoE layer's router weight gets only its own aux loss's gradient (earlier
+            # routers also get later layers' through the hidden states): DDP averages over DP.
+            (grad,) = torch.autograd.grad(coeff * aux, router)
+            dist.all_reduce(grad)
+            got = run["router_grads"][number] - without["router_grads"][number]
+            out["aux_grad"] = ((got - grad / dist.get_world_size()).abs().max().item(),
+                               grad.abs().max().item() / dist.get_world_size())
+    out["bias_moved"] = max((run["bias_after"][n] - run["bias_before"][n]).abs().max().item()
+                            for n in run["inputs"])
+    return out
+
+
+def test_aux_loss_and_expert_bias_update_match_the_formulas(run_distributed):
+    for r in run_distributed(balancing_vs_reference, world_size=2):
+        assert sorted(r["aux"]) == [2, 3, 4], r
+        for number, (got, want) in r["aux"].items():
+            assert got == pytest.approx(want, rel=1e-5), (number, got, want)
+        assert all(diff <= 1e-7 for diff in r["bias"].values()), r["bias"]
+        assert r["bias_moved"] == pytest.approx(0.01, rel=1e-5)  # the update did happen
+        diff, scale = r["aux_grad"]
+        assert scale > 1e-4 and diff <= 1e-5 * max(1.0, scale / 1e-3), r["aux_grad"]
 
 
 # ------------------------------------------------------------------------------ validation
