@@ -227,7 +227,8 @@ def _expert_grads(model, weights):
     return out
 
 
-def model_vs_reference(tp=1, ep=1, dispatcher="allgather", etp=None, controls=False, cp=1):
+def model_vs_reference(tp=1, ep=1, dispatcher="allgather", etp=None, controls=False, cp=1,
+                       backend="sdpa"):
     """Logits of the model vs the reference, and expert gradients vs the reference's.
 
     With CP each rank holds its load-balanced chunks of the sequence (the logits are compared
@@ -238,6 +239,7 @@ def model_vs_reference(tp=1, ep=1, dispatcher="allgather", etp=None, controls=Fa
     import torch.distributed as dist
 
     import mcore_ext
+    from mcore_ext._cpu_compat import cuda_to_cpu
     from mcore_ext.attention import context_parallel
     from megatron.core import parallel_state as ps
 
@@ -260,9 +262,10 @@ def model_vs_reference(tp=1, ep=1, dispatcher="allgather", etp=None, controls=Fa
         local = context_parallel.get_batch_on_this_cp_rank(local)
 
     model = mcore_ext.build_gpt_model(config, vocab_size=VOCAB, max_sequence_length=SEQ,
-                                      backend="sdpa")
+                                      backend=backend)
     load_weights(model, config, weights)
-    logits = _logits_and_grads(model, local["tokens"], local["target"], local["positions"])
+    with cuda_to_cpu():  # the local backend allocates its masks on "cuda"
+        logits = _logits_and_grads(model, local["tokens"], local["target"], local["positions"])
     expert_grads = _expert_grads(model, weights)
     for fc1, fc2 in expert_grads.values():
         for grad in (fc1, fc2):
@@ -315,8 +318,9 @@ def _module_limits(model):
 
 
 @pytest.mark.smoke  # also on megatron-core 0.16 - 0.18
-def test_moe_model_matches_hf_formulas_with_distinct_clamps(run_distributed):
-    (r,) = run_distributed(model_vs_reference, controls=True, world_size=1)
+@pytest.mark.parametrize("backend", ["sdpa", "local"])
+def test_moe_model_matches_hf_formulas_with_distinct_clamps(run_distributed, backend):
+    (r,) = run_distributed(model_vs_reference, controls=True, backend=backend, world_size=1)
     assert r["diff"] <= TOL and r["scale"] > 0.1, r
     assert r["grad_diff"] <= GRAD_TOL * max(1.0, r["grad_scale"]), r
     for name, effect in r["controls"].items():
