@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
-from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from torch.distributed.checkpoint.api import CheckpointException
 
 from mcore_ext import checkpoint
@@ -286,12 +286,14 @@ def resume_source(cfg) -> tuple[str | None, bool]:
     return c.load, bool(c.load and c.finetune)
 
 
-def load_checkpoint(cfg, model, optimizer, scheduler) -> tuple[int, int]:
+def load_checkpoint(cfg, model, optimizer, scheduler, vocab_size: int | None = None
+                    ) -> tuple[int, int]:
     """Restore from the latest checkpoint of ``resume_source(cfg)``; (iteration, consumed samples).
 
     Returns (0, 0) without loading when there is no complete checkpoint. With
     ``checkpoint.finetune`` (and no checkpoint in ``checkpoint.save`` yet) only the model weights
-    of ``checkpoint.load`` are loaded and training starts at 0.
+    of ``checkpoint.load`` are loaded and training starts at 0. ``vocab_size`` (the tokenizer's,
+    unpadded) is checked against the checkpoint's vocabulary rows (``_check_vocabulary``).
     """
     root, finetune = resume_source(cfg)
     if root is None:
@@ -327,6 +329,8 @@ def load_checkpoint(cfg, model, optimizer, scheduler) -> tuple[int, int]:
         )
 
     model_state = model.module.sharded_state_dict()
+    if vocab_size is not None:
+        _check_vocabulary(directory, model_state, vocab_size)
     state = {"model": model_state}
     if not finetune:
         state["optimizer"] = checkpoint.optimizer_sharded_state_dict(
@@ -356,6 +360,35 @@ def load_checkpoint(cfg, model, optimizer, scheduler) -> tuple[int, int]:
     change = "" if same_layout else change
     _print0(f"[checkpoint] resumed from {directory} (iteration {iteration}{change})")
     return iteration, common["consumed_samples"]
+
+
+def _check_vocabulary(directory: str, model_state: dict, vocab_size: int) -> None:
+    """Refuse a checkpoint without a row for every token; say so when the padding changed.
+
+    megatron loads word embeddings and output layers (MTP heads too) with
+    ``allow_shape_mismatch``: the vocabulary padding may differ between runs (another TP size,
+    Megatron-LM's rule), so the rows present in both load and the others start at zero. That is
+    exact while the checkpoint holds every token's row; with fewer rows than the tokenizer has
+    tokens, real tokens would silently start at zero.
+    """
+    saved = dist_checkpointing.load_tensors_metadata(directory)
+    changed = []
+    for value in model_state.values():
+        if not (isinstance(value, ShardedTensor) and value.allow_shape_mismatch
+                and value.key in saved):
+            continue
+        rows, ours = saved[value.key].global_shape[0], value.global_shape[0]
+        if rows < vocab_size:
+            raise RuntimeError(
+                f"{directory}: {value.key} has {rows} rows, fewer than the {vocab_size} tokens of "
+                "this run's tokenizer (data.tokenizer): it was trained with another vocabulary"
+            )
+        if rows != ours:
+            changed.append(f"{value.key} {rows} -> {ours}")
+    if changed:
+        _print0(f"[checkpoint] vocabulary padding differs ({', '.join(changed)} rows): the "
+                f"{vocab_size} token rows load exactly; padding rows the checkpoint lacks start "
+                "at zero, its extra padding rows are dropped")
 
 
 def _async_strategy() -> str:

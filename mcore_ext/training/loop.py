@@ -203,7 +203,7 @@ class _Trainer:
         )
         # The run's own checkpoint in checkpoint.save, else checkpoint.load, else from scratch.
         self.iteration, consumed = checkpointing.load_checkpoint(
-            cfg, self.model, self.optimizer, self.scheduler
+            cfg, self.model, self.optimizer, self.scheduler, vocab_size=tokenizer.vocab_size
         )
         self.train_data, self.valid_data = build_datasets(cfg, tokenizer)
         self.train_iterator = batch_iterator(self.train_data, cfg, start_sample=consumed)

@@ -235,3 +235,54 @@ def test_inspect_reports_layout_without_the_saving_layout(run_distributed, tmp_p
     missing = subprocess.run([sys.executable, "-m", "mcore_ext.checkpoint", "inspect",
                               str(tmp_path / "nope")], capture_output=True, text=True, timeout=120)
     assert missing.returncode == 1 and "cannot read checkpoint" in missing.stderr
+
+
+# ---------------------------------------------------------------------------------- vocabulary
+
+
+def _vocabulary_checks(root):
+    """Save a TP 2 model whose untied embedding and output layer have 128 rows; check models of
+    other paddings and tokenizers against it. Returns {case: message or None}."""
+    import contextlib
+    import io
+
+    from megatron.core import dist_checkpointing
+
+    import mcore_ext
+    from mcore_ext.training import checkpointing
+
+    mcore_ext.init_parallel(tensor_model_parallel_size=2)
+    config = _config(2, gate=True)
+    saved = builders.build_gpt(config, vocab_size=128, share_embeddings_and_output_weights=False)
+    directory = builders.shared_dir(os.path.join(root, "ckpt"))
+    dist_checkpointing.save(saved.sharded_state_dict(), directory)
+    out = {}
+    for case, rows, tokens in (("same padding", 128, 100), ("less padding", 112, 100),
+                               ("more padding", 256, 128), ("more tokens", 256, 200)):
+        model = builders.build_gpt(config, vocab_size=rows,
+                                   share_embeddings_and_output_weights=False)
+        printed = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(printed):
+                checkpointing._check_vocabulary(directory, model.sharded_state_dict(), tokens)
+            out[case] = printed.getvalue().strip() or None
+        except RuntimeError as err:
+            out[case] = f"error: {err}"
+    return out
+
+
+def test_checkpoint_without_a_row_per_token_is_refused(run_distributed, tmp_path):
+    """megatron loads vocabulary tensors with allow_shape_mismatch (rows the checkpoint lacks
+    start at zero): a changed padding is reported, a checkpoint with fewer rows than the
+    tokenizer has tokens is refused (its missing token rows would silently be zero)."""
+    results = run_distributed(_vocabulary_checks, str(tmp_path), world_size=2)
+    out = results[0]
+    assert out["same padding"] is None, out
+    for case, change in (("less padding", "128 -> 112"), ("more padding", "128 -> 256")):
+        assert out[case].startswith("[checkpoint] vocabulary padding differs"), out
+        assert f"embedding.word_embeddings.weight {change}" in out[case], out
+        assert f"output_layer.weight {change}" in out[case], out
+    assert out["more tokens"].startswith("error: "), out
+    assert "has 128 rows, fewer than the 200 tokens" in out["more tokens"], out
+    assert "data.tokenizer" in out["more tokens"], out
+    assert results[1]["more tokens"] == out["more tokens"]  # every rank refuses
