@@ -100,3 +100,41 @@ def shared_dir(path: str) -> str:
         os.makedirs(path, exist_ok=True)
     dist.barrier()
     return path
+
+
+def ddp_and_optimizer(config, gpt, distributed_optimizer: bool):
+    """``gpt`` in megatron's DDP and megatron's Adam (lr 3e-3, clip 1.0) over it, with
+    finalize_model_grads installed as the launcher does."""
+    from megatron.core.distributed import (DistributedDataParallel,
+                                           DistributedDataParallelConfig, finalize_model_grads)
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    config.finalize_model_grads_func = finalize_model_grads
+    model = DistributedDataParallel(
+        config, DistributedDataParallelConfig(use_distributed_optimizer=distributed_optimizer), gpt)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=3e-3, use_distributed_optimizer=distributed_optimizer,
+                        clip_grad=1.0),
+        [model])
+    return model, optimizer
+
+
+def training_state(model, optimizer, is_loading: bool, with_optimizer: bool = True) -> dict:
+    """The sharded state dict of a DDP model and (optionally) its optimizer, as mcore_ext saves."""
+    from mcore_ext import checkpoint
+
+    model_sd = model.module.sharded_state_dict()
+    state = {"model": model_sd}
+    if with_optimizer:
+        state["optimizer"] = checkpoint.optimizer_sharded_state_dict(optimizer, model_sd,
+                                                                     is_loading)
+    return state
+
+
+def load_training_state(model, optimizer, directory: str, with_optimizer: bool = True) -> None:
+    from mcore_ext import checkpoint
+
+    state = checkpoint.load(training_state(model, optimizer, True, with_optimizer), directory)
+    model.module.load_state_dict(state["model"])
+    if with_optimizer:
+        checkpoint.load_optimizer_state_dict(optimizer, state["optimizer"])

@@ -31,17 +31,17 @@ RNG restore. Both sides use a 257-token vocabulary padded to 384 rows (NullToken
 import json
 import re
 import shutil
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.functional.test_pretrain import check, torchrun
+
 pytest.importorskip("megatron.training.models.gpt", reason="megatron.training >= 0.19")
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.functional.test_megatron_lm_pretrain import MEGATRON_LM  # noqa: E402
+
 TIMEOUT_S = 600
 # The same model, optimizer and schedule for both launchers (Megatron-LM's defaults where the
 # launcher has a setting: linear decay to 0, weight decay 0.01, clip 1.0).
@@ -75,32 +75,16 @@ LAUNCHER = {
 MLM_LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def torchrun(*args) -> subprocess.CompletedProcess:
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-        "--master_addr=127.0.0.1", f"--master_port={_free_port()}", *args,
-    ]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT)
-    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
-    return result
-
-
 def megatron_lm(*flags, train_iters=5):
-    return torchrun("-m", "mcore_ext.megatron_lm.pretrain_gpt", *MLM,
-                    "--train-iters", str(train_iters), *flags)
+    return check(torchrun(*MLM, "--train-iters", str(train_iters), *flags, program=MEGATRON_LM,
+                          timeout=TIMEOUT_S), "Megatron-LM")
 
 
 def launcher(tmp, name, *overrides, script="launch/pretrain.py"):
     config = tmp / "launcher.yaml"
     config.write_text(json.dumps(LAUNCHER))  # YAML is a superset of JSON
-    return torchrun(script, "--config", str(config),
-                    f"logging.metrics_file={tmp / name}.jsonl", *overrides)
+    return check(torchrun("--config", str(config), f"logging.metrics_file={tmp / name}.jsonl",
+                          *overrides, program=(script,), timeout=TIMEOUT_S), name)
 
 
 def mlm_losses(result) -> dict[int, str]:

@@ -16,18 +16,18 @@ first step of an uninterrupted run; with dropout the streams then differ (on a G
 """
 
 import re
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.functional.test_pretrain import check, torchrun
+
 pytest.importorskip("megatron.training.models.gpt", reason="megatron.training >= 0.19")
 
-ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 600
+MEGATRON_LM = ("-m", "mcore_ext.megatron_lm.pretrain_gpt")
 MODEL = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
     "--group-query-attention", "--num-query-groups", "2", "--seq-length", "32",
@@ -46,21 +46,9 @@ TRAINING = [
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def pretrain_gpt(*flags) -> subprocess.CompletedProcess:
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-        "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
-        "-m", "mcore_ext.megatron_lm.pretrain_gpt", *MODEL, *TRAINING, *flags,
-    ]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT)
-    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
-    return result
+    return check(torchrun(*MODEL, *TRAINING, *flags, program=MEGATRON_LM, timeout=TIMEOUT_S),
+                 "pretrain_gpt")
 
 
 def losses(result) -> dict[int, str]:

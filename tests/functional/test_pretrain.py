@@ -40,12 +40,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(*args, nproc=2) -> subprocess.CompletedProcess:
+def torchrun(*args, nproc=2, program=(LAUNCHER,), timeout=TIMEOUT_S) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node=nproc PROGRAM ARGS`` on 127.0.0.1 (PROGRAM: the launcher, or
+    e.g. ``("-m", module)``)."""
     command = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-        "--master_addr=127.0.0.1", f"--master_port={_free_port()}", LAUNCHER, *args,
+        "--master_addr=127.0.0.1", f"--master_port={_free_port()}", *program, *args,
     ]
-    return subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT)
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
 def launcher(*args, env=None) -> subprocess.CompletedProcess:

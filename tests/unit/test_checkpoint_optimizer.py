@@ -26,37 +26,17 @@ def _train_on_this_rank(tp, steps, save_dir, load_dir, first_step, load_optimize
     import mcore_ext
     import torch.distributed as dist
     from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from mcore_ext import checkpoint
 
     mcore_ext.init_parallel(tensor_model_parallel_size=tp, seed=tp)
     config = builders.gated_config(hidden_size=64, num_attention_heads=8, num_query_groups=2,
                                    kv_channels=8, add_qkv_bias=True, tensor_model_parallel_size=tp)
-    config.finalize_model_grads_func = finalize_model_grads
-    model = DistributedDataParallel(
-        config, DistributedDataParallelConfig(use_distributed_optimizer=distributed),
-        builders.build_gpt(config, vocab_size=VOCAB, seq_length=SEQ))
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=3e-3, use_distributed_optimizer=distributed,
-                        clip_grad=1.0),
-        [model])
-
-    def sharded(is_loading, with_optimizer=True):
-        model_sd = model.module.sharded_state_dict()
-        state = {"model": model_sd}
-        if with_optimizer:
-            state["optimizer"] = checkpoint.optimizer_sharded_state_dict(optimizer, model_sd,
-                                                                         is_loading)
-        return state
-
+    model, optimizer = builders.ddp_and_optimizer(
+        config, builders.build_gpt(config, vocab_size=VOCAB, seq_length=SEQ), distributed)
     if load_dir:
-        state = checkpoint.load(sharded(True, with_optimizer=load_optimizer), load_dir)
-        model.module.load_state_dict(state["model"])
-        if load_optimizer:
-            checkpoint.load_optimizer_state_dict(optimizer, state["optimizer"])
+        builders.load_training_state(model, optimizer, load_dir, with_optimizer=load_optimizer)
 
     dp, dp_rank = (parallel_state.get_data_parallel_world_size(),
                    parallel_state.get_data_parallel_rank())
@@ -77,7 +57,8 @@ def _train_on_this_rank(tp, steps, save_dir, load_dir, first_step, load_optimize
         losses.append(global_loss.item() / dp)
 
     if save_dir:
-        checkpoint.save(sharded(False), builders.shared_dir(save_dir))
+        checkpoint.save(builders.training_state(model, optimizer, False),
+                        builders.shared_dir(save_dir))
     return losses
 
 

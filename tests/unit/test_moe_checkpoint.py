@@ -38,9 +38,6 @@ def _train_on_this_rank(layout, steps, save_dir, load_dir, first_step, load_opti
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from mcore_ext import checkpoint
@@ -50,28 +47,11 @@ def _train_on_this_rank(layout, steps, save_dir, load_dir, first_step, load_opti
                             pipeline_model_parallel_size=pp, seed=10 * tp + ep)
     config = moe_config(tp, ep, "alltoall", pipeline_model_parallel_size=pp,
                         pipeline_dtype=torch.float32)
-    config.finalize_model_grads_func = finalize_model_grads
-    model = DistributedDataParallel(
-        config, DistributedDataParallelConfig(use_distributed_optimizer=True),
-        mcore_ext.build_gpt_model(config, vocab_size=VOCAB, max_sequence_length=SEQ,
-                                  backend="sdpa"))
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=3e-3, use_distributed_optimizer=True, clip_grad=1.0),
-        [model])
-
-    def sharded(is_loading, with_optimizer=True):
-        model_sd = model.module.sharded_state_dict()
-        state = {"model": model_sd}
-        if with_optimizer:
-            state["optimizer"] = checkpoint.optimizer_sharded_state_dict(optimizer, model_sd,
-                                                                         is_loading)
-        return state
-
+    model, optimizer = builders.ddp_and_optimizer(
+        config, mcore_ext.build_gpt_model(config, vocab_size=VOCAB, max_sequence_length=SEQ,
+                                          backend="sdpa"), distributed_optimizer=True)
     if load_dir:
-        state = checkpoint.load(sharded(True, with_optimizer=load_optimizer), load_dir)
-        model.module.load_state_dict(state["model"])
-        if load_optimizer:
-            checkpoint.load_optimizer_state_dict(optimizer, state["optimizer"])
+        builders.load_training_state(model, optimizer, load_dir, with_optimizer=load_optimizer)
     identical = None
     if resave_dir:
         checkpoint.save({"model": model.module.sharded_state_dict()},
@@ -120,7 +100,8 @@ def _train_on_this_rank(layout, steps, save_dir, load_dir, first_step, load_opti
         losses.append(loss.item())
 
     if save_dir:
-        checkpoint.save(sharded(False), builders.shared_dir(save_dir))
+        checkpoint.save(builders.training_state(model, optimizer, False),
+                        builders.shared_dir(save_dir))
     return dict(losses=losses, identical=identical)
 
 
