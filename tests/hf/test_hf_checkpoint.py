@@ -150,29 +150,31 @@ def test_cli_error_is_one_line_exit_2_nothing_written(hf_dir, tmp_path):
     assert not ckpt.exists()
 
 
+def import_train_export(hf_dir, tmp_path, steps, *overrides):
+    """``hf import`` (seq 16), the launcher fine-tunes it for ``steps`` on 2 ranks (mock data),
+    ``hf export``: (launcher result, metrics file, exported directory)."""
+    ckpt, run, out = tmp_path / "imported", tmp_path / "run", tmp_path / "exported"
+    check(_cli("import", hf_dir, str(ckpt), "--seq-length", "16", timeout=600), "import")
+    metrics = tmp_path / "metrics.jsonl"
+    result = check(torchrun(
+        "--config", str(ckpt / "iter_0000000" / "config.yaml"), "data.source=mock",
+        "training.micro_batch_size=2", "training.global_batch_size=4",
+        f"training.train_iters={steps}", "training.eval_interval=null", "optimizer.lr=1e-3",
+        "model.attention_backend=sdpa", f"checkpoint.save={run}",
+        f"logging.metrics_file={metrics}", "logging.log_interval=1", *overrides,
+    ), "launcher")
+    assert "finetune: loaded the model weights" in result.stdout
+    check(_cli("export", str(run), str(out), timeout=600), "export")
+    return result, metrics, out
+
+
 @pytest.mark.slow
 def test_import_train_20_steps_at_tp2_export_loads_in_transformers(hf_dir, tmp_path):
     pytest.importorskip("transformers")
-    ckpt, run, out = tmp_path / "imported", tmp_path / "run", tmp_path / "exported"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    check(subprocess.run([sys.executable, "-m", "mcore_ext.hf", "import", hf_dir, str(ckpt),
-                          "--seq-length", "16"], capture_output=True, text=True, cwd=ROOT,
-                         env=env, timeout=300), "import")
-    metrics = tmp_path / "metrics.jsonl"
-    result = check(torchrun(
-        "--config", str(ckpt / "iter_0000000" / "config.yaml"),
-        "parallelism.tensor_model_parallel_size=2", "data.source=mock",
-        "training.micro_batch_size=2", "training.global_batch_size=4",
-        "training.train_iters=20", "training.eval_interval=null", "optimizer.lr=1e-3",
-        "optimizer.lr_warmup_iters=2", "model.attention_backend=sdpa",
-        f"checkpoint.save={run}", f"logging.metrics_file={metrics}", "logging.log_interval=1",
-    ), "launcher")
-    assert "finetune: loaded the model weights" in result.stdout
+    _, metrics, out = import_train_export(hf_dir, tmp_path, 20, "optimizer.lr_warmup_iters=2",
+                                          "parallelism.tensor_model_parallel_size=2")
     loss = losses(metrics)
     assert sorted(loss) == list(range(1, 21))
-    check(subprocess.run([sys.executable, "-m", "mcore_ext.hf", "export", str(run), str(out)],
-                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=300),
-          "export")
 
     model, info = models.load_released(str(out))
     assert not info["missing_keys"] and not info["unexpected_keys"]

@@ -284,37 +284,18 @@ def test_imported_moe_fine_tunes_at_ep2_with_mtp_and_exports(moe_checkpoint, tmp
     EP 2 on 2 ranks (main and MTP losses logged), ``hf export`` writes the released layout that
     transformers reads; the trained tensors changed, the fp32 router bias stayed fp32 (and, with
     the imported config's bias update rate 0, unchanged: routing as converted)."""
-    import subprocess
-    import sys
-
-    from tests.functional.test_pretrain import ROOT, check, torchrun
+    from tests.hf.test_hf_checkpoint import import_train_export
 
     directory = moe_checkpoint[0]
-    ckpt, run, out = tmp_path / "imported", tmp_path / "run", tmp_path / "exported"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-    def cli(*argv):
-        return subprocess.run([sys.executable, "-m", "mcore_ext.hf", *argv], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=600)
-
-    check(cli("import", directory, str(ckpt), "--seq-length", "16"), "import")
-    metrics = tmp_path / "metrics.jsonl"
-    result = check(torchrun(
-        "--config", str(ckpt / "iter_0000000" / "config.yaml"),
-        "parallelism.expert_model_parallel_size=2", "data.source=mock",
-        "training.micro_batch_size=2", "training.global_batch_size=4",
-        "training.train_iters=6", "training.eval_interval=null", "optimizer.lr=1e-3",
-        "optimizer.lr_warmup_iters=1", "model.attention_backend=sdpa",
-        f"checkpoint.save={run}", f"logging.metrics_file={metrics}", "logging.log_interval=1",
-    ), "launcher")
-    assert "finetune: loaded the model weights" in result.stdout
+    result, metrics, out = import_train_export(directory, tmp_path, 6,
+                                               "optimizer.lr_warmup_iters=1",
+                                               "parallelism.expert_model_parallel_size=2")
     assert "(experts: EP 2)" in result.stdout
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]
     assert [r["iteration"] for r in train] == list(range(1, 7))
     assert all(len(r["mtp_losses"]) == 1 and torch.isfinite(torch.tensor(r["loss"]))
                for r in train), train
-    check(cli("export", str(run), str(out)), "export")
 
     before, after = _tensors(directory), _tensors(out)
     assert before.keys() == after.keys()
