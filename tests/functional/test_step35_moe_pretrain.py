@@ -3,11 +3,11 @@ shared expert, sigmoid router with expert bias, routed / shared clamps, aux loss
 update, one Step-3.5 MTP depth) on 4 gloo ranks at EP 4 with the all-to-all dispatcher, and
 resumes it.
 
-Four runs: ``ep4`` trains 10 steps and saves at 5 and 10; ``ep4_resume`` loads the step-5
+Five runs: ``ep4`` trains 10 steps and saves at 5 and 10; ``ep4_resume`` loads the step-5
 checkpoint at the same layout and must reproduce steps 6-10 exactly (main and MTP losses); ``ep1``
-loads it at EP 1 and TP 1 (DP 4, every expert on every rank) and ``tp2_ep2`` at TP 2 x EP 2 with
-expert TP 1 (expert TP != TP, sequence parallel, expert DP 2); both must match within 1e-3 (fp32;
-other reduction orders).
+loads it at EP 1 and TP 1 (DP 4, every expert on every rank), ``tp2_ep2`` at TP 2 x EP 2 with
+expert TP 1 (expert TP != TP, sequence parallel, expert DP 2) and ``cp2_ep2`` at CP 2 x EP 2
+(DP 2; MTP under CP too); these must match within 1e-3 (fp32; other reduction orders).
 """
 
 import pytest
@@ -39,7 +39,9 @@ def moe_runs(tmp_path_factory, stdlib_prefix):
                                      "parallelism.tensor_model_parallel_size=1"]),
                             ("tp2_ep2", ["parallelism.expert_model_parallel_size=2",
                                          "parallelism.tensor_model_parallel_size=2",
-                                         "parallelism.sequence_parallel=true"])):
+                                         "parallelism.sequence_parallel=true"]),
+                            ("cp2_ep2", ["parallelism.expert_model_parallel_size=2",
+                                         "parallelism.context_parallel_size=2"])):
         out[name] = check(torchrun(*common, f"logging.metrics_file={tmp / name}.jsonl",
                                    f"checkpoint.load={tmp / 'resume'}", "checkpoint.save=null",
                                    *overrides, nproc=4), name)
@@ -75,7 +77,8 @@ def test_step35_moe_tiny_trains_at_ep4_and_resumes_exactly_and_at_other_layouts(
     for step in range(6, 11):
         assert _losses(same[step]) == _losses(full[step]), (step, full[step], same[step])
     assert "(experts: EP 2)" in moe_runs["tp2_ep2"].stdout
-    for name in ("ep1", "tp2_ep2"):
+    assert "CP 2" in moe_runs["cp2_ep2"].stdout
+    for name in ("ep1", "tp2_ep2", "cp2_ep2"):
         other = _train_records(f"{tmp / name}.jsonl")
         assert sorted(other) == list(range(6, 11)), name
         for step in range(6, 11):
