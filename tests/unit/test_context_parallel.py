@@ -586,8 +586,8 @@ def _live_tensor_bytes():
 
     storages = {}
     for obj in gc.get_objects():
-        # Tracing tensors (left by an earlier torch.compile in the pytest process this rank forked
-        # from) have no data pointer and hold no memory.
+        # Tracing tensors (left by an earlier test's torch.compile in this reused worker) have no
+        # data pointer and hold no memory.
         if isinstance(obj, torch.Tensor) and not isinstance(obj, (FakeTensor, FunctionalTensor)):
             if obj.device.type != "meta":
                 storage = obj.untyped_storage()
