@@ -19,10 +19,12 @@ Gradients: loss = sum(logits * a fixed random tensor); every DP rank feeds the s
 expert's weight gradient summed over its expert-DP replicas is DP x the reference's.
 
 Load balancing (one training step in megatron's DDP at EP 2 x DP 2, finalize_model_grads as the
-launcher runs it): the recorded aux loss of each MoE layer equals the Switch formula on the
-normalised sigmoid scores (top-k without the bias) within 1e-5 relative, its gradient reaches the
-last router's weight (DP-averaged, 1e-5), and the expert bias moves by rate x sign(mean - count)
-with counts of the biased top-k over both DP ranks' tokens.
+launcher runs it) with aux_loss, seq_aux_loss and global_aux_loss together: each MoE layer's
+recorded value of each equals the Switch formula on the normalised sigmoid scores (top-k without
+the bias; over the micro-batch, per sequence then averaged, or with expert counts over every DP
+rank's tokens) within 1e-5 relative, their gradient reaches the last router's weight
+(DP-averaged, 1e-5), and the expert bias moves by rate x sign(mean - count) with counts of the
+biased top-k over both DP ranks' tokens.
 """
 
 import pytest
@@ -377,8 +379,9 @@ def _train_step_with_balancing(coeff, rate):
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     mcore_ext.init_parallel(expert_model_parallel_size=2)
-    config = moe_config(1, 2, "alltoall", moe_router_load_balancing_type="aux_loss",
-                        moe_aux_loss_coeff=coeff, moe_router_bias_update_rate=rate)
+    config = moe_config(1, 2, "alltoall", moe_router_load_balancing_type=list(BALANCING),
+                        moe_aux_loss_coeff=[coeff] * len(BALANCING),
+                        moe_router_bias_update_rate=rate)
     weights = global_weights(reference_layers(config))
     gen = torch.Generator().manual_seed(10 + dist.get_rank())
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
@@ -403,15 +406,30 @@ def _train_step_with_balancing(coeff, rate):
         finalize_model_grads([model])
     return dict(inputs=inputs, weights=weights, bias_before=bias_before,
                 bias_after={n: r.expert_bias.clone() for n, r in routers.items()},
-                aux=recorded.get("load_balancing_loss", (None,))[0],
+                aux={name: values for name, (values, _) in recorded.items()},
                 router_grads={n: r.weight.main_grad.clone() for n, r in routers.items()})
 
 
+# megatron's load-balancing types and the names it records them under
+BALANCING = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
+             "global_aux_loss": "global_load_balancing_loss"}
+
+
+def _switch_loss(normalised, chosen, all_tokens=None):
+    """Switch load balancing, E / (k T^2) x sum_i count_i x sum_x s(x, i); ``all_tokens`` counts
+    experts (and T) over more tokens than the scores cover (megatron's global aux loss)."""
+    counted = chosen if all_tokens is None else all_tokens
+    tokens = counted.sum() / TOPK
+    return EXPERTS / (TOPK * tokens**2) * (counted.sum(0) * normalised.sum(0)).sum()
+
+
 def balancing_vs_reference(coeff=0.05, rate=0.01):
-    """Megatron's aux loss and expert-bias update under this project's router settings, against
-    the formulas written out here (Switch load balancing on the normalised sigmoid scores with
-    a top-k that ignores the bias; bias += rate * sign(mean count - count) over the global batch,
-    counted with the biased top-k that routes)."""
+    """Megatron's load-balancing losses and expert-bias update under this project's router
+    settings, against the formulas written out here: Switch load balancing on the normalised
+    sigmoid scores with a top-k that ignores the bias, over the micro-batch (aux_loss), per
+    sequence then averaged (seq_aux_loss), or with expert counts over every DP rank's tokens
+    (global_aux_loss); bias += rate * sign(mean count - count) over the global batch, counted
+    with the biased top-k that routes."""
     import torch.distributed as dist
 
     import mcore_ext
@@ -427,16 +445,26 @@ def balancing_vs_reference(coeff=0.05, rate=0.01):
         scores = logits.sigmoid()
         normalised = scores / (scores.sum(-1, keepdim=True) + 1e-20)
         chosen = torch.zeros_like(scores).scatter(1, normalised.topk(TOPK).indices, 1.0)
-        tokens = x.size(0)
-        aux = EXPERTS / (TOPK * tokens**2) * (chosen.sum(0) * normalised.sum(0)).sum()
-        out["aux"][number] = (run["aux"][number - 1].item(), aux.item())
+        everywhere = [torch.empty_like(chosen) for _ in range(dist.get_world_size())]
+        dist.all_gather(everywhere, chosen)
+        by_sequence = zip(normalised.view(SEQ, BATCH, -1).unbind(1),
+                          chosen.view(SEQ, BATCH, -1).unbind(1))  # tokens are [s, b] in order
+        expected = {
+            "aux_loss": _switch_loss(normalised, chosen),
+            "seq_aux_loss": sum(_switch_loss(p, c) for p, c in by_sequence) / BATCH,
+            "global_aux_loss": _switch_loss(normalised, chosen, torch.cat(everywhere)),
+        }
+        aux = sum(expected.values())
+        for kind, name in BALANCING.items():
+            out["aux"][(kind, number)] = (run["aux"][name][number - 1].item(),
+                                          expected[kind].item())
         routed = torch.zeros_like(scores).scatter(
             1, (scores + run["bias_before"][number]).topk(TOPK).indices, 1.0).sum(0)
         dist.all_reduce(routed)  # the global batch: every DP rank's tokens
         expected_bias = run["bias_before"][number] + rate * torch.sign(routed.mean() - routed)
         out["bias"][number] = (run["bias_after"][number] - expected_bias).abs().max().item()
         if number == max(run["inputs"]):
-            # The last MoE layer's router weight gets only its own aux loss's gradient (earlier
+            # The last MoE layer's router weight gets only its own losses' gradient (earlier
             # routers also get later layers' through the hidden states): DDP averages over DP.
             (grad,) = torch.autograd.grad(coeff * aux, router)
             dist.all_reduce(grad)
@@ -448,11 +476,11 @@ def balancing_vs_reference(coeff=0.05, rate=0.01):
     return out
 
 
-def test_aux_loss_and_expert_bias_update_match_the_formulas(run_distributed):
+def test_balancing_losses_and_expert_bias_update_match_the_formulas(run_distributed):
     for r in run_distributed(balancing_vs_reference, world_size=2):
-        assert sorted(r["aux"]) == [2, 3, 4], r
-        for number, (got, want) in r["aux"].items():
-            assert got == pytest.approx(want, rel=1e-5), (number, got, want)
+        assert sorted(r["aux"]) == sorted((k, n) for k in BALANCING for n in (2, 3, 4)), r
+        for where, (got, want) in r["aux"].items():
+            assert got == pytest.approx(want, rel=1e-5), (where, got, want)
         assert all(diff <= 1e-7 for diff in r["bias"].values()), r["bias"]
         assert r["bias_moved"] == pytest.approx(0.01, rel=1e-5)  # the update did happen
         diff, scale = r["aux_grad"]
