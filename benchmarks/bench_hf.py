@@ -38,52 +38,30 @@ def _rss_mb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def generate(directory: str, layers: int) -> int:
-    """A random model in the released layout; returns its size in bytes."""
+def generate(directory: str, layers: int, moe: bool = False) -> int:
+    """A random model in the released layout; returns its size in bytes. ``moe``: layer 0 dense,
+    the others MoE (stacked experts written expert by expert, so the generator never holds one
+    whole), plus one MTP layer."""
     import torch
 
     from mcore_ext.hf import layout
     from mcore_ext.hf.config import Step35Config
     from mcore_ext.hf.safetensors_io import ShardedSafetensorsWriter
 
-    kinds = ["full_attention" if i % 4 == 3 else "sliding_attention" for i in range(layers)]
+    full = 0 if moe else 3  # which layer of every 4 is full attention
+    kinds = ["full_attention" if i % 4 == full else "sliding_attention" for i in range(layers)]
+    moe_fields = dict(
+        mlp_layer_types=["dense"] + ["sparse"] * (layers - 1), num_experts=48, moe_top_k=4,
+        moe_intermediate_size=768, share_expert_dim=768, moe_router_scaling_factor=3.0,
+        expert_swiglu_limits=[None] * (layers - 1) + [7.0], num_mtp_layers=1,
+    ) if moe else {}
     spec = Step35Config(
         vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_layers=layers,
         num_heads=16, num_kv_heads=4, head_dim=128, num_sliding_heads=24, layer_types=kinds,
         sliding_window=512, rope_theta={"full_attention": 5e6, "sliding_attention": 1e4},
         partial_rotary_factor={"full_attention": 0.5, "sliding_attention": 1.0},
         swiglu_limits=[None] * (layers - 1) + [16.0], max_position_embeddings=4096,
-    )
-    shapes = layout.hf_shapes(spec)
-    plan = [(n, torch.bfloat16, s) for n, s in shapes.items()]
-    generator = torch.Generator().manual_seed(0)
-    config = json.dumps(spec.to_hf_dict(), indent=2)
-    with ShardedSafetensorsWriter(directory, plan, max_shard_bytes=400 * 2**20,
-                                  extra_files={"config.json": config}) as writer:
-        for name, dtype, shape in plan:
-            writer.write(name, (torch.randn(shape, generator=generator) * 0.02).to(dtype))
-    return sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory))
-
-
-def generate_moe(directory: str, layers: int) -> int:
-    """A random MoE + MTP model in the released layout, stacked experts written expert by
-    expert (the generator never holds one whole); returns its size in bytes."""
-    import torch
-
-    from mcore_ext.hf import layout
-    from mcore_ext.hf.config import Step35Config
-    from mcore_ext.hf.safetensors_io import ShardedSafetensorsWriter
-
-    kinds = ["full_attention" if i % 4 == 0 else "sliding_attention" for i in range(layers)]
-    spec = Step35Config(
-        vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_layers=layers,
-        num_heads=16, num_kv_heads=4, head_dim=128, num_sliding_heads=24, layer_types=kinds,
-        sliding_window=512, rope_theta={"full_attention": 5e6, "sliding_attention": 1e4},
-        partial_rotary_factor={"full_attention": 0.5, "sliding_attention": 1.0},
-        max_position_embeddings=4096, mlp_layer_types=["dense"] + ["sparse"] * (layers - 1),
-        num_experts=48, moe_top_k=4, moe_intermediate_size=768, share_expert_dim=768,
-        moe_router_scaling_factor=3.0, expert_swiglu_limits=[None] * (layers - 1) + [7.0],
-        swiglu_limits=[None] * (layers - 1) + [16.0], num_mtp_layers=1,
+        **moe_fields,
     )
     plan = [(n, layout.hf_dtype(n, torch.bfloat16), s) for n, s in layout.hf_shapes(spec).items()]
     generator = torch.Generator().manual_seed(0)
@@ -133,7 +111,7 @@ def main_moe(args) -> int:
     shutil.rmtree(work, ignore_errors=True)
     hf, out = str(work / "hf"), str(work / "exported")
     start = time.perf_counter()
-    size = generate_moe(hf, args.layers)
+    size = generate(hf, args.layers, moe=True)
     print(f"generated {size / 2**30:.2f} GiB (MoE + MTP, {args.layers} layers, bf16) in "
           f"{time.perf_counter() - start:.1f}s", flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
