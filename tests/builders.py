@@ -138,3 +138,24 @@ def load_training_state(model, optimizer, directory: str, with_optimizer: bool =
     model.module.load_state_dict(state["model"])
     if with_optimizer:
         checkpoint.load_optimizer_state_dict(optimizer, state["optimizer"])
+
+
+def reference_layers(config):
+    """Each layer's kind as tests.reference.step35_logits takes it: heads, groups, window, RoPE,
+    clamp, and for a MoE layer top-k, scaling and the routed clamp."""
+    from mcore_ext.moe import is_moe_layer
+
+    layers = []
+    for number in range(1, config.num_layers + 1):
+        kind = config.get_config_for_layer(number)
+        sliding = config.layer_type(number) == "sliding_attention"
+        layer = dict(heads=kind.num_attention_heads, groups=kind.num_query_groups,
+                     window=config.sliding_window if sliding else None,
+                     rope_base=kind.rotary_base, rope_fraction=kind.rotary_percent,
+                     swiglu_limit=config.swiglu_limit(number))
+        if is_moe_layer(config, number):
+            layer["moe"] = dict(topk=config.moe_router_topk,
+                                scaling=config.moe_router_topk_scaling_factor,
+                                routed_limit=config.moe_expert_swiglu_limit(number))
+        layers.append(layer)
+    return layers

@@ -54,20 +54,6 @@ def _config(case, tp, **overrides):
     return builders.gated_config(**fields)
 
 
-def _reference_layers(config):
-    layers = []
-    for number in range(1, config.num_layers + 1):
-        kind = config.get_config_for_layer(number)
-        sliding = config.layer_type(number) == "sliding_attention"
-        layers.append(dict(
-            heads=kind.num_attention_heads, groups=kind.num_query_groups,
-            window=config.sliding_window if sliding else None,
-            rope_base=kind.rotary_base, rope_fraction=kind.rotary_percent,
-            swiglu_limit=config.swiglu_limit(number),
-        ))
-    return layers
-
-
 def _global_weights(layers, hidden=32, head_dim=8, ffn=48, seed=0):
     gen = torch.Generator().manual_seed(seed)
 
@@ -159,7 +145,7 @@ def _model_vs_reference(tp, runs, dtype="fp32"):
     for case, backend, kernel in runs:
         overrides = dict(params_dtype=torch.bfloat16, bf16=True) if bf16 else {}
         config = _config(case, tp, attention_kernel=kernel, **overrides)
-        layers = _reference_layers(config)
+        layers = builders.reference_layers(config)
         weights = _global_weights(layers)
         if bf16:
             weights = _rounded_to_bf16(weights)
@@ -262,7 +248,7 @@ def _kv_cache_decode_vs_reference(tp, runs, prefill=5):
     results = {}
     for case, backend, kernel in runs:
         config = _config(case, tp, attention_kernel=kernel)
-        layers = _reference_layers(config)
+        layers = builders.reference_layers(config)
         weights = _global_weights(layers)
         expected = reference.step35_logits(tokens, weights, layers, EPS)
         unwindowed = reference.step35_logits(tokens, weights,

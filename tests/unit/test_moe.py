@@ -65,25 +65,6 @@ def moe_config(tp=1, ep=1, dispatcher="allgather", etp=None, **overrides):
     return builders.gated_config(**fields)
 
 
-def reference_layers(config):
-    from mcore_ext.moe import is_moe_layer
-
-    layers = []
-    for number in range(1, config.num_layers + 1):
-        kind = config.get_config_for_layer(number)
-        sliding = config.layer_type(number) == "sliding_attention"
-        layer = dict(heads=kind.num_attention_heads, groups=kind.num_query_groups,
-                     window=config.sliding_window if sliding else None,
-                     rope_base=kind.rotary_base, rope_fraction=kind.rotary_percent,
-                     swiglu_limit=config.swiglu_limit(number))
-        if is_moe_layer(config, number):
-            layer["moe"] = dict(topk=config.moe_router_topk,
-                                scaling=config.moe_router_topk_scaling_factor,
-                                routed_limit=config.moe_expert_swiglu_limit(number))
-        layers.append(layer)
-    return layers
-
-
 def global_weights(layers, seed=0):
     """HF-shaped global weights; MoE layers get router, bias, stacked experts and a shared one."""
     gen = torch.Generator().manual_seed(seed)
@@ -248,7 +229,7 @@ def model_vs_reference(tp=1, ep=1, dispatcher="allgather", etp=None, controls=Fa
     mcore_ext.init_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
                             expert_tensor_parallel_size=etp, context_parallel_size=cp)
     config = moe_config(tp, ep, dispatcher, etp, context_parallel_size=cp)
-    layers = reference_layers(config)
+    layers = builders.reference_layers(config)
     weights = global_weights(layers)
     gen = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
@@ -382,7 +363,7 @@ def _train_step_with_balancing(coeff, rate):
     config = moe_config(1, 2, "alltoall", moe_router_load_balancing_type=list(BALANCING),
                         moe_aux_loss_coeff=[coeff] * len(BALANCING),
                         moe_router_bias_update_rate=rate)
-    weights = global_weights(reference_layers(config))
+    weights = global_weights(builders.reference_layers(config))
     gen = torch.Generator().manual_seed(10 + dist.get_rank())
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
     target = torch.randn(BATCH, SEQ, VOCAB, generator=gen)
