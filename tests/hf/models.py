@@ -268,6 +268,13 @@ def build_moe(config=None, seed=0, dtype=torch.float32):
     return model
 
 
+# transformers' names -> the released checkpoint's (besides the stacked gate_up_proj split)
+RELEASED_RENAMES = (("mlp.experts.down_proj", "moe.down_proj.weight"),
+                    ("mlp.gate.e_score_correction_bias", "moe.router_bias"),
+                    ("mlp.gate.weight", "moe.gate.weight"),
+                    ("mlp.shared_experts.", "share_expert."))
+
+
 def released_tensors(model) -> dict:
     """The model's tensors under the released checkpoint's names (the inverse of transformers'
     step3p7 conversion mapping): stacked moe.{gate,up}_proj, fp32 router_bias."""
@@ -279,12 +286,8 @@ def released_tensors(model) -> dict:
             out[p + "moe.gate_proj.weight"], out[p + "moe.up_proj.weight"] = (
                 x.contiguous() for x in t.chunk(2, dim=1))
             continue
-        for theirs, released in (("mlp.experts.down_proj", "moe.down_proj.weight"),
-                                 ("mlp.gate.e_score_correction_bias", "moe.router_bias"),
-                                 ("mlp.gate.weight", "moe.gate.weight"),
-                                 ("mlp.shared_experts.", "share_expert.")):
-            if theirs in name:
-                name = name.replace(theirs, released)
+        for theirs, released in RELEASED_RENAMES:
+            name = name.replace(theirs, released)
         out[name] = t.float() if name.endswith("router_bias") else t
     return out
 
@@ -293,19 +296,17 @@ def transformers_tensors(released: dict, num_layers: int) -> dict:
     """released_tensors' inverse: transformers' names for the main layers (MTP layers, which
     transformers does not build, left out)."""
     out = {}
-    mtp = tuple(f"model.layers.{i}." for i in range(num_layers, num_layers + 8))
     for name, tensor in released.items():
-        if name.startswith(mtp) or name.endswith("moe.up_proj.weight"):
+        parts = name.split(".")
+        is_mtp = parts[:2] == ["model", "layers"] and int(parts[2]) >= num_layers
+        if is_mtp or name.endswith("moe.up_proj.weight"):
             continue
         if name.endswith("moe.gate_proj.weight"):
             up = released[name.replace("gate_proj", "up_proj")]
             out[name.replace("moe.gate_proj.weight", "mlp.experts.gate_up_proj")] = torch.cat(
                 [tensor, up], dim=1)
             continue
-        for ours, theirs in (("moe.down_proj.weight", "mlp.experts.down_proj"),
-                             ("moe.router_bias", "mlp.gate.e_score_correction_bias"),
-                             ("moe.gate.weight", "mlp.gate.weight"),
-                             ("share_expert.", "mlp.shared_experts.")):
+        for theirs, ours in RELEASED_RENAMES:
             name = name.replace(ours, theirs)
         out[name] = tensor
     return out
