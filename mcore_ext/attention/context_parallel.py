@@ -293,17 +293,18 @@ def packed_attention(query, key, value, params, *, group, causal, scale, dropout
     """
     cp_size, cp_rank = group.size(), group.rank()
     layout = layout if layout is not None else layout_for(params)
+    # Every rank's (position in its document, document, real token?) per token, once per batch.
+    parts = layout.cached(("cp_thd_split", cp_size, query.device), lambda: [
+        _packed_layout(layout, cp_size, r, query.device) for r in range(cp_size)])
+    q_pos, q_doc, q_valid = parts[cp_rank]
+    if q_pos.size(0) != query.size(0):
+        raise ValueError(
+            f"packed batch has {query.size(0)} tokens on this context-parallel rank, but its "
+            f"cu_seqlens_q_padded gives {q_pos.size(0)} (global padded total / "
+            f"context_parallel_size {cp_size})"
+        )
     left = sliding.window_left(causal, window)
     if left is not None:
-        _, _, q_valid = layout.cached(
-            ("cp_thd_split", cp_size, cp_rank, query.device),
-            lambda: _packed_layout(layout, cp_size, cp_rank, query.device))
-        if q_valid.size(0) != query.size(0):
-            raise ValueError(
-                f"packed batch has {query.size(0)} tokens on this context-parallel rank, but its "
-                f"cu_seqlens_q_padded gives {q_valid.size(0)} (global padded total / "
-                f"context_parallel_size {cp_size})"
-            )
         padded = [b - a for a, b in zip(layout.cu_q_padded, layout.cu_q_padded[1:])]
         chunks = [length // (2 * cp_size) for length in padded]
         # [t, n, hn] as [t, 1, n, hn]: each document's chunks are segments of one sequence
@@ -312,32 +313,30 @@ def packed_attention(query, key, value, params, *, group, causal, scale, dropout
         return out * q_valid.unsqueeze(1).to(out.dtype)
 
     def build():
-        parts = [_packed_layout(layout, cp_size, r, query.device) for r in range(cp_size)]
-        q_pos, q_doc, q_valid = parts[cp_rank]
         k_pos, k_doc, k_valid = (torch.cat(p) for p in zip(*parts))
-        if q_pos.size(0) != query.size(0):
-            raise ValueError(
-                f"packed batch has {query.size(0)} tokens on this context-parallel rank, but its "
-                f"cu_seqlens_q_padded gives {q_pos.size(0)} (global padded total / "
-                f"context_parallel_size {cp_size})"
-            )
+        if kernel == "flex":
+            return flex.position_block_mask(q_pos, k_pos, q_doc, k_doc, k_valid, causal, window)
         allowed = allowed_mask(q_pos, k_pos, causal, window, q_doc, k_doc, k_valid)
         # A padding query of a document with no real token before it would see no key (NaN
         # rows): let every padding query see everything; its output is zeroed below.
         allowed |= ~q_valid.unsqueeze(1)
-        return additive_mask(allowed, query.dtype), q_valid
+        return additive_mask(allowed, query.dtype)
 
-    key_ = ("cp_thd", query.size(0), cp_size, cp_rank, causal, window, query.dtype, query.device)
-    mask, q_valid = layout.cached(key_, build)
+    key_ = ("cp_thd", kernel, query.size(0), cp_size, cp_rank, causal, window, query.dtype,
+            query.device)
+    mask = layout.cached(key_, build)
     hooks = _GatherAgainInBackward(group, regather=not _recomputing_in_backward())
     # [t, n, hn] -> [n, t, hn]
     k, v = (hooks.gathered(x).transpose(0, 1) for x in (key, value))
     q = query.transpose(0, 1)
     with hooks.saving():
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
-            enable_gqa=q.size(0) != k.size(0),
-        )
+        if kernel == "flex":
+            out = flex.attend_with_block_mask(q[None], k[None], v[None], mask, scale)[0]
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
+                enable_gqa=q.size(0) != k.size(0),
+            )
     out = out.transpose(0, 1) * q_valid.view(-1, 1, 1).to(out.dtype)
     return out.reshape(out.size(0), -1)
 

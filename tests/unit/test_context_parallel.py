@@ -308,8 +308,8 @@ def _errors():
                                               cp_comm_type="p2p"))
     catch("config_vs_group", lambda: SDPAttention(_config(1, 1, 8), 1, AttnMaskType.causal,
                                                   "self"))
-    catch("flex", lambda: SDPAttention(_config(1, 2, 8, attention_kernel="flex"), 1,
-                                       AttnMaskType.causal, "self"))
+    catch("varlen", lambda: SDPAttention(_config(1, 2, 8, attention_kernel="varlen"), 1,
+                                         AttnMaskType.causal, "self"))
     attn = SDPAttention(_config(1, 2, 8), 1, AttnMaskType.causal, "self")
     q = torch.zeros(8, 1, 8, 8)
     catch("attention_mask", lambda: attn(q, q, q, torch.zeros(1, 1, 8, 16, dtype=torch.bool)))
@@ -326,8 +326,8 @@ def test_cp_errors_name_the_field_and_value(run_distributed):
         assert "cp_comm_type='p2p'" in messages["cp_comm_type"], messages
         assert "attention_mask" in messages["attention_mask"], messages
         assert "padded length 6" in messages["packed"], messages
-        assert "attention_kernel='flex' does not support context_parallel_size=2" in (
-            messages["flex"])
+        assert "attention_kernel='varlen' does not support context_parallel_size=2" in (
+            messages["varlen"])
         assert "context_parallel_size=1 but the context-parallel group has 2 ranks" in (
             messages["config_vs_group"])
 
@@ -353,21 +353,26 @@ def test_launcher_refuses_bad_cp_layouts(tmp_path):
     assert cfg.data_parallel_size == 2
 
 
-@pytest.mark.parametrize("on_gpu", [False, True], ids=["cpu", "gpu"])
-def test_launcher_refuses_flex_kernel_with_cp(tmp_path, monkeypatch, on_gpu):
-    """CP attention runs the sdpa kernel only: the launcher says so before anything is built,
-    on a CPU and on a GPU (where flex itself would be allowed), naming both values."""
+@pytest.mark.parametrize("on_gpu", [False, True], ids=["cpu_machine", "cuda_machine"])
+def test_launcher_takes_flex_with_cp_on_a_gpu_and_refuses_varlen(tmp_path, monkeypatch, on_gpu):
+    """Under CP the flex kernel trains on a GPU (a CPU has no flex backward); varlen is refused
+    on both, before anything is built, naming both values."""
     from mcore_ext.training.config import ConfigError, load_config, validation
 
     monkeypatch.setattr(validation, "_cuda_available", lambda: on_gpu)
     path = tmp_path / "run.yaml"
     path.write_text("data:\n  source: mock\n")
-    overrides = ["parallelism.context_parallel_size=2", "model.attention_backend=sdpa",
-                 "model.attention_kernel=flex"]
+    overrides = ["parallelism.context_parallel_size=2", "model.attention_backend=sdpa"]
     with pytest.raises(ConfigError) as err:
-        load_config(str(path), overrides, world_size=2)
-    assert ("model.attention_kernel=flex does not support parallelism.context_parallel_size=2"
+        load_config(str(path), overrides + ["model.attention_kernel=varlen"], world_size=2)
+    assert ("model.attention_kernel=varlen does not support parallelism.context_parallel_size=2"
             in str(err.value)), err.value
+    if on_gpu:
+        cfg = load_config(str(path), overrides + ["model.attention_kernel=flex"], world_size=2)
+        assert cfg.model.attention_kernel == "flex"
+    else:
+        with pytest.raises(ConfigError, match="flex trains on a GPU only"):
+            load_config(str(path), overrides + ["model.attention_kernel=flex"], world_size=2)
 
 
 def _split_by_given_group():
