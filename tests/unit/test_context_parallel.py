@@ -41,6 +41,22 @@ MODEL_FIELDS = {
     ),
 }
 CASES["cp2_step35_kinds"] = (1, 2, 2)
+# Sliding layers under CP move only their window's halo (issue 25): windows above a chunk (several
+# chunks back), above the sequence (the whole prefix), with selective recompute, and TP 2 x CP 2
+# with sequence parallelism and fewer KV groups than TP ranks.
+_STEP35 = MODEL_FIELDS["cp2_step35_kinds"]
+MODEL_FIELDS.update({
+    "cp2_step35_window_above_sequence": dict(_STEP35, sliding_window=40),
+    "cp2_step35_recompute": _STEP35,
+    "cp4_step35_window_above_chunk": dict(_STEP35, sliding_window=9),
+    "tp2_cp2_sp_step35_g1": dict(_STEP35, sequence_parallel=True),
+})
+CASES.update({
+    "cp2_step35_window_above_sequence": (1, 2, 2),
+    "cp2_step35_recompute": (1, 2, 2, dict(recompute_granularity="selective")),
+    "cp4_step35_window_above_chunk": (1, 4, 2),
+    "tp2_cp2_sp_step35_g1": (2, 2, 1),
+})
 
 
 def _build(config):
@@ -69,11 +85,23 @@ def _inputs():
 
 
 def _run(model, tokens, positions, upstream, packed_seq_params=None):
-    """(logits, {name: grad}) of loss = sum(logits * upstream)."""
+    """(logits, {name: grad}) of loss = sum(logits * upstream) (logits gathered over TP). Under
+    sequence parallelism a replicated parameter's gradient is summed over TP, as megatron's
+    finalize_model_grads does."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
     model.zero_grad()
     logits = model(tokens, positions, None, packed_seq_params=packed_seq_params)
+    if logits.size(-1) != upstream.size(-1):  # build_gpt_model keeps the logits TP-split
+        logits = gather_from_tensor_model_parallel_region(logits)
     (logits * upstream).sum().backward()
-    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for name, param in model.named_parameters():
+        if getattr(param, "sequence_parallel", False):
+            dist.all_reduce(grads[name], group=parallel_state.get_tensor_model_parallel_group())
+    return logits.detach(), grads
 
 
 def _gpt_cp_vs_cp1(names):
@@ -127,7 +155,8 @@ def _check(results, names, cp_of):
 
 @pytest.mark.smoke  # also run on the older megatron-core releases (their CP batch split differs)
 def test_gpt_cp2_matches_cp1_logits_and_grads(run_distributed):
-    names = ["cp2_mha", "cp2_gqa", "cp2_gqa_recompute_core_attn", "cp2_step35_kinds"]
+    names = ["cp2_mha", "cp2_gqa", "cp2_gqa_recompute_core_attn", "cp2_step35_kinds",
+             "cp2_step35_window_above_sequence", "cp2_step35_recompute"]
     for rank_results in run_distributed(_gpt_cp_vs_cp1, names, world_size=2):
         _check(rank_results, names, {n: CASES[n][1] for n in names})
 
@@ -204,7 +233,8 @@ def test_gpt_cp2_in_bf16_is_as_close_to_fp32_as_cp1(run_distributed):
 
 @pytest.mark.slow
 def test_gpt_cp4_and_tp2_cp2_match_cp1_logits_and_grads(run_distributed):
-    names = ["cp4_mha", "cp4_gqa", "tp2_cp2_gqa", "tp2_cp2_gqa_g1_lt_tp"]
+    names = ["cp4_mha", "cp4_gqa", "tp2_cp2_gqa", "tp2_cp2_gqa_g1_lt_tp",
+             "cp4_step35_window_above_chunk", "tp2_cp2_sp_step35_g1"]
     for rank_results in run_distributed(_gpt_cp_vs_cp1, names, world_size=4):
         _check(rank_results, names, {n: CASES[n][1] for n in names})
 
