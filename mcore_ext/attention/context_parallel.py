@@ -1,4 +1,5 @@
-"""Context parallelism (CP) for the sdpa backend: all-gather K/V, masks from token positions.
+"""Context parallelism (CP) for the sdpa backend: all-gather K/V (a causal window: its halo only),
+masks from token positions.
 
 megatron-core shards the sequence over the CP group with a load-balanced split: the sequence is cut
 into 2 x CP chunks and CP rank r holds chunks r and 2CP-1-r (so every rank gets as much causal
@@ -6,9 +7,13 @@ work as the others). ``get_batch_on_this_cp_rank`` (megatron's) and RoPE's
 ``get_pos_emb_on_this_cp_rank`` do that for the inputs and positions; this module does it for
 core attention:
 
-- every rank all-gathers K and V over the CP group (their gradients are reduce-scattered back),
-  ng groups of them, never repeated per query head, and keeps only its own K/V for backward,
-  where they are gathered again;
+- a layer with a causal window (Step-3.5's sliding layers) receives only the keys its chunks'
+  windows reach before them, point to point (``halo.py``), and attends each chunk to [halo;
+  chunk] on the banded kernel (``sliding.py``): it moves and computes ``w`` keys per query, not
+  the sequence;
+- every other layer all-gathers K and V over the CP group (their gradients are reduce-scattered
+  back), ng groups of them, never repeated per query head, and keeps only its own K/V for
+  backward, where they are gathered again;
 - each local chunk attends to its key range: a causal chunk to its key prefix (bottom-right
   causal, no dense mask), otherwise under a mask built from the tokens' *global* positions
   (``masks.allowed``, the rule of the sdpa and flex kernels: causal, and megatron's

@@ -10,12 +10,15 @@ It only dispatches; what it dispatches on is split by concern:
   here: plain, KV-cache and packed THD), "flex" (``flex.py``, block masks for causal + window
   + packed documents), "varlen" (``varlen.py``, torch's flash varlen kernel for packed batches,
   GPU);
-- ``context_parallel.py``: CP (all-gathered K/V, chunks against their key ranges).
+- ``sliding.py``: a causal window in blocks of about the window, so it costs ``s x w``;
+- ``context_parallel.py``: CP (all-gathered K/V, chunks against their key ranges; a causal
+  window exchanges only its halo, ``halo.py``).
 All masks come from one position rule, ``masks.allowed(q_pos, k_pos, ...)``.
 
 On the sdpa kernel causal attention needs no dense mask, bottom-right aligned (KV-cache
 decoding, CP chunks) included (``layout.KeyPrefixCausal``), so SDPA keeps flash (GQA too) on a
-GPU; a window is an additive mask made once per batch per layer kind.
+GPU; a causal window is banded (one ``[B, 2B]`` mask per batch and layer kind), other windows an
+additive mask made once per batch per layer kind.
 
 Shapes (megatron notation): sq / sk query / key length, b batch, np query heads and ng key-value
 groups on this rank, hn head dim, t tokens of a packed (THD) batch.

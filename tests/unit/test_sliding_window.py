@@ -430,3 +430,68 @@ def test_halo_dkdv_are_summed_in_fp32(run_distributed):
     # Rank 1 holds chunks 1 and 2: token 3 is in chunk 2's halo (on rank 1 itself) and in chunk
     # 3's (rank 0): a local and a returned gradient, summed in fp32 too.
     assert rank1 == [1.0, 1.0 + 2.0 ** -7, 1.0, 1.0], rank1
+
+
+# ------------------------------------------------------------------ flex under CP (forward)
+
+
+def _flex_under_cp2():
+    """The flex kernel under CP 2 against the formula, forward only (a CPU has no flex
+    backward): causal chunks (all-gathered keys), a sliding window (halo) and packed documents
+    (block masks from the tokens' positions and documents)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    import mcore_ext
+    from mcore_ext.attention import context_parallel, layout
+
+    mcore_ext.init_parallel(context_parallel_size=2)
+    group = parallel_state.get_context_parallel_group()
+    diffs = {}
+    s = 32
+    q, k, v = _qkv(s, s, 2, 4, 2, 8, seed=10)
+    split = context_parallel.zigzag_positions(s // 2, 2, group.rank())
+    for name, left in (("causal", None), ("window5", 4)):
+        layout.begin_batch()
+        with torch.no_grad():
+            out = context_parallel.attention(
+                q[split], k[split], v[split], group=group, causal=True, scale=None,
+                dropout_p=0.0, window=None if left is None else (left, 0), kernel="flex")
+        ref = reference.attention(q, k, v, _window_allowed(torch.arange(s), torch.arange(s),
+                                                           s if left is None else left))
+        diffs[name] = _max_diff(out, ref[split])
+
+    lengths, padded = [5, 19], [8, 24]
+    cu = torch.tensor([0, 5, 24], dtype=torch.int32)
+    cu_padded = torch.tensor([0, 8, 32], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             cu_seqlens_q_padded=cu_padded, cu_seqlens_kv_padded=cu_padded,
+                             max_seqlen_q=19, max_seqlen_kv=19)
+    q, k, v = (x[:, 0] for x in (q, k, v))
+    doc = torch.repeat_interleave(torch.arange(2), torch.tensor(padded))
+    position = torch.cat([torch.arange(n) for n in padded])
+    real = position < torch.tensor(lengths)[doc]
+
+    def local(x):
+        return context_parallel.get_packed_batch_on_this_cp_rank(x, cu_padded, group)
+
+    for name, left in (("packed_causal", None), ("packed_window5", 4)):
+        layout.begin_batch(params)
+        with torch.no_grad():
+            out = context_parallel.packed_attention(
+                local(q), local(k), local(v), params, group=group, causal=True, scale=None,
+                dropout_p=0.0, window=None if left is None else (left, 0), kernel="flex")
+        allowed = _window_allowed(position[real], position[real], s if left is None else left,
+                                  doc[real], doc[real])
+        ref = q.new_zeros(s, 1, 32)
+        ref[real] = reference.attention(*(x[real].unsqueeze(1) for x in (q, k, v)), allowed)
+        diffs[name] = _max_diff(out, local(ref[:, 0]))
+    dist.barrier()
+    mcore_ext.destroy_parallel()
+    return diffs
+
+
+def test_flex_kernel_under_cp2_matches_the_formula(run_distributed):
+    for diffs in run_distributed(_flex_under_cp2, world_size=2):
+        assert len(diffs) == 4 and max(diffs.values()) <= TOL, diffs
