@@ -19,6 +19,11 @@ measured step reports:
     saved       bytes the forward keeps for backward (unique storages seen by saved-tensor hooks):
                 exact, blind to transients.
     time        seconds of the measured step (indicative only on shared cores).
+    moved       K / V bytes this rank receives in the step (all-gathers and point-to-point
+                halos, forward and backward; the reduce-scatter of dK / dV not counted).
+
+``--window W`` makes every layer a sliding-window layer (megatron's window (W - 1, 0)): under CP
+it exchanges only each chunk's halo of W - 1 keys instead of all-gathering K / V.
 
 The CP N figures are the largest over the N ranks. Run ``python benchmarks/bench_cp.py --help``.
 """
@@ -47,6 +52,7 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
                    help="default fp32 on CPU, bf16 on GPU")
+    p.add_argument("--window", type=int, help="sliding window (HF's W) on every layer")
     p.add_argument("--json", metavar="PATH", help="write the figures to PATH (rank 0)")
     return p.parse_args(argv)
 
@@ -123,6 +129,7 @@ def _measure(args, cp, dtype, on_gpu, recompute):
         head_wise_attn_gate=True, add_qkv_bias=True, hidden_dropout=0.0, attention_dropout=0.0,
         params_dtype=dtype, bf16=dtype is torch.bfloat16, context_parallel_size=cp,
         recompute_granularity="selective" if recompute else None,
+        window_size=(args.window - 1, 0) if args.window else None,
     )
     dev = mcore_ext.device()
     block = TransformerBlock(config, mcore_ext.get_gpt_block_spec(config, "sdpa")).to(dev).train()
@@ -162,7 +169,38 @@ def _measure(args, cp, dtype, on_gpu, recompute):
         step()
         seconds = time.perf_counter() - t0
         peak = _proc_status_bytes("VmHWM") - before
-    return dict(peak=peak, saved=saved, seconds=seconds, local_seq=x.size(0))
+    with _CountReceived() as received:
+        step()
+    return dict(peak=peak, saved=saved, seconds=seconds, local_seq=x.size(0),
+                moved=received.bytes)
+
+
+class _CountReceived:
+    """Bytes this rank receives through all-gathers and point-to-point receives."""
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        self.bytes, self.real = 0, (dist.all_gather_into_tensor, dist.batch_isend_irecv)
+        counter = self
+
+        def all_gather_into_tensor(out, x, *args, **kwargs):
+            counter.bytes += (out.numel() - x.numel()) * out.element_size()
+            return counter.real[0](out, x, *args, **kwargs)
+
+        def batch_isend_irecv(ops):
+            counter.bytes += sum(op.tensor.numel() * op.tensor.element_size()
+                                 for op in ops if op.op is dist.irecv)
+            return counter.real[1](ops)
+
+        dist.all_gather_into_tensor, dist.batch_isend_irecv = (all_gather_into_tensor,
+                                                               batch_isend_irecv)
+        return self
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+
+        dist.all_gather_into_tensor, dist.batch_isend_irecv = self.real
 
 
 def _saved_bytes(block, x):
@@ -183,19 +221,22 @@ def _saved_bytes(block, x):
 def _report(args, dtype, gathered, on_gpu):
     cp, mib = args.cp, 2**20
     device = torch.cuda.get_device_name() if on_gpu else "CPU"
+    window = f"window {args.window}" if args.window else "no window"
     print(f"[bench_cp] {args.layers}-layer gated block, seq {args.seq}, batch {args.batch}, hidden "
-          f"{args.hidden}, heads {args.heads}/{args.groups or args.heads}, "
+          f"{args.hidden}, heads {args.heads}/{args.groups or args.heads}, {window}, "
           f"{str(dtype).split('.')[-1]}, sdpa, {device}")
-    print(f"{'':30}{'local seq':>10}{'peak MiB':>10}{'saved MiB':>11}{'step s':>8}")
+    print(f"{'':30}{'local seq':>10}{'peak MiB':>10}{'saved MiB':>11}{'step s':>8}"
+          f"{'moved MiB':>11}")
     figures = {}
     for recompute in (False, True):
         label = "recompute core_attn" if recompute else "no recompute"
         base = gathered[0][1, recompute]
         ranks = [r[cp, recompute] for r in gathered]
-        worst = {k: max(r[k] for r in ranks) for k in ("peak", "saved", "seconds")}
+        worst = {k: max(r[k] for r in ranks) for k in ("peak", "saved", "seconds", "moved")}
         for name, row in ((f"CP 1, {label}", base), (f"CP {cp} max, {label}", worst)):
             print(f"{name:30}{(base if row is base else ranks[0])['local_seq']:>10}"
-                  f"{row['peak'] / mib:>10.1f}{row['saved'] / mib:>11.1f}{row['seconds']:>8.2f}")
+                  f"{row['peak'] / mib:>10.1f}{row['saved'] / mib:>11.1f}{row['seconds']:>8.2f}"
+                  f"{row['moved'] / mib:>11.2f}")
         ratio = {k: worst[k] / base[k] for k in ("peak", "saved")}
         met = "met" if ratio["peak"] <= TARGET else "MISSED"
         print(f"  ratio CP {cp} / CP 1 ({label}): peak {ratio['peak']:.3f}, saved "

@@ -1,4 +1,5 @@
-"""Context parallelism (CP) for the sdpa backend: all-gather K/V, masks from token positions.
+"""Context parallelism (CP) for the sdpa backend: all-gather K/V (a causal window: its halo only),
+masks from token positions.
 
 megatron-core shards the sequence over the CP group with a load-balanced split: the sequence is cut
 into 2 x CP chunks and CP rank r holds chunks r and 2CP-1-r (so every rank gets as much causal
@@ -6,9 +7,13 @@ work as the others). ``get_batch_on_this_cp_rank`` (megatron's) and RoPE's
 ``get_pos_emb_on_this_cp_rank`` do that for the inputs and positions; this module does it for
 core attention:
 
-- every rank all-gathers K and V over the CP group (their gradients are reduce-scattered back),
-  ng groups of them, never repeated per query head, and keeps only its own K/V for backward,
-  where they are gathered again;
+- a layer with a causal window (Step-3.5's sliding layers) receives only the keys its chunks'
+  windows reach before them, point to point (``halo.py``), and attends each chunk to [halo;
+  chunk] on the banded kernel (``sliding.py``): it moves and computes ``w`` keys per query, not
+  the sequence;
+- every other layer all-gathers K and V over the CP group (their gradients are reduce-scattered
+  back), ng groups of them, never repeated per query head, and keeps only its own K/V for
+  backward, where they are gathered again;
 - each local chunk attends to its key range: a causal chunk to its key prefix (bottom-right
   causal, no dense mask), otherwise under a mask built from the tokens' *global* positions
   (``masks.allowed``, the rule of the sdpa and flex kernels: causal, and megatron's
@@ -32,6 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from mcore_ext import _mcore_compat
+from mcore_ext.attention import flex, halo, sliding
 from mcore_ext.attention.layout import KeyPrefixCausal, additive_mask, layout_for
 from mcore_ext.attention.masks import allowed
 
@@ -160,12 +166,14 @@ def allowed_mask(q_pos, k_pos, causal=True, window=None, q_doc=None, k_doc=None,
     return ok
 
 
-def attention(query, key, value, *, group, causal, scale, dropout_p, window=None, layout=None):
-    """Core attention of the local chunks against all-gathered keys.
+def attention(query, key, value, *, group, causal, scale, dropout_p, window=None, layout=None,
+              kernel="sdpa"):
+    """Core attention of the local chunks: a causal window's halo only (``halo.py``), else
+    against all-gathered keys.
 
     query [s, b, np, hn], key / value [s, b, ng, hn] (local; strided views are fine)
     -> [s, b, np * hn]. ``layout``: the batch's ``AttentionLayout`` (default: the active one),
-    which holds the key order and masks every layer shares.
+    which holds the key order and masks every layer shares. ``kernel``: "sdpa" or "flex".
 
     Causal: the gathered K/V are put in sequence order, and each of the two local chunks attends
     only to the keys up to its own end (a prefix view), so no work is spent on the keys after it:
@@ -175,6 +183,13 @@ def attention(query, key, value, *, group, causal, scale, dropout_p, window=None
     cp_size, cp_rank = group.size(), group.rank()
     s, device = query.size(0), query.device
     layout = layout if layout is not None else layout_for(None)
+    left = sliding.window_left(causal, window)
+    if left is not None and left < cp_size * s - 1:
+        zigzag_positions(s, cp_size, cp_rank)  # checks the split
+        return _halo_attention(query, key, value, [s // 2], group, left, scale, dropout_p,
+                               layout, kernel)
+    if left is not None:  # the window reaches the sequence start from every query
+        window = None
     # Gathered rows come rank by rank ([chunk j, chunk 2CP-1-j] each): sort them by position.
     order = layout.cached(("cp_order", s, cp_size, device), lambda: torch.cat(
         [zigzag_positions(s, cp_size, r, device) for r in range(cp_size)]).argsort())
@@ -183,7 +198,8 @@ def attention(query, key, value, *, group, causal, scale, dropout_p, window=None
     k, v = (hooks.gathered(x).permute(1, 2, 0, 3) for x in (key, value))
     q = query.permute(1, 2, 0, 3)  # [b, np, s, hn]
     with hooks.saving():
-        out = _attend_chunks(q, k, v, cp_size, cp_rank, causal, scale, dropout_p, window, layout)
+        out = _attend_chunks(q, k, v, cp_size, cp_rank, causal, scale, dropout_p, window, layout,
+                             kernel)
     # [b, np, s, hn] -> [s, b, np * hn]
     return out.permute(2, 0, 1, 3).reshape(s, out.size(0), -1)
 
@@ -219,7 +235,8 @@ def chunk_masks(layout, chunk, cp_size, cp_rank, causal, window, dtype, device):
     return chunks
 
 
-def _attend_chunks(q, k, v, cp_size, cp_rank, causal, scale, dropout_p, window, layout):
+def _attend_chunks(q, k, v, cp_size, cp_rank, causal, scale, dropout_p, window, layout,
+                   kernel="sdpa"):
     """[b, np, s, hn] local queries x [b, ng, S, hn] gathered keys -> [b, np, s, hn]."""
     chunk = q.size(2) // 2
     gqa = q.size(1) != k.size(1)
@@ -229,52 +246,102 @@ def _attend_chunks(q, k, v, cp_size, cp_rank, causal, scale, dropout_p, window, 
     outs = []
     masks = chunk_masks(layout, chunk, cp_size, cp_rank, causal, window, q.dtype, q.device)
     for half, (start, end, mask) in enumerate(masks):
+        q_chunk = q[:, :, half * chunk:(half + 1) * chunk]
+        k_range, v_range = k[:, :, start:end], v[:, :, start:end]
+        if kernel == "flex" and causal:  # keys end with the chunk: bottom-right aligned
+            outs.append(flex.attend(q_chunk, k_range, v_range, None, None, causal, window,
+                                    scale, layout))
+            continue
         outs.append(F.scaled_dot_product_attention(
-            q[:, :, half * chunk:(half + 1) * chunk], k[:, :, start:end], v[:, :, start:end],
-            attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=gqa,
+            q_chunk, k_range, v_range, attn_mask=mask, dropout_p=dropout_p, scale=scale,
+            enable_gqa=gqa,
         ))
     return torch.cat(outs, dim=2)
 
 
+def _halo_attention(query, key, value, chunk_lengths, group, left, scale, dropout_p, layout,
+                    kernel):
+    """A causal window of ``left`` keys under CP: every local chunk against [its halo; itself].
+
+    query [s, b, np, hn], key / value [s, b, ng, hn], the local chunks of documents whose chunks
+    are ``chunk_lengths`` long (``halo.plan``) -> [s, b, np * hn].
+    """
+    cp_size, cp_rank = group.size(), group.rank()
+    halo_plan = layout.cached(
+        ("cp_halo", tuple(chunk_lengths), cp_size, cp_rank, left),
+        lambda: halo.plan(chunk_lengths, cp_size, cp_rank, left))
+    k_ext, v_ext = halo.halo_kv(key, value, halo_plan, group)
+    outs = []
+    for segment in halo_plan.segments:
+        # [c, b, n, hn] -> [b, n, c, hn]; keys [halo + c, b, ng, hn] -> [b, ng, halo + c, hn]
+        q = query[segment.q_start:segment.q_start + segment.length].permute(1, 2, 0, 3)
+        rows = slice(segment.ext_start, segment.ext_start + segment.halo + segment.length)
+        k, v = (x[rows].permute(1, 2, 0, 3) for x in (k_ext, v_ext))
+        if kernel == "flex":
+            outs.append(flex.attend(q, k, v, None, None, True, (left, 0), scale, layout))
+        else:
+            outs.append(sliding.window_attention(q, k, v, left, scale, dropout_p, layout))
+    out = torch.cat(outs, dim=2)
+    # [b, np, s, hn] -> [s, b, np * hn]
+    return out.permute(2, 0, 1, 3).reshape(out.size(2), out.size(0), -1)
+
+
 def packed_attention(query, key, value, params, *, group, causal, scale, dropout_p, window=None,
-                     layout=None):
+                     layout=None, kernel="sdpa"):
     """THD core attention under CP: query [t, np, hn], key / value [t, ng, hn] -> [t, np * hn].
 
     ``params`` (megatron's PackedSeqParams) describes the whole packed sequence. Padding tokens
     (past a document's real length) get a zero output, as without CP. ``layout``: the batch's
     ``AttentionLayout`` (default: the one made for ``params``); the mask is made once per batch
-    and layer kind.
+    and layer kind. A causal window moves only each document chunk's halo (``halo.py``); other
+    layers all-gather K/V.
     """
     cp_size, cp_rank = group.size(), group.rank()
     layout = layout if layout is not None else layout_for(params)
+    # Every rank's (position in its document, document, real token?) per token, once per batch.
+    parts = layout.cached(("cp_thd_split", cp_size, query.device), lambda: [
+        _packed_layout(layout, cp_size, r, query.device) for r in range(cp_size)])
+    q_pos, q_doc, q_valid = parts[cp_rank]
+    if q_pos.size(0) != query.size(0):
+        raise ValueError(
+            f"packed batch has {query.size(0)} tokens on this context-parallel rank, but its "
+            f"cu_seqlens_q_padded gives {q_pos.size(0)} (global padded total / "
+            f"context_parallel_size {cp_size})"
+        )
+    left = sliding.window_left(causal, window)
+    if left is not None:
+        padded = [b - a for a, b in zip(layout.cu_q_padded, layout.cu_q_padded[1:])]
+        chunks = [length // (2 * cp_size) for length in padded]
+        # [t, n, hn] as [t, 1, n, hn]: each document's chunks are segments of one sequence
+        out = _halo_attention(query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1), chunks,
+                              group, left, scale, dropout_p, layout, kernel).squeeze(1)
+        return out * q_valid.unsqueeze(1).to(out.dtype)
 
     def build():
-        parts = [_packed_layout(layout, cp_size, r, query.device) for r in range(cp_size)]
-        q_pos, q_doc, q_valid = parts[cp_rank]
         k_pos, k_doc, k_valid = (torch.cat(p) for p in zip(*parts))
-        if q_pos.size(0) != query.size(0):
-            raise ValueError(
-                f"packed batch has {query.size(0)} tokens on this context-parallel rank, but its "
-                f"cu_seqlens_q_padded gives {q_pos.size(0)} (global padded total / "
-                f"context_parallel_size {cp_size})"
-            )
+        if kernel == "flex":
+            return flex.position_block_mask(q_pos, k_pos, q_doc, k_doc, k_valid, causal, window)
         allowed = allowed_mask(q_pos, k_pos, causal, window, q_doc, k_doc, k_valid)
         # A padding query of a document with no real token before it would see no key (NaN
         # rows): let every padding query see everything; its output is zeroed below.
         allowed |= ~q_valid.unsqueeze(1)
-        return additive_mask(allowed, query.dtype), q_valid
+        return additive_mask(allowed, query.dtype)
 
-    key_ = ("cp_thd", query.size(0), cp_size, cp_rank, causal, window, query.dtype, query.device)
-    mask, q_valid = layout.cached(key_, build)
+    key_ = ("cp_thd", kernel, query.size(0), cp_size, cp_rank, causal, window, query.dtype,
+            query.device)
+    mask = layout.cached(key_, build)
     hooks = _GatherAgainInBackward(group, regather=not _recomputing_in_backward())
     # [t, n, hn] -> [n, t, hn]
     k, v = (hooks.gathered(x).transpose(0, 1) for x in (key, value))
     q = query.transpose(0, 1)
     with hooks.saving():
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
-            enable_gqa=q.size(0) != k.size(0),
-        )
+        if kernel == "flex":
+            out = flex.attend_with_block_mask(q[None], k[None], v[None], mask, scale)[0]
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
+                enable_gqa=q.size(0) != k.size(0),
+            )
     out = out.transpose(0, 1) * q_valid.view(-1, 1, 1).to(out.dtype)
     return out.reshape(out.size(0), -1)
 
@@ -362,9 +429,10 @@ def check_supported(config, cp_comm_type) -> None:
             "SDPAttention does not support hybrid_context_parallel=True; use the 'te' backend"
         )
     kernel = getattr(config, "attention_kernel", "sdpa")
-    if kernel != "sdpa":
-        # The CP path attends each local chunk to a key range with a dense mask (sdpa kernel).
+    if kernel == "varlen":
+        # Each CP chunk attends a key range that ends with it (bottom-right aligned); the varlen
+        # kernel's alignment for queries shorter than their keys has not run here (no GPU).
         raise NotImplementedError(
-            f"attention_kernel={kernel!r} does not support context_parallel_size="
-            f"{config.context_parallel_size}: context parallelism uses the 'sdpa' kernel"
+            f"attention_kernel='varlen' does not support context_parallel_size="
+            f"{config.context_parallel_size}: under context parallelism use 'sdpa' or 'flex'"
         )

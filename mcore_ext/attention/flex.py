@@ -69,6 +69,22 @@ def packed(query, key, value, layout, causal, window, scale):
     return out.reshape(t, -1)
 
 
+def position_block_mask(q_pos, k_pos, q_doc, k_doc, k_valid, causal, window):
+    """The block mask of queries and keys placed anywhere (CP chunks of packed documents): from
+    each token's position in its document, its document and whether it is a real token."""
+    def mask_mod(b, h, q_idx, kv_idx):
+        same = (q_doc[q_idx] == k_doc[kv_idx]) & k_valid[kv_idx]
+        return same & allowed(q_pos[q_idx], k_pos[kv_idx], causal, window)
+
+    return _block_mask(mask_mod, None, q_pos.size(0), k_pos.size(0), q_pos.device)
+
+
+def attend_with_block_mask(q, k, v, block_mask, scale):
+    """[b, n, sq, hn] x [b, g, sk, hn] -> [b, n, sq, hn] under a ready block mask (rows with no
+    visible key give 0)."""
+    return _flex_attention(q, k, v, block_mask, scale)
+
+
 def _block_mask(mask_mod, batch, sq, sk, device):
     from torch.nn.attention.flex_attention import create_block_mask
 

@@ -10,12 +10,15 @@ It only dispatches; what it dispatches on is split by concern:
   here: plain, KV-cache and packed THD), "flex" (``flex.py``, block masks for causal + window
   + packed documents), "varlen" (``varlen.py``, torch's flash varlen kernel for packed batches,
   GPU);
-- ``context_parallel.py``: CP (all-gathered K/V, chunks against their key ranges).
+- ``sliding.py``: a causal window in blocks of about the window, so it costs ``s x w``;
+- ``context_parallel.py``: CP (all-gathered K/V, chunks against their key ranges; a causal
+  window exchanges only its halo, ``halo.py``).
 All masks come from one position rule, ``masks.allowed(q_pos, k_pos, ...)``.
 
 On the sdpa kernel causal attention needs no dense mask, bottom-right aligned (KV-cache
 decoding, CP chunks) included (``layout.KeyPrefixCausal``), so SDPA keeps flash (GQA too) on a
-GPU; a window is an additive mask made once per batch per layer kind.
+GPU; a causal window is banded (one ``[B, 2B]`` mask per batch and layer kind), other windows an
+additive mask made once per batch per layer kind.
 
 Shapes (megatron notation): sq / sk query / key length, b batch, np query heads and ng key-value
 groups on this rank, hn head dim, t tokens of a packed (THD) batch.
@@ -37,7 +40,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
-from mcore_ext.attention import context_parallel, flex, varlen
+from mcore_ext.attention import context_parallel, flex, sliding, varlen
 from mcore_ext.attention.layout import KeyPrefixCausal, additive_mask, layout_for
 from mcore_ext.attention.masks import allowed
 
@@ -150,6 +153,10 @@ class SDPAttention(MegatronModule):
     def _attend(self, q, k, v, attention_mask, attention_bias, causal, dropout_p, layout):
         """sdpa kernel: [b, n, sq, hn] x [b, g, sk, hn] -> [b, n, sq, hn]."""
         sq, sk = q.size(-2), k.size(-2)
+        left = sliding.window_left(causal, self.window)
+        if attention_mask is None and attention_bias is None and left is not None:
+            # A causal window: banded (2B keys per query) where that is cheaper than a mask.
+            return sliding.window_attention(q, k, v, left, self.softmax_scale, dropout_p, layout)
         if attention_mask is None and attention_bias is None:
             # From positions only: no mask, a causal bias, or the kind's mask made once per batch.
             mask = position_mask(layout, sq, sk, causal, self.window, q.dtype, q.device)
@@ -175,7 +182,7 @@ class SDPAttention(MegatronModule):
                 f"({attention_bias is not None}) is not supported"
             )
         kwargs = dict(group=self.cp_group, causal=causal, scale=self.softmax_scale,
-                      dropout_p=dropout_p, window=self.window, layout=layout)
+                      dropout_p=dropout_p, window=self.window, layout=layout, kernel=self.kernel)
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             return context_parallel.packed_attention(query, key, value, packed_seq_params, **kwargs)
         return context_parallel.attention(query, key, value, **kwargs)

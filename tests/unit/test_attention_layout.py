@@ -166,6 +166,7 @@ def _once_per_batch_and_no_sync(cp):
 
     import mcore_ext
     from mcore_ext.attention import context_parallel, layout, sdpa
+    from mcore_ext.attention import sliding as banded
 
     mcore_ext.init_parallel(context_parallel_size=cp)
     config = _kinds_config(cp=cp)
@@ -176,8 +177,9 @@ def _once_per_batch_and_no_sync(cp):
     embeddings = {id(layer.kind_rotary_pos_emb) for layer in sliding}
 
     builds = []
-    build_fns = dict(sdpa=sdpa.allowed, cp=context_parallel.allowed_mask)
+    build_fns = dict(sdpa=sdpa.allowed, banded=banded.allowed, cp=context_parallel.allowed_mask)
     sdpa.allowed = lambda *a, **k: builds.append("sdpa") or build_fns["sdpa"](*a, **k)
+    banded.allowed = lambda *a, **k: builds.append("banded") or build_fns["banded"](*a, **k)
     context_parallel.allowed_mask = (
         lambda *a, **k: builds.append("cp") or build_fns["cp"](*a, **k))
     g = torch.Generator().manual_seed(0)
@@ -216,7 +218,8 @@ def _once_per_batch_and_no_sync(cp):
                 for module in attention:
                     module(q, kv, kv, None, packed_seq_params=params)
     finally:
-        sdpa.allowed, context_parallel.allowed_mask = build_fns["sdpa"], build_fns["cp"]
+        sdpa.allowed, banded.allowed = build_fns["sdpa"], build_fns["banded"]
+        context_parallel.allowed_mask = build_fns["cp"]
     dist.barrier()
     mcore_ext.destroy_parallel()
     return dict(rank=dist.get_rank(), counts=counts, sbhd_syncs=sbhd_syncs,
@@ -228,11 +231,12 @@ def _once_per_batch_and_no_sync(cp):
 def test_masks_once_per_batch_per_kind_and_no_host_sync_in_layers(run_distributed, cp):
     for r in run_distributed(_once_per_batch_and_no_sync, cp, world_size=cp):
         # Masks per batch: CP 1, one window mask for the 3 sliding layers, none for the full
-        # layer; CP 2, the window kind one per local chunk, the full kind one per chunk that is
-        # not square (its causal bias materialized on a CPU; rank 0's first chunk is plain
-        # is_causal). Old code: one per sliding layer per call at CP 1 ([3, 3]), one set per
-        # process at CP 2 ([0, 0] for a second model).
-        expected = 1 if cp == 1 else (3 if r["rank"] == 0 else 4)
+        # layer; CP 2 (chunks of 4), the window kind one per shape of [halo; chunk] (rank 0:
+        # chunk 0 without a halo, chunk 3 behind 4 keys; rank 1: both chunks behind 4 keys),
+        # the full kind one per chunk that is not square (its causal bias materialized on a
+        # CPU; rank 0's first chunk is plain is_causal). Old code: one per sliding layer per
+        # call at CP 1 ([3, 3]), one set per process at CP 2 ([0, 0] for a second model).
+        expected = 1 if cp == 1 else 3
         assert r["counts"] == [expected] * 2, r
         assert r["sbhd_syncs"] == [] and r["packed_syncs"] == [], r
         # One RoPE embedding for the sliding kind; per forward one lru_cache miss for the

@@ -41,6 +41,22 @@ MODEL_FIELDS = {
     ),
 }
 CASES["cp2_step35_kinds"] = (1, 2, 2)
+# Sliding layers under CP move only their window's halo (issue 25): windows above a chunk (several
+# chunks back), above the sequence (the whole prefix), with selective recompute, and TP 2 x CP 2
+# with sequence parallelism and fewer KV groups than TP ranks.
+_STEP35 = MODEL_FIELDS["cp2_step35_kinds"]
+MODEL_FIELDS.update({
+    "cp2_step35_window_above_sequence": dict(_STEP35, sliding_window=40),
+    "cp2_step35_recompute": _STEP35,
+    "cp4_step35_window_above_chunk": dict(_STEP35, sliding_window=9),
+    "tp2_cp2_sp_step35_g1": dict(_STEP35, sequence_parallel=True),
+})
+CASES.update({
+    "cp2_step35_window_above_sequence": (1, 2, 2),
+    "cp2_step35_recompute": (1, 2, 2, dict(recompute_granularity="selective")),
+    "cp4_step35_window_above_chunk": (1, 4, 2),
+    "tp2_cp2_sp_step35_g1": (2, 2, 1),
+})
 
 
 def _build(config):
@@ -69,11 +85,23 @@ def _inputs():
 
 
 def _run(model, tokens, positions, upstream, packed_seq_params=None):
-    """(logits, {name: grad}) of loss = sum(logits * upstream)."""
+    """(logits, {name: grad}) of loss = sum(logits * upstream) (logits gathered over TP). Under
+    sequence parallelism a replicated parameter's gradient is summed over TP, as megatron's
+    finalize_model_grads does."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
     model.zero_grad()
     logits = model(tokens, positions, None, packed_seq_params=packed_seq_params)
+    if logits.size(-1) != upstream.size(-1):  # build_gpt_model keeps the logits TP-split
+        logits = gather_from_tensor_model_parallel_region(logits)
     (logits * upstream).sum().backward()
-    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for name, param in model.named_parameters():
+        if getattr(param, "sequence_parallel", False):
+            dist.all_reduce(grads[name], group=parallel_state.get_tensor_model_parallel_group())
+    return logits.detach(), grads
 
 
 def _gpt_cp_vs_cp1(names):
@@ -127,7 +155,8 @@ def _check(results, names, cp_of):
 
 @pytest.mark.smoke  # also run on the older megatron-core releases (their CP batch split differs)
 def test_gpt_cp2_matches_cp1_logits_and_grads(run_distributed):
-    names = ["cp2_mha", "cp2_gqa", "cp2_gqa_recompute_core_attn", "cp2_step35_kinds"]
+    names = ["cp2_mha", "cp2_gqa", "cp2_gqa_recompute_core_attn", "cp2_step35_kinds",
+             "cp2_step35_window_above_sequence", "cp2_step35_recompute"]
     for rank_results in run_distributed(_gpt_cp_vs_cp1, names, world_size=2):
         _check(rank_results, names, {n: CASES[n][1] for n in names})
 
@@ -204,7 +233,8 @@ def test_gpt_cp2_in_bf16_is_as_close_to_fp32_as_cp1(run_distributed):
 
 @pytest.mark.slow
 def test_gpt_cp4_and_tp2_cp2_match_cp1_logits_and_grads(run_distributed):
-    names = ["cp4_mha", "cp4_gqa", "tp2_cp2_gqa", "tp2_cp2_gqa_g1_lt_tp"]
+    names = ["cp4_mha", "cp4_gqa", "tp2_cp2_gqa", "tp2_cp2_gqa_g1_lt_tp",
+             "cp4_step35_window_above_chunk", "tp2_cp2_sp_step35_g1"]
     for rank_results in run_distributed(_gpt_cp_vs_cp1, names, world_size=4):
         _check(rank_results, names, {n: CASES[n][1] for n in names})
 
@@ -308,8 +338,8 @@ def _errors():
                                               cp_comm_type="p2p"))
     catch("config_vs_group", lambda: SDPAttention(_config(1, 1, 8), 1, AttnMaskType.causal,
                                                   "self"))
-    catch("flex", lambda: SDPAttention(_config(1, 2, 8, attention_kernel="flex"), 1,
-                                       AttnMaskType.causal, "self"))
+    catch("varlen", lambda: SDPAttention(_config(1, 2, 8, attention_kernel="varlen"), 1,
+                                         AttnMaskType.causal, "self"))
     attn = SDPAttention(_config(1, 2, 8), 1, AttnMaskType.causal, "self")
     q = torch.zeros(8, 1, 8, 8)
     catch("attention_mask", lambda: attn(q, q, q, torch.zeros(1, 1, 8, 16, dtype=torch.bool)))
@@ -326,8 +356,8 @@ def test_cp_errors_name_the_field_and_value(run_distributed):
         assert "cp_comm_type='p2p'" in messages["cp_comm_type"], messages
         assert "attention_mask" in messages["attention_mask"], messages
         assert "padded length 6" in messages["packed"], messages
-        assert "attention_kernel='flex' does not support context_parallel_size=2" in (
-            messages["flex"])
+        assert "attention_kernel='varlen' does not support context_parallel_size=2" in (
+            messages["varlen"])
         assert "context_parallel_size=1 but the context-parallel group has 2 ranks" in (
             messages["config_vs_group"])
 
@@ -353,21 +383,26 @@ def test_launcher_refuses_bad_cp_layouts(tmp_path):
     assert cfg.data_parallel_size == 2
 
 
-@pytest.mark.parametrize("on_gpu", [False, True], ids=["cpu", "gpu"])
-def test_launcher_refuses_flex_kernel_with_cp(tmp_path, monkeypatch, on_gpu):
-    """CP attention runs the sdpa kernel only: the launcher says so before anything is built,
-    on a CPU and on a GPU (where flex itself would be allowed), naming both values."""
+@pytest.mark.parametrize("on_gpu", [False, True], ids=["cpu_machine", "cuda_machine"])
+def test_launcher_takes_flex_with_cp_on_a_gpu_and_refuses_varlen(tmp_path, monkeypatch, on_gpu):
+    """Under CP the flex kernel trains on a GPU (a CPU has no flex backward); varlen is refused
+    on both, before anything is built, naming both values."""
     from mcore_ext.training.config import ConfigError, load_config, validation
 
     monkeypatch.setattr(validation, "_cuda_available", lambda: on_gpu)
     path = tmp_path / "run.yaml"
     path.write_text("data:\n  source: mock\n")
-    overrides = ["parallelism.context_parallel_size=2", "model.attention_backend=sdpa",
-                 "model.attention_kernel=flex"]
+    overrides = ["parallelism.context_parallel_size=2", "model.attention_backend=sdpa"]
     with pytest.raises(ConfigError) as err:
-        load_config(str(path), overrides, world_size=2)
-    assert ("model.attention_kernel=flex does not support parallelism.context_parallel_size=2"
+        load_config(str(path), overrides + ["model.attention_kernel=varlen"], world_size=2)
+    assert ("model.attention_kernel=varlen does not support parallelism.context_parallel_size=2"
             in str(err.value)), err.value
+    if on_gpu:
+        cfg = load_config(str(path), overrides + ["model.attention_kernel=flex"], world_size=2)
+        assert cfg.model.attention_kernel == "flex"
+    else:
+        with pytest.raises(ConfigError, match="flex trains on a GPU only"):
+            load_config(str(path), overrides + ["model.attention_kernel=flex"], world_size=2)
 
 
 def _split_by_given_group():

@@ -128,8 +128,9 @@ def _full_logits(model, tokens, first_position=0, inference_context=None):
             model(tokens, positions, None, inference_context=inference_context))
 
 
-def _model_vs_reference(tp, runs, dtype="fp32"):
-    """For each (case, backend, kernel): max abs diff of the logits to the reference.
+def _model_vs_reference(tp, runs, dtype="fp32", seq=SEQ):
+    """For each (case, backend, kernel): max abs diff of the logits to the reference, on ``seq``
+    tokens (above 16 the sliding layers, window 3, run the banded sdpa path).
 
     bf16: the model is built in bf16 on the bf16-rounded weights; the reference computes in fp32
     on the same rounded weights. Also returned: the RMS of the difference, and the difference to
@@ -139,7 +140,7 @@ def _model_vs_reference(tp, runs, dtype="fp32"):
     from mcore_ext._cpu_compat import cuda_to_cpu
 
     mcore_ext.init_parallel(tensor_model_parallel_size=tp)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(3))
+    tokens = torch.randint(0, VOCAB, (BATCH, seq), generator=torch.Generator().manual_seed(3))
     bf16 = dtype == "bf16"
     results = {}
     for case, backend, kernel in runs:
@@ -151,11 +152,11 @@ def _model_vs_reference(tp, runs, dtype="fp32"):
             weights = _rounded_to_bf16(weights)
         expected = reference.step35_logits(tokens, weights, layers, EPS)
         with cuda_to_cpu():  # the local backend allocates its masks on "cuda"
-            model = mcore_ext.build_gpt_model(config, vocab_size=VOCAB, max_sequence_length=SEQ,
+            model = mcore_ext.build_gpt_model(config, vocab_size=VOCAB, max_sequence_length=seq,
                                               backend=backend)
             load_global_weights(model, config, weights)
             logits = _full_logits(model, tokens)
-            checked = backend != "sdpa" and not bf16
+            checked = backend != "sdpa" and not bf16 and seq == SEQ
             mask_checks = _mask_checks(model, tokens, logits) if checked else {}
         unclamped = [dict(kind, swiglu_limit=None) for kind in layers]
         clamp_effect = (reference.step35_logits(tokens, weights, unclamped, EPS)
@@ -204,13 +205,20 @@ RUNS = [(case, backend, kernel) for case in CASES
         for backend, kernel in (("sdpa", "sdpa"), ("sdpa", "flex"), ("local", "sdpa"))]
 
 
-@pytest.mark.parametrize("tp, world_size, runs", [
-    (1, 2, RUNS),
-    pytest.param(2, 2, RUNS, marks=pytest.mark.smoke),  # also on megatron-core 0.16 - 0.18
-    pytest.param(4, 4, [("gqa", "sdpa", "sdpa"), ("gqa", "local", "sdpa")], marks=pytest.mark.slow),
+# Sliding layers on 40 tokens (window 3, blocks of 8): the banded sdpa path in the whole model.
+BANDED_RUNS = [(case, "sdpa", "sdpa") for case in CASES]
+
+
+@pytest.mark.parametrize("tp, world_size, runs, seq", [
+    (1, 2, RUNS, SEQ),
+    pytest.param(2, 2, RUNS, SEQ, marks=pytest.mark.smoke),  # also on megatron-core 0.16 - 0.18
+    pytest.param(4, 4, [("gqa", "sdpa", "sdpa"), ("gqa", "local", "sdpa")], SEQ,
+                 marks=pytest.mark.slow),
+    pytest.param(2, 2, BANDED_RUNS, 40, id="banded-tp2"),
 ])
-def test_step35_model_matches_hf_formulas(run_distributed, tp, world_size, runs):
-    per_rank = run_distributed(_model_vs_reference, tp, runs, world_size=world_size)
+def test_step35_model_matches_hf_formulas(run_distributed, tp, world_size, runs, seq):
+    per_rank = run_distributed(_model_vs_reference, tp, runs, "fp32", seq,
+                               world_size=world_size)
     for rank, results in enumerate(per_rank):
         for run, r in results.items():
             assert r["diff"] <= TOL, (rank, run, r)
@@ -220,8 +228,10 @@ def test_step35_model_matches_hf_formulas(run_distributed, tp, world_size, runs)
                 assert r["causal_mask_diff"] <= TOL and r["padding_refused"], (run, r)
 
 
-def test_step35_model_in_bf16_matches_hf_formulas_within_bf16_rounding(run_distributed):
-    for rank, results in enumerate(run_distributed(_model_vs_reference, 2, RUNS, "bf16",
+@pytest.mark.parametrize("runs, seq", [(RUNS, SEQ), (BANDED_RUNS, 40)], ids=["dense", "banded"])
+def test_step35_model_in_bf16_matches_hf_formulas_within_bf16_rounding(run_distributed, runs,
+                                                                        seq):
+    for rank, results in enumerate(run_distributed(_model_vs_reference, 2, runs, "bf16", seq,
                                                    world_size=2)):
         for run, r in results.items():
             assert r["dtype"] == "torch.bfloat16", (run, r)

@@ -190,3 +190,48 @@ def test_mtp_layers_take_their_kind_from_padded_or_main_only_lists():
     # Step's rule: MTP layers without entries are sliding and unclamped.
     assert [main_only.layer_type(n) for n in (5, 6)] == ["sliding_attention"] * 2
     assert [main_only.swiglu_limit(n) for n in (5, 6)] == [None, None]
+
+
+# -------------------------------------------------------------- context parallelism
+
+
+def _mtp_cp_vs_cp1(cp):
+    """Main and MTP logits at CP ``cp`` (this rank's tokens) against CP 1 on the same weights.
+    SEQ 8 at CP 2 is 4 chunks of 2 tokens: every sliding layer (window 3), MTP depth 0's
+    included, takes its halo from the chunk before, on another rank for half the chunks."""
+    import torch.distributed as dist
+
+    import mcore_ext
+    from mcore_ext.attention import context_parallel
+    from mcore_ext.models import mtp_logits
+
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(SEQ).expand_as(tokens)
+    logits = {}
+    for size in (1, cp):
+        mcore_ext.init_parallel(context_parallel_size=size)
+        model, *_ = _build_loaded(1, True, context_parallel_size=size)
+        batch = dict(tokens=tokens, positions=positions)
+        if size > 1:
+            batch = context_parallel.get_batch_on_this_cp_rank(batch)
+        with torch.no_grad():
+            logits[size] = [model(batch["tokens"], batch["positions"], None)] + mtp_logits(
+                model, batch["tokens"], batch["positions"])
+        mcore_ext.destroy_parallel()
+    # Positions of this rank's tokens: depth k is compared where it has real inputs.
+    local_positions = context_parallel.zigzag_positions(SEQ // cp, cp, dist.get_rank())
+    diffs = []
+    for depth, (full, local) in enumerate(zip(logits[1], logits[cp])):
+        keep = local_positions < SEQ - depth if depth else torch.ones_like(local_positions).bool()
+        expected = full[:, local_positions]
+        diffs.append((local[:, keep] - expected[:, keep]).abs().max().item())
+    return diffs
+
+
+def test_mtp_sliding_layers_under_cp2_match_cp1(run_distributed):
+    from mcore_ext import _mcore_compat
+
+    if _mcore_compat.megatron_core_version().startswith("0.16"):
+        pytest.skip("Step's MTP needs megatron-core >= 0.17 (process_mtp_loss)")
+    for diffs in run_distributed(_mtp_cp_vs_cp1, 2, world_size=2):
+        assert len(diffs) == 1 + MTP_DEPTHS and max(diffs) <= TOL, diffs

@@ -131,11 +131,12 @@ def validate(cfg: PretrainConfig, world_size: int) -> None:
 
     if m.attention_kernel in ("flex", "varlen"):
         kernel = m.attention_kernel
-        if cp > 1:  # no hardware helps: say it first
+        if cp > 1 and kernel == "varlen":  # no hardware helps: say it first
             raise ConfigError(
-                f"model.attention_kernel={kernel} does not support "
-                f"parallelism.context_parallel_size={cp}: context parallelism uses the sdpa "
-                "kernel (set model.attention_kernel=sdpa or parallelism.context_parallel_size=1)"
+                f"model.attention_kernel=varlen does not support "
+                f"parallelism.context_parallel_size={cp}: under context parallelism use the sdpa "
+                "or flex kernel (set model.attention_kernel=sdpa or flex, or "
+                "parallelism.context_parallel_size=1)"
             )
         if m.attention_backend != "sdpa":
             raise ConfigError(
