@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Sliding-window attention at long context: what one layer's core attention costs per token.
 
-One process measures, side by side at each sequence length (rounds alternate between the
-variants, so drift in the machine's load hits all alike), forward + backward of:
+One process measures, side by side (each round runs every length and variant once, so drift in
+the machine's load hits all alike), forward + backward of:
 
     sliding     this tree's ``SDPAttention`` with a causal window (banded: 2B keys per query)
     full        this tree's ``SDPAttention``, causal, no window (SDPA's is_causal)
@@ -69,18 +69,19 @@ def main(argv=None):
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[
         args.dtype or ("bf16" if on_gpu else "fp32")]
     mcore_ext.init_parallel()
+    # Every (length, variant) once per round, so the ratios across lengths are side by side too.
+    cells = [(seq, name) for seq in args.seqs
+             for name in ["sliding"] + (["full", "dense mask"] if seq <= args.controls_up_to
+                                        else [])]
+    steps = {cell: _step(args, cell[1], cell[0], dtype) for cell in cells}
+    runs = {cell: [] for cell in cells}
+    for _ in range(args.rounds):
+        for cell in cells:
+            runs[cell].append(_measure(steps[cell], on_gpu))
     figures = {}
-    for seq in args.seqs:
-        variants = ["sliding"] + (["full", "dense mask"] if seq <= args.controls_up_to else [])
-        steps = {name: _step(args, name, seq, dtype) for name in variants}
-        runs = {name: [] for name in variants}
-        for _ in range(args.rounds):
-            for name in variants:
-                runs[name].append(_measure(steps[name], on_gpu))
-        figures[seq] = {name: dict(seconds=statistics.median(r[0] for r in rs),
-                                   peak=statistics.median(r[1] for r in rs))
-                        for name, rs in runs.items()}
-        del steps
+    for (seq, name), rs in runs.items():
+        figures.setdefault(seq, {})[name] = dict(seconds=statistics.median(r[0] for r in rs),
+                                                  peak=statistics.median(r[1] for r in rs))
     _report(args, figures, dtype, on_gpu)
 
 
