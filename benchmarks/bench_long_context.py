@@ -6,8 +6,9 @@ the machine's load hits all alike), forward + backward of:
 
     sliding     this tree's ``SDPAttention`` with a causal window (banded: 2B keys per query)
     full        this tree's ``SDPAttention``, causal, no window (SDPA's is_causal)
-    dense mask  the control: SDPA under a dense [s, s] window mask, which is what a sliding layer
-                computed before the banded path (every masked-out score too)
+    dense mask  the control: SDPA under a dense [s, s] window mask made for the batch, which is
+                what a sliding layer computed before the banded path (every masked-out score
+                too)
 
 with the same heads, so ratios are per head. Time: the median step over ``--rounds``; peak: the
 activation high-water mark of one step (GPU: max_memory_allocated minus what was allocated
@@ -102,12 +103,11 @@ def _step(args, variant, seq, dtype):
     q, k, v = (x.to(dev, dtype).requires_grad_(True) for x in (q, k, v))
     upstream = torch.randn(seq, args.batch, args.heads * args.head_dim, generator=g).to(dev, dtype)
     if variant == "dense mask":
-        i = torch.arange(seq, device=dev)
-        offset = i.unsqueeze(1) - i.unsqueeze(0)
-        mask = torch.zeros(seq, seq, dtype=dtype, device=dev).masked_fill(
-            (offset < 0) | (offset >= args.window), float("-inf"))
-
-        def attend():
+        def attend():  # the mask is made per batch, as it was, so its memory is in the step
+            i = torch.arange(seq, device=dev)
+            offset = i.unsqueeze(1) - i.unsqueeze(0)
+            mask = torch.zeros(seq, seq, dtype=dtype, device=dev).masked_fill(
+                (offset < 0) | (offset >= args.window), float("-inf"))
             out = F.scaled_dot_product_attention(
                 *(x.permute(1, 2, 0, 3) for x in (q, k, v)), attn_mask=mask,
                 enable_gqa=args.heads != args.groups)
