@@ -1,13 +1,14 @@
 #!/usr/bin/env python
 """Sliding-window attention at long context: what one layer's core attention costs per token.
 
-One process measures, side by side at each sequence length (rounds alternate between the
-variants, so drift in the machine's load hits all alike), forward + backward of:
+One process measures, side by side (each round runs every length and variant once, so drift in
+the machine's load hits all alike), forward + backward of:
 
     sliding     this tree's ``SDPAttention`` with a causal window (banded: 2B keys per query)
     full        this tree's ``SDPAttention``, causal, no window (SDPA's is_causal)
-    dense mask  the control: SDPA under a dense [s, s] window mask, which is what a sliding layer
-                computed before the banded path (every masked-out score too)
+    dense mask  the control: SDPA under a dense [s, s] window mask made for the batch, which is
+                what a sliding layer computed before the banded path (every masked-out score
+                too)
 
 with the same heads, so ratios are per head. Time: the median step over ``--rounds``; peak: the
 activation high-water mark of one step (GPU: max_memory_allocated minus what was allocated
@@ -69,18 +70,19 @@ def main(argv=None):
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[
         args.dtype or ("bf16" if on_gpu else "fp32")]
     mcore_ext.init_parallel()
+    # Every (length, variant) once per round, so the ratios across lengths are side by side too.
+    cells = [(seq, name) for seq in args.seqs
+             for name in ["sliding"] + (["full", "dense mask"] if seq <= args.controls_up_to
+                                        else [])]
+    steps = {cell: _step(args, cell[1], cell[0], dtype) for cell in cells}
+    runs = {cell: [] for cell in cells}
+    for _ in range(args.rounds):
+        for cell in cells:
+            runs[cell].append(_measure(steps[cell], on_gpu))
     figures = {}
-    for seq in args.seqs:
-        variants = ["sliding"] + (["full", "dense mask"] if seq <= args.controls_up_to else [])
-        steps = {name: _step(args, name, seq, dtype) for name in variants}
-        runs = {name: [] for name in variants}
-        for _ in range(args.rounds):
-            for name in variants:
-                runs[name].append(_measure(steps[name], on_gpu))
-        figures[seq] = {name: dict(seconds=statistics.median(r[0] for r in rs),
-                                   peak=statistics.median(r[1] for r in rs))
-                        for name, rs in runs.items()}
-        del steps
+    for (seq, name), rs in runs.items():
+        figures.setdefault(seq, {})[name] = dict(seconds=statistics.median(r[0] for r in rs),
+                                                  peak=statistics.median(r[1] for r in rs))
     _report(args, figures, dtype, on_gpu)
 
 
@@ -101,12 +103,11 @@ def _step(args, variant, seq, dtype):
     q, k, v = (x.to(dev, dtype).requires_grad_(True) for x in (q, k, v))
     upstream = torch.randn(seq, args.batch, args.heads * args.head_dim, generator=g).to(dev, dtype)
     if variant == "dense mask":
-        i = torch.arange(seq, device=dev)
-        offset = i.unsqueeze(1) - i.unsqueeze(0)
-        mask = torch.zeros(seq, seq, dtype=dtype, device=dev).masked_fill(
-            (offset < 0) | (offset >= args.window), float("-inf"))
-
-        def attend():
+        def attend():  # the mask is made per batch, as it was, so its memory is in the step
+            i = torch.arange(seq, device=dev)
+            offset = i.unsqueeze(1) - i.unsqueeze(0)
+            mask = torch.zeros(seq, seq, dtype=dtype, device=dev).masked_fill(
+                (offset < 0) | (offset >= args.window), float("-inf"))
             out = F.scaled_dot_product_attention(
                 *(x.permute(1, 2, 0, 3) for x in (q, k, v)), attn_mask=mask,
                 enable_gqa=args.heads != args.groups)
