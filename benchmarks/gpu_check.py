@@ -99,6 +99,7 @@ STEPS = [
          "cache, recompute, offloading, CP on NCCL, HF import / export, launcher bf16 + async "
          "checkpoints, MoE; without CUDA each is skipped by the test suite with its reason",
          ["{py}", "-m", "pytest", "tests", "-m", "gpu", "-q", "-p", "no:cacheprovider",
+          "--ignore=tests/bridge", "--ignore=tests/upstream",
           "--timeout", "300", "--junitxml", "{work}/junit.xml"],
          timeout_s=330, needs_cuda=False, figures="junit"),
     Step("gate-cost", 1, "bench_gate.py --preset gpu: head-wise gate vs none vs megatron's "

@@ -198,7 +198,7 @@ def test_every_field_has_a_docstring_comment():
 
 
 @pytest.mark.parametrize("world_size", [1, 8])
-@pytest.mark.parametrize("name", ["gpt_125m.yaml", "step35_attention.yaml"])
+@pytest.mark.parametrize("name", ["gpt_125m.yaml", "gpt_1b.yaml", "step35_attention.yaml"])
 def test_gpu_configs_validate(name, world_size):
     cfg = load_config(str(CONFIGS / name), world_size=world_size)  # bf16 validates on a CPU too
     assert cfg.model.head_wise_attn_gate and cfg.training.precision == "bf16"
