@@ -40,8 +40,10 @@ from mcore_ext.training.megatron_configs import (
     transformer_config,
 )
 
-# Dense bf16 / fp16 peak TFLOP/s per device, for MFU (logging.peak_tflops overrides).
-_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
+# Dense bf16 / fp16 peak TFLOP/s per device, for MFU (logging.peak_tflops overrides); the first
+# key in the device's name wins (SXM parts are named without a suffix).
+_PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H200 NVL": 835.0, "H200": 989.0,
+                "H100": 989.0, "A100": 312.0}
 
 
 def pretrain(cfg) -> None:
