@@ -246,3 +246,18 @@ def test_gate_init_bias_without_qkv_bias_is_kept_not_rewritten(tmp_path):
     assert config.effective_head_wise_attn_gate_init_bias == 0.0
     cfg.model.add_qkv_bias = True
     assert transformer_config(cfg).effective_head_wise_attn_gate_init_bias == 2.0
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.yaml")))
+def test_shipped_configs_start_their_gates_as_configured(name):
+    """No shipped config asks for a gate init bias its model has no bias rows for (which would
+    warn on every rank): the configured value is the effective one."""
+    from mcore_ext.training.config import PretrainConfig
+    from mcore_ext.training.config.overrides import apply_overrides, build, read_yaml
+    from mcore_ext.training.megatron_configs import transformer_config
+
+    raw = apply_overrides(read_yaml(str(CONFIGS / name)), ["training.precision=fp32"])
+    config = transformer_config(build(PretrainConfig, raw))
+    if config.head_wise_attn_gate:
+        assert config.effective_head_wise_attn_gate_init_bias == \
+            config.head_wise_attn_gate_init_bias, (name, config.head_wise_attn_gate_init_bias)
