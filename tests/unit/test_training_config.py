@@ -261,3 +261,33 @@ def test_shipped_configs_start_their_gates_as_configured(name):
     if config.head_wise_attn_gate:
         assert config.effective_head_wise_attn_gate_init_bias == \
             config.head_wise_attn_gate_init_bias, (name, config.head_wise_attn_gate_init_bias)
+
+
+def test_eta_leaves_out_the_first_step():
+    """The first step (compilation, allocation) gives no estimate; later ones use the mean of
+    the steps after it: 90 steps left x 1 s, not x the first step's 10 s."""
+    from mcore_ext.training.loop import _Eta
+
+    eta = _Eta(first_iteration=1)
+    assert eta.seconds_left(1, 1, 10.0, 100) is None
+    assert eta.seconds_left(10, 9, 9.0, 100) == pytest.approx(90.0)
+    assert eta.seconds_left(20, 10, 12.0, 100) == pytest.approx(80 * 21.0 / 19)
+    resumed = _Eta(first_iteration=51)  # a resumed run's first step warms up too
+    assert resumed.seconds_left(51, 1, 7.0, 100) is None
+
+
+def test_config_goes_to_the_run_directory_and_a_summary_to_the_console(tmp_path, capsys):
+    from mcore_ext.training.loop import _announce_config
+
+    cfg = load_config(str(CONFIGS / "tiny_cpu.yaml"),
+                      [f"logging.metrics_file={tmp_path / 'run' / 'metrics.jsonl'}"], world_size=2)
+    _announce_config(cfg)
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line == ("[config] 2 layers x 128 hidden, 4 heads, seq 128, gate on, sdpa; 100 "
+                    f"iterations, lr 0.003 (cosine); resolved configuration in "
+                    f"{tmp_path / 'run' / 'config.yaml'}")
+    assert load_config(str(tmp_path / "run" / "config.yaml"), world_size=2) == cfg
+    nowhere = load_config(str(CONFIGS / "tiny_cpu.yaml"),
+                          ["logging.metrics_file=null", "checkpoint.save=null"], world_size=2)
+    _announce_config(nowhere)  # nothing keeps it: the console gets all of it
+    assert "head_wise_attn_gate: true" in capsys.readouterr().out
