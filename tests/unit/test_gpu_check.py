@@ -93,3 +93,20 @@ def test_stages_fit_the_device_calls():
     calls = gpu_check.device_calls()
     assert calls.count('carry=[".gpu_wheels"]') == len(gpu_check.STAGES)
     assert ".gpu_wheels" in (ROOT / ".gitignore").read_text()  # carried paths must be ignored
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the skip of a machine without CUDA")
+def test_gpu_skip_follows_the_marker_not_a_folder_named_gpu(tmp_path):
+    """tests/conftest.py skips tests marked gpu; a checkout in a folder named gpu (pytest's
+    keywords hold folder names) once had every test skipped."""
+    folder = tmp_path / "gpu"
+    folder.mkdir()
+    (folder / "conftest.py").write_text("from tests.conftest import pytest_collection_modifyitems"
+                                        "  # noqa: F401\n")
+    (folder / "test_x.py").write_text("import pytest\n\ndef test_plain():\n    pass\n\n"
+                                      "@pytest.mark.gpu\ndef test_marked():\n    pass\n")
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                             "-o", "markers=gpu", "-rs", str(folder)], capture_output=True,
+                            text=True, cwd=folder, timeout=300,
+                            env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert "1 passed, 1 skipped" in result.stdout, result.stdout[-2000:]
