@@ -94,25 +94,25 @@ def _attention(name, kernel, seq, stage, extra=(), timeout_s=150):
 
 
 STEPS = [
-    # ------------------------------------------------------------ stage 1: tests, the gate's cost
+    # ------------------------------------------------------------------------ stage 1: tests
     Step("gpu-tests", 1, "the tests marked gpu (pytest -m gpu): gated layer, layer kinds, KV "
          "cache, recompute, offloading, CP on NCCL, HF import / export, launcher bf16 + async "
          "checkpoints, MoE; without CUDA each is skipped by the test suite with its reason",
-         ["{py}", "-m", "pytest", "tests", "-m", "gpu", "-q", "-p", "no:cacheprovider",
+         ["{py}", "-m", "pytest", "tests", "-m", "gpu", "-v", "-p", "no:cacheprovider",
           "--ignore=tests/bridge", "--ignore=tests/upstream",
           "--timeout", "300", "--junitxml", "{work}/junit.xml"],
-         timeout_s=330, needs_cuda=False, figures="junit"),
-    Step("gate-cost", 1, "bench_gate.py --preset gpu: head-wise gate vs none vs megatron's "
+         timeout_s=520, needs_cuda=False, figures="junit"),
+    # ---------------------------------------- stage 2: the gate's cost, attention kernels, MoE
+    Step("gate-cost", 2, "bench_gate.py --preset gpu: head-wise gate vs none vs megatron's "
          "attention_output_gate, one layer and a 4-layer block (bf16, hidden 4096, 32 heads, "
          "seq 4096, forward + backward)",
          ["{py}", "benchmarks/bench_gate.py", "--preset", "gpu", "--json", "{work}/bench_gate.json"],
          timeout_s=200, script="benchmarks/bench_gate.py", figures="bench_gate",
          json_name="bench_gate.json"),
-    # ------------------------------------------------------- stage 2: attention kernels and MoE
     *[_attention(f"attention-32k-packed-{k}", k, 32768, 2, extra=("--packed", "8"))
       for k in ("sdpa", "flex", "varlen")],
-    *[_attention(f"sliding-{s // 1024}k-{k}", k, s, 2, extra=("--layers", "4"))
-      for s in (32768, 131072) for k in ("sdpa", "flex")],
+    *[_attention(f"sliding-32k-{k}", k, 32768, 2, extra=("--layers", "4"))
+      for k in ("sdpa", "flex")],
     Step("moe-grouped-vs-sequential", 2, "MoE grouped experts vs the sequential loop, 64-288 "
          "experts (a benchmark the MoE work adds; it must take --preset gpu --json PATH)",
          ["{py}", "benchmarks/bench_moe.py", "--preset", "gpu", "--json", "{work}/bench_moe.json"],
@@ -130,6 +130,8 @@ STEPS = [
     _launcher("gpt_1b.yaml", False, 15, "train-1b-gate-off"),
     _launcher("gpt_125m.yaml", True, 30, "train-125m-gate-on"),
     _launcher("gpt_125m.yaml", False, 30, "train-125m-gate-off"),
+    *[_attention(f"sliding-128k-{k}", k, 131072, 3, extra=("--layers", "4"))
+      for k in ("sdpa", "flex")],
 ]
 STAGES = sorted({s.stage for s in STEPS})
 
@@ -277,6 +279,8 @@ def _run_step(step: Step, work: str, deadline: float, log) -> dict:
             if step.figures else None
     except (OSError, ValueError, KeyError, ET.ParseError) as err:
         result["figures_error"] = f"{type(err).__name__}: {err}"
+        if step.figures == "junit":  # cut short before pytest wrote its XML: its -v lines
+            figures = _pytest_lines(output)
     if figures is not None:
         result["figures"] = figures
     timed_out = code in (-9, 137) or "[gpu_check] killed after" in output
@@ -320,6 +324,19 @@ def _junit(path) -> dict:
     for t in tests.values():
         counts[t["status"]] = counts.get(t["status"], 0) + 1
     return dict(counts=counts, tests=tests)
+
+
+def _pytest_lines(output: str) -> dict:
+    """pytest -v's "tests/x.py::test PASSED" lines -> the figures _junit gives (no reasons)."""
+    tests = {}
+    for name, outcome in re.findall(r"^(tests/\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR)", output,
+                                    re.MULTILINE):
+        tests[name] = dict(status={"PASSED": "passed", "FAILED": "failed", "SKIPPED": "skipped",
+                                   "ERROR": "error"}[outcome])
+    counts = {}
+    for t in tests.values():
+        counts[t["status"]] = counts.get(t["status"], 0) + 1
+    return dict(counts=counts, tests=tests, cut_short=True)
 
 
 def _bench_gate(path) -> dict:

@@ -64,6 +64,14 @@ def test_launcher_metrics_leave_out_the_first_step(tmp_path):
     assert figures["mfu"] == pytest.approx(0.4 / 1.1) and figures["peak_memory_gb"] == 3.5
 
 
+def test_tests_cut_short_are_read_from_pytest_lines():
+    output = ("tests/unit/test_a.py::test_one[sdpa-bf16] PASSED     [ 50%]\n"
+              "tests/unit/test_a.py::test_two FAILED                [100%]\n")
+    figures = gpu_check._pytest_lines(output)
+    assert figures["counts"] == {"passed": 1, "failed": 1} and figures["cut_short"]
+    assert figures["tests"]["tests/unit/test_a.py::test_one[sdpa-bf16]"]["status"] == "passed"
+
+
 def test_collect_replaces_a_stage_collected_again(tmp_path):
     def stage(number, status):
         return dict(stage=number, date="2026-01-02", device="NVIDIA H100 80GB HBM3", torch="2.11",
