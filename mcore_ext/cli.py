@@ -27,7 +27,9 @@ def report_error(message: str, seen_by_every_rank: bool = True) -> int:
         return USAGE_ERROR
     where = "" if seen_by_every_rank or os.environ.get("WORLD_SIZE", "1") == "1" else \
         f"[rank {os.environ.get('RANK')}] "
-    print(f"error: {where}{' '.join(str(message).split())}", file=sys.stderr, flush=True)
+    # One write: lines of ranks printing at once stay whole.
+    sys.stderr.write(f"error: {where}{' '.join(str(message).split())}\n")
+    sys.stderr.flush()
     return USAGE_ERROR
 
 

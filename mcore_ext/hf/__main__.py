@@ -119,8 +119,9 @@ def _layout_error(args, world_size: int) -> str | None:
 
 
 def _seen_by_every_rank(err: BaseException) -> bool:
-    """Errors every rank raises alike: configs (each rank reads the same files), errors
-    gathered over the ranks (raise_unless_all_ok, torch's and megatron's checkpoint errors)."""
+    """Errors every rank raises alike: configs and missing inputs (each rank reads the same
+    files), errors gathered over the ranks (raise_unless_all_ok, torch's and megatron's checkpoint
+    errors). Others (a shard only this rank reads, a failed write) name their rank."""
     import yaml
     from megatron.core.dist_checkpointing.core import CheckpointingException
     from torch.distributed.checkpoint.api import CheckpointException
@@ -131,7 +132,7 @@ def _seen_by_every_rank(err: BaseException) -> bool:
 
     return getattr(err, "on_every_rank", False) or isinstance(err, (
         HFConfigError, ConfigError, GateLayoutMismatch, yaml.YAMLError, CheckpointingException,
-        CheckpointException))
+        CheckpointException, FileNotFoundError, NotADirectoryError))
 
 
 def _user_errors() -> tuple:
