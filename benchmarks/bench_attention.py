@@ -198,14 +198,14 @@ def _report(args, runs):
         print(f"{name:32}{seconds:>16.3f}{peak:>19.1f}")
     for name, fig in figures.items():
         print(f"  {name} attention ops: {', '.join(fig['runs'][0]['kernels']) or '-'}")
+    if args.json:  # with --no-ref too (one tree)
+        with open(args.json, "w") as f:
+            json.dump(dict(args=vars(args), figures=figures), f, indent=1)
     if len(figures) == 1:
         return
     (ref, ours) = figures.values()
     print(f"ratio this / ref: time {ours['seconds'] / ref['seconds']:.3f}, peak "
           f"{ours['peak_mib'] / ref['peak_mib']:.3f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(args=vars(args), figures=figures), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,9 @@ there were one megatron-core; each shim below says which releases need it and wh
    from 0.17, whose arguments grew in later releases; Step-3.5's MTP needs that function
    (``check_mtp_supported``).
 7. megatron.training (mcore_ext.megatron_lm): 0.19 only (``check_megatron_training``); the wheel's
-   dataset helpers come compiled, without the Makefile megatron runs (``skip_dataset_helper_...``).
+   dataset helpers come compiled, without the Makefile megatron runs (``skip_dataset_helper_...``);
+   0.19.2's help of ``--moe-paged-stash-buffer-size-factor-cuda`` has an unescaped ``%``, which
+   makes ``--help`` raise (``escape_help_percent_signs``).
 8. The MoE aux-loss tracker moved from a dict in ``moe_utils`` (0.16, 0.17) to a
    ``MoEMetricsTracker`` in ``moe_logging`` (0.18+) (``take_moe_aux_losses``).
 9. 0.16's fp32 router GEMM reads ``moe_utils.te_general_gemm``, which it defines only when
@@ -339,6 +341,18 @@ def skip_dataset_helper_compilation() -> None:
     except ImportError:
         return  # a source tree: megatron compiles it as usual
     dataset_utils.compile_helpers = lambda: None
+
+
+def escape_help_percent_signs(parser) -> None:
+    """Escape the ``%`` of a flag's help that argparse cannot format (it formats every help with
+    ``%``: ``--help`` raised ValueError: unsupported format character)."""
+    for action in parser._actions:
+        if not action.help or "%" not in action.help:
+            continue
+        try:
+            action.help % dict(vars(action), prog=parser.prog)
+        except (ValueError, TypeError, KeyError):
+            action.help = action.help.replace("%", "%%")
 
 
 # ------------------------------------------------------------------- 8. MoE aux-loss tracker

@@ -181,7 +181,9 @@ def raise_unless_all_ok(failure: Exception | None, what: str, error=RuntimeError
     mine = f"{type(failure).__name__}: {failure}" if failure is not None else None
     dist.all_gather_object(reports, mine)
     failed = ", ".join(f"rank {r} ({m})" for r, m in enumerate(reports) if m is not None)
-    raise error(f"{what} on {failed}") from failure
+    combined = error(f"{what} on {failed}")
+    combined.on_every_rank = True  # one rank reporting it is enough (mcore_ext.cli)
+    raise combined from failure
 
 
 def _restart_store(timeout) -> dict:

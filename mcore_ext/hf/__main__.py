@@ -3,13 +3,16 @@
 Runs as one process (TP = PP = 1) or under torchrun at any TP / PP / EP (``--tp``, ``--pp``,
 ``--ep``, ``--etp``). ``plan`` (HF_DIR or its config.json; no weights read) prints parameters and
 memory per rank at ``--tp --pp --ep --dp``. Errors are one ``error:`` line and exit code 2, with
-nothing written.
+nothing written; under torchrun the first rank prints a mistake every rank finds (a layout the
+world size does not divide, a bad config), a rank's own failure names the rank.
 """
 
 import argparse
+import os
 import sys
 import time
 
+from mcore_ext.cli import quiet_known_noise, report_error
 from mcore_ext.precision import DTYPES
 
 _DTYPES = {"auto": None, **DTYPES}
@@ -40,15 +43,24 @@ def main(argv=None) -> int:
                      help="optimizer state on every DP rank (default: sharded over DP)")
     pln.add_argument("--gpu-gib", type=float, default=80.0, help="memory of one GPU")
     pln.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    for p in (imp, exp):
+        p.add_argument("--tp", type=int, default=1,
+                       help="tensor-parallel size (run under torchrun with a multiple of TP x PP "
+                            "processes)")
+        p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (as --tp)")
+    pln.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the plan")
+    pln.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the plan")
     for p in (imp, exp, pln):
-        p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (under torchrun)")
-        p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (under torchrun)")
         p.add_argument("--ep", type=int, default=1, help="expert-parallel size")
         p.add_argument("--etp", type=int, default=None,
                        help="expert-tensor-parallel size (default: --tp)")
     args = parser.parse_args(argv)
+    quiet_known_noise()
     if args.command == "plan":
         return _plan(args)
+    layout_error = _layout_error(args, int(os.environ.get("WORLD_SIZE", "1")))
+    if layout_error:  # before any process group: every rank finds it, the first says it
+        return report_error(layout_error)
 
     import mcore_ext
 
@@ -60,8 +72,7 @@ def main(argv=None) -> int:
             raise
         # Conversion errors (mcore_ext.hf's, megatron's checkpoint and process-group errors,
         # files): one line for the user; nothing was written (the writers stage their files).
-        print(f"error: {_one_line(err)}", file=sys.stderr)
-        return 2
+        return report_error(_one_line(err), seen_by_every_rank=_seen_by_every_rank(err))
     finally:
         mcore_ext.destroy_parallel()
     print(f"[hf] {args.command}: wrote {out} in {time.perf_counter() - start:.1f}s")
@@ -88,6 +99,40 @@ def _run(args) -> str:
         export_checkpoint(args.ckpt_dir, args.hf_dir, vocab_size=args.vocab_size,
                           max_shard_bytes=int(args.max_shard_size * 1024**3))
         return args.hf_dir
+
+
+def _layout_error(args, world_size: int) -> str | None:
+    """What init_parallel would refuse, found without a process group."""
+    sizes = dict(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp or args.tp)
+    for name, size in sizes.items():
+        if size < 1:
+            return f"--{name} {size}: expected a positive integer"
+    for names in (("tp", "pp"), ("etp", "ep", "pp")):
+        product = 1
+        for name in names:
+            product *= sizes[name]
+        if world_size % product:
+            terms = " x ".join(f"--{n} {sizes[n]}" for n in names)
+            return (f"{world_size} process(es) are not divisible by {terms} = {product}: run "
+                    f"under torchrun --nproc_per_node=N with N a multiple of {product}")
+    return None
+
+
+def _seen_by_every_rank(err: BaseException) -> bool:
+    """Errors every rank raises alike: configs and missing inputs (each rank reads the same
+    files), errors gathered over the ranks (raise_unless_all_ok, torch's and megatron's checkpoint
+    errors). Others (a shard only this rank reads, a failed write) name their rank."""
+    import yaml
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from mcore_ext.checkpoint import GateLayoutMismatch
+    from mcore_ext.hf.config import HFConfigError
+    from mcore_ext.training.config import ConfigError
+
+    return getattr(err, "on_every_rank", False) or isinstance(err, (
+        HFConfigError, ConfigError, GateLayoutMismatch, yaml.YAMLError, CheckpointingException,
+        CheckpointException, FileNotFoundError, NotADirectoryError))
 
 
 def _user_errors() -> tuple:
@@ -118,7 +163,6 @@ def _one_line(err: BaseException) -> str:
 
 def _plan(args) -> int:
     import json
-    import os
 
     from mcore_ext.hf import plan
     from mcore_ext.hf.config import HFConfigError, Step35Config
@@ -133,8 +177,7 @@ def _plan(args) -> int:
                          distributed_optimizer=not args.no_distributed_optimizer,
                          make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
     except (OSError, ValueError, HFConfigError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return report_error(str(err))
     print(plan.format_plan(spec, rows, tp=args.tp, pp=args.pp, ep=args.ep, dp=args.dp,
                            etp=args.etp, gpu_gib=args.gpu_gib))
     return 0

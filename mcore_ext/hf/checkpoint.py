@@ -56,7 +56,8 @@ def launcher_model_section(spec: Step35Config, seq_length: int, multiple: int) -
     schema = {f.name for f in dataclasses.fields(ModelConfig)}
     defaults = {f.name: f.default for f in dataclasses.fields(GatedTransformerConfig)}
     for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                "num_query_groups", "kv_channels", "head_wise_attn_gate", "add_qkv_bias",
+                "num_query_groups", "kv_channels", "head_wise_attn_gate",
+                "head_wise_attn_gate_init_bias", "add_qkv_bias",
                 "normalization", "rotary_base", "rotary_percent", "layernorm_epsilon",
                 "layernorm_zero_centered_gamma", "qk_layernorm", "softmax_scale", "layer_types",
                 "sliding_window", "sliding_num_attention_heads", "sliding_num_query_groups",

@@ -401,6 +401,7 @@ class Step35Config:
             num_query_groups=self.num_kv_heads,
             kv_channels=self.head_dim,
             head_wise_attn_gate=True,
+            head_wise_attn_gate_init_bias=0.0,  # no gate bias rows to start (g_proj has no bias)
             add_bias_linear=False,
             add_qkv_bias=False,
             normalization="RMSNorm",

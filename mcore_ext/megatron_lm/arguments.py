@@ -13,8 +13,10 @@ already fills the field, and two flags for one destination would fight.
 
 import argparse
 import dataclasses
+import sys
 
 from mcore_ext import _mcore_compat
+from mcore_ext.cli import report_error
 
 _mcore_compat.check_megatron_training()
 
@@ -23,6 +25,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig  # no
 from mcore_ext.config import GatedTransformerConfig  # noqa: E402
 
 BACKEND_FLAG = "--mcore-ext-backend"
+GROUP_TITLE = "mcore_ext: head-wise attention gate, Step-3.5 layer kinds"
 BACKENDS = ("auto", "sdpa", "local", "te")
 
 
@@ -52,8 +55,18 @@ def add_mcore_ext_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 
     factory = ArgumentGroupFactory(GatedTransformerConfig)
     group = parser.add_argument_group(
-        title="mcore_ext", description="GatedTransformerConfig fields (mcore_ext)"
+        title=GROUP_TITLE,
+        description="GatedTransformerConfig's fields (mcore_ext): the head-wise attention gate "
+                    "(--head-wise-attn-gate), Step-3.5's layer kinds and clamps; and the "
+                    "attention backend",
     )
+    # First in --help, before megatron's ~900 flags (argparse lists groups in creation order).
+    parser._action_groups.remove(group)
+    parser._action_groups.insert(2, group)
+    parser.usage = ("torchrun --nproc_per_node=N -m mcore_ext.megatron_lm.pretrain_gpt "
+                    "[Megatron-LM's flags] [mcore_ext's flags]")
+    parser.description = (f"Megatron-LM's GPT pretraining with mcore_ext's model. mcore_ext's "
+                          f"flags: the group '{GROUP_TITLE}' below; then Megatron-LM's.")
     for field in mcore_ext_fields():
         try:
             kwargs = factory._build_argparse_kwargs_from_field(field)
@@ -73,7 +86,15 @@ def add_mcore_ext_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                  "DotProductAttention), sdpa (torch SDPA, also CPU), auto (te on a GPU with "
                  "Transformer Engine, else sdpa)",
         )
+    _mcore_compat.escape_help_percent_signs(parser)
+    parser.error = _one_line_error
     return parser
+
+
+def _one_line_error(message: str):
+    """argparse's error for megatron's parser: the mistake on one line from the first rank
+    (argparse would print the usage of every flag first, on every rank), exit 2 on all."""
+    sys.exit(report_error(f"{message} (--help lists the flags)"))
 
 
 def transformer_config_from_args(args: argparse.Namespace) -> GatedTransformerConfig:

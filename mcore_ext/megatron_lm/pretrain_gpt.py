@@ -15,11 +15,16 @@ On a machine without CUDA it runs on gloo with mcore_ext's CPU adaptations (test
 
 import functools
 import sys
+import traceback
 
 import torch
 
 import mcore_ext  # noqa: F401  (refuses a megatron-core with a native gate first)
 from mcore_ext import _cpu_compat, _mcore_compat
+from mcore_ext.cli import quiet_known_noise, report_error
+
+if __name__ == "__main__":  # the entry point, not a library import: before megatron.training's
+    quiet_known_noise()
 
 _mcore_compat.check_megatron_training()
 
@@ -118,8 +123,9 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
 train_valid_test_datasets_provider.is_distributed = True
 
 
-def main(argv=None) -> None:
-    """Parse Megatron-LM's flags and mcore_ext's, build the config, run ``pretrain``."""
+def main(argv=None) -> int:
+    """Parse Megatron-LM's flags and mcore_ext's, build the config, run ``pretrain``. A mistake
+    in the flags is one ``error:`` line (the first rank) and exit code 2, before any collective."""
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args
 
@@ -127,19 +133,31 @@ def main(argv=None) -> None:
         sys.argv = [sys.argv[0], *argv]
     _mcore_compat.skip_dataset_helper_compilation()
     with _cpu_compat.megatron_training_on_cpu():  # a no-op context with CUDA
-        args = parse_and_validate_args(
-            extra_args_provider=add_mcore_ext_args,
-            args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
-        )
-        model_config = gated_gpt_config_from_args(args)
-        container = pretrain_cfg_container_from_args(args, model_config)
+        try:
+            args = parse_and_validate_args(
+                extra_args_provider=add_mcore_ext_args,
+                args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
+            )
+            model_config = gated_gpt_config_from_args(args)
+            container = pretrain_cfg_container_from_args(args, model_config)
+        except (AssertionError, ValueError) as err:  # megatron's checks of the flags, and ours
+            return report_error(_message(err))
         pretrain(
             container,
             train_valid_test_datasets_provider,
             ModelType.encoder_or_decoder,
             forward_step,
         )
+    return 0
+
+
+def _message(err: BaseException) -> str:
+    """The error's text; an assert without one (megatron has many) says where it failed."""
+    if str(err):
+        return str(err)
+    frame = traceback.extract_tb(err.__traceback__)[-1]
+    return f"a check failed at {frame.filename}:{frame.lineno}: {frame.line}"
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

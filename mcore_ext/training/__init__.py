@@ -3,10 +3,8 @@
 The entry point is ``launch/pretrain.py``; ``main(argv)`` here is what it calls.
 """
 
-import logging
 import os
 import sys
-import warnings
 
 from mcore_ext.training.config import ConfigError, PretrainConfig, load_config
 
@@ -35,17 +33,15 @@ def main(argv=None) -> int:
         help="with --check: validate for this many ranks (default: $WORLD_SIZE, else 1)",
     )
     args = parser.parse_args(argv)
+    from mcore_ext.cli import quiet_known_noise, report_error
     from mcore_ext.training.faults import CheckpointSaveError, die_with_torchrun
 
     die_with_torchrun()  # a SIGKILL of torchrun ends its ranks too
-    _quiet_known_noise()
+    quiet_known_noise()
     try:
         cfg = load_config(args.config, args.overrides, world_size=args.world_size)
     except ConfigError as err:
-        # Every rank finds the same error; one message is enough.
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {err}", file=sys.stderr, flush=True)
-        return 2
+        return report_error(str(err))  # every rank finds the same error: the first says it
     if args.check:
         print(cfg.to_yaml(), end="")
         return 0
@@ -60,14 +56,3 @@ def main(argv=None) -> int:
     return 0
 
 
-def _quiet_known_noise() -> None:
-    """Silence megatron's import-time notices about optional accelerators (one per rank each)."""
-    for message in (
-        r".*(Apex|Transformer Engine and Apex|absl\.logging) (is|are) not installed",
-        r"MimoModelConfig is experimental",
-        r"full scope is deprecated",
-        r"When using async grad allreduce",
-    ):
-        warnings.filterwarnings("ignore", message=message, category=UserWarning)
-    # Printed for every synchronous torch_dist save, which goes through the async code path.
-    logging.getLogger("megatron.core.dist_checkpointing.strategies.torch").setLevel(logging.ERROR)

@@ -40,8 +40,10 @@ from mcore_ext.training.megatron_configs import (
     transformer_config,
 )
 
-# Dense bf16 / fp16 peak TFLOP/s per device, for MFU (logging.peak_tflops overrides).
-_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
+# Dense bf16 / fp16 peak TFLOP/s per device, for MFU (logging.peak_tflops overrides); the first
+# key in the device's name wins (SXM parts are named without a suffix).
+_PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H200 NVL": 835.0, "H200": 989.0,
+                "H100": 989.0, "A100": 312.0}
 
 
 def pretrain(cfg) -> None:
@@ -179,7 +181,8 @@ class _Trainer:
         self.cfg = cfg
         self.signals = signals  # faults.ExitSignalHandler with checkpoint.exit_on_signal
         self.rank0 = dist.get_rank() == 0
-        self._print(f"[config] resolved configuration:\n{cfg.to_yaml()}")
+        if self.rank0:
+            _announce_config(cfg)
 
         tokenizer = prepare_tokenizer_and_data(cfg)
         self.vocab_size = padded_vocab_size(tokenizer.vocab_size, cfg)
@@ -246,6 +249,7 @@ class _Trainer:
         first = self.iteration + 1
         self._print(f"[train] iterations {first} .. {t.train_iters}")
         window = _Window()
+        self.eta = _Eta(first)
         while self.iteration < t.train_iters:
             loss, grad_norm, ok = self._train_step()
             self.iteration += 1
@@ -424,7 +428,8 @@ class _Trainer:
 
         done = self.iteration / t.train_iters
         bar = "#" * int(20 * done)
-        eta = (t.train_iters - self.iteration) * elapsed / steps
+        eta = self.eta.seconds_left(self.iteration, steps, elapsed, t.train_iters)
+        eta = "" if eta is None else f" | eta {eta:.0f}s"
         mfu = f" | MFU {record['mfu']:.1%}" if "mfu" in record else ""
         self._print(
             f"[{bar:<20}] {self.iteration:>{len(str(t.train_iters))}}/{t.train_iters} "
@@ -432,7 +437,7 @@ class _Trainer:
             + ("" if mtp is None else " | mtp loss " + " ".join(f"{x:.4f}" for x in mtp))
             + f" | lr {record['lr']:.2e} | grad norm "
             f"{record['grad_norm'] or float('nan'):.3f} | {tokens_per_s:,.0f} tok/s | {tflops:.3f} "
-            f"TFLOP/s/device{mfu} | mem {record['peak_memory_gb']:.2f} GB | eta {eta:.0f}s"
+            f"TFLOP/s/device{mfu} | mem {record['peak_memory_gb']:.2f} GB{eta}"
             + "".join(f" | {name} {record[name]:.4f}" for name in _BALANCING_LOSS_NAMES.values()
                       if name in record)
             + (" | step skipped (fp16 overflow)" if not ok else "")
@@ -462,6 +467,43 @@ class _Trainer:
     def _print(self, message):
         if self.rank0:
             print(message, flush=True)
+
+
+def _announce_config(cfg) -> None:
+    """The resolved configuration into the run directory (config.yaml beside the metrics file,
+    else in checkpoint.save), a one-line summary on the console; with neither, all of it there."""
+    folder = (os.path.dirname(os.path.abspath(cfg.logging.metrics_file)) if cfg.logging.metrics_file
+              else cfg.checkpoint.save)
+    m, t, o = cfg.model, cfg.training, cfg.optimizer
+    summary = (f"{m.num_layers} layers x {m.hidden_size} hidden, {m.num_attention_heads} heads, "
+               f"seq {m.seq_length}, gate {'on' if m.head_wise_attn_gate else 'off'}, "
+               f"{m.attention_backend}; {t.train_iters} iterations, lr {o.lr:g} "
+               f"({o.lr_decay_style})")
+    if not folder:
+        print(f"[config] {summary}; resolved configuration:\n{cfg.to_yaml()}", flush=True)
+        return
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "config.yaml")
+    with open(path, "w") as f:
+        f.write(cfg.to_yaml())
+    print(f"[config] {summary}; resolved configuration in {path}", flush=True)
+
+
+class _Eta:
+    """Seconds left, from the mean time of the steps after the run's first: that one also
+    compiles, allocates and warms caches (an estimate from it alone was 3.5x too long), so the
+    first log line has none."""
+
+    def __init__(self, first_iteration: int):
+        self.first_iteration = first_iteration
+        self.seconds, self.steps = 0.0, 0
+
+    def seconds_left(self, iteration, window_steps, window_seconds, last_iteration):
+        if iteration - window_steps < self.first_iteration:  # the window holds the first step
+            return None
+        self.seconds += window_seconds
+        self.steps += window_steps
+        return (last_iteration - iteration) * self.seconds / self.steps
 
 
 def _every(interval, iteration) -> bool:

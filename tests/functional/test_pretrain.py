@@ -148,8 +148,14 @@ def test_checkpoints_tracker_and_saved_config(runs):
 
 def test_log_reports_config_metrics_and_evaluation(runs):
     stdout = runs["full"].stdout
-    assert "[config] resolved configuration:" in stdout
-    assert "head_wise_attn_gate: true" in stdout
+    # a one-line summary; the resolved configuration beside the metrics file
+    saved = runs["tmp"] / "config.yaml"
+    assert f"[config] 2 layers x 128 hidden, 4 heads, seq 128, gate on, sdpa; 20 iterations, " \
+           f"lr 0.003 (cosine); resolved configuration in {saved}" in stdout, stdout[:2000]
+    assert "head_wise_attn_gate: true" in saved.read_text()
+    assert "head_wise_attn_gate: true" not in stdout
+    progress = [line for line in stdout.splitlines() if line.startswith("[#")]
+    assert " | eta " not in progress[0] and all(" | eta " in line for line in progress[1:])
     assert stdout.count("[valid] iteration") == 2  # at 10 and at the end
     records = [json.loads(line) for line in (runs["tmp"] / "full.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]

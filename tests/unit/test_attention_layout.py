@@ -332,8 +332,7 @@ def test_head_dots_sum_in_fp32():
 # ------------------------------------------------------------- varlen vs sdpa (GPU)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="attention_kernel='varlen' is torch's CUDA flash kernel: needs a GPU")
+@pytest.mark.gpu  # attention_kernel='varlen' is torch's CUDA flash kernel
 @pytest.mark.parametrize("window", [None, 3], ids=["causal", "window3"])
 def test_varlen_kernel_matches_sdpa_on_packed_documents(run_distributed, window):
     for r in run_distributed(_varlen_vs_sdpa, window, world_size=1):

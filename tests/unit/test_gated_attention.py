@@ -60,7 +60,7 @@ CASES = {
 
 
 def _compare_with_reference(tp, cases, sequence_parallel, packed=False, backend="sdpa",
-                            dtype="fp32"):
+                            dtype="fp32", device="cpu"):
     import mcore_ext
     from mcore_ext._cpu_compat import cuda_to_cpu
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -75,7 +75,7 @@ def _compare_with_reference(tp, cases, sequence_parallel, packed=False, backend=
             overrides.update(params_dtype=torch.bfloat16, bf16=True)
         config = builders.gated_config(tensor_model_parallel_size=tp,
                                        sequence_parallel=sequence_parallel and tp > 1, **overrides)
-        attn = builders.build_self_attention(config, backend=backend)
+        attn = builders.build_self_attention(config, backend=backend).to(device)
         heads, groups, hn, h = (config.num_attention_heads, config.num_query_groups,
                                 config.kv_channels, config.hidden_size)
 
@@ -105,18 +105,19 @@ def _compare_with_reference(tp, cases, sequence_parallel, packed=False, backend=
             attn.linear_proj.weight.copy_(w["o"].chunk(tp, dim=1)[rank])
 
         seq_rows = slice(rank * s // tp, (rank + 1) * s // tp) if config.sequence_parallel else slice(None)
-        x_local = x[seq_rows].clone().to(config.params_dtype).requires_grad_(True)
+        x_local = x[seq_rows].clone().to(device, config.params_dtype).requires_grad_(True)
         params = None
         allowed = None
         if packed:
-            cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+            cu = torch.tensor([0, 5, 12], dtype=torch.int32, device=device)
             params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                      max_seqlen_q=7, max_seqlen_kv=7)
             allowed = torch.block_diag(reference.causal(5, 5), reference.causal(7, 7))
         attn.train()
         with cuda_to_cpu():  # megatron's local attention allocates its causal mask on "cuda"
             out, _ = attn(x_local, attention_mask=None, packed_seq_params=params)
-            (out * upstream[seq_rows].to(out.dtype)).sum().backward()
+            (out * upstream[seq_rows].to(out)).sum().backward()
+        out = out.cpu()
 
         # Reference side: the formula on the full weights, in fp32.
         ref_w = {k: v.clone().requires_grad_(True) for k, v in w.items()}
@@ -132,10 +133,10 @@ def _compare_with_reference(tp, cases, sequence_parallel, packed=False, backend=
         ref_qkv_grad = builders.interleave_qkv(ref_w["q"].grad, ref_w["k"].grad, ref_w["v"].grad,
                                                heads, groups)
         qkv_rows = attn.qkv_rows_per_partition
-        local_grad = attn.linear_qkv.weight.grad.float()
+        local_grad = attn.linear_qkv.weight.grad.float().cpu()
         pairs = dict(
             output=(out.float(), ref_out[seq_rows]),
-            input_grad=(x_local.grad.float(), x_ref.grad[seq_rows]),
+            input_grad=(x_local.grad.float().cpu(), x_ref.grad[seq_rows]),
             gate_grad=(local_grad[qkv_rows:], builders.rank_rows(ref_w["gate"].grad, rank, tp)),
             qkv_grad=(local_grad[:qkv_rows], builders.rank_rows(ref_qkv_grad, rank, tp)),
         )
@@ -148,7 +149,7 @@ def _compare_with_reference(tp, cases, sequence_parallel, packed=False, backend=
     return results
 
 
-def _assert_close(per_rank, dtype="fp32"):
+def _assert_close(per_rank, dtype="fp32", fp32_tol=TOL):
     for rank, results in enumerate(per_rank):
         for name, diffs in results.items():
             assert diffs["gate_grad_norm"] > 0, (rank, name)  # the gate rows do receive gradient
@@ -156,7 +157,7 @@ def _assert_close(per_rank, dtype="fp32"):
             for quantity in ("output", "input_grad", "gate_grad", "qkv_grad"):
                 diff, scale = diffs[quantity]
                 if dtype == "fp32":
-                    tol = TOL
+                    tol = fp32_tol
                 else:
                     tol = BF16_REL_TOL["output" if quantity == "output" else "grad"] * scale
                 assert diff <= tol, (rank, name, quantity, diff, tol)
@@ -201,6 +202,28 @@ def test_bf16_matches_fp32_reference_within_bf16_rounding(run_distributed, tp, b
     cases = ["mha_bias", "gqa_bias", "gqa_one_group", "recompute"]
     _assert_close(run_distributed(_compare_with_reference, tp, cases, tp > 1, backend=backend,
                                   dtype="bf16", world_size=2), dtype="bf16")
+
+
+# On CUDA (one GPU, one rank): the reference stays fp32 on the CPU. fp32 on the GPU sums in other
+# orders (cuBLAS, SDPA's efficient kernel) than the CPU: 1e-4 on O(1) values; bf16 keeps its bounds.
+GPU_FP32_TOL = 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("backend", ["sdpa", "local"])
+def test_gated_layer_on_cuda_matches_fp32_reference(run_distributed, backend, dtype):
+    # Micro-batch 2 in every case (MHA, GQA, one group, q/k norms, selective recompute).
+    _assert_close(run_distributed(_compare_with_reference, 1, list(CASES), False, backend=backend,
+                                  dtype=dtype, device="cuda", world_size=1),
+                  dtype=dtype, fp32_tol=GPU_FP32_TOL)
+
+
+@pytest.mark.gpu
+def test_packed_thd_on_cuda_matches_reference(run_distributed):
+    _assert_close(run_distributed(_compare_with_reference, 1, ["mha_bias", "gqa_bias"], False,
+                                  packed=True, device="cuda", world_size=1),
+                  fp32_tol=GPU_FP32_TOL)
 
 
 # ------------------------------------------------------------------------------------------ init
@@ -353,14 +376,14 @@ def test_flag_off_changes_nothing(run_distributed):
 # --------------------------------------------------------------------------------- inference
 
 
-def _kv_cache_decode_matches_full_forward(tp):
+def _kv_cache_decode_matches_full_forward(tp, device="cpu"):
     import mcore_ext
     from megatron.core.inference.contexts import StaticInferenceContext
 
     mcore_ext.init_parallel(tensor_model_parallel_size=tp)
-    gated, plain = _gated_and_plain_pair(tp)
+    gated, plain = (module.to(device) for module in _gated_and_plain_pair(tp))
     gated.eval(), plain.eval()
-    x = torch.randn(8, 2, 32, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(8, 2, 32, generator=torch.Generator().manual_seed(0)).to(device)
     with torch.no_grad():
         full = gated(x, None)[0]
         context = StaticInferenceContext(max_batch_size=2, max_sequence_length=8)
@@ -382,19 +405,26 @@ def test_static_kv_cache_decoding_applies_the_gate(run_distributed, tp):
         assert result["gate_effect"] > 1e-3, result  # the decoded token is gated
 
 
-def _full_recompute_matches_plain(tp):
+@pytest.mark.gpu
+def test_static_kv_cache_decoding_on_cuda_applies_the_gate(run_distributed):
+    for result in run_distributed(_kv_cache_decode_matches_full_forward, 1, "cuda", world_size=1):
+        assert result["prefill"] <= GPU_FP32_TOL and result["decode"] <= GPU_FP32_TOL, result
+        assert result["gate_effect"] > 1e-3, result
+
+
+def _full_recompute_matches_plain(tp, device="cpu"):
     import mcore_ext
 
     mcore_ext.init_parallel(tensor_model_parallel_size=tp)
     common = dict(hidden_size=64, num_attention_heads=8, num_query_groups=2, kv_channels=8,
                   add_qkv_bias=True, tensor_model_parallel_size=tp, sequence_parallel=tp > 1)
-    plain = builders.build_gpt(builders.gated_config(**common))
+    plain = builders.build_gpt(builders.gated_config(**common)).to(device)
     recomputed = builders.build_gpt(builders.gated_config(
         recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
-        **common))
+        **common)).to(device)
     recomputed.load_state_dict(plain.state_dict())
-    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
-    positions = torch.arange(16).expand_as(tokens)
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0)).to(device)
+    positions = torch.arange(16, device=device).expand_as(tokens)
     losses, grads = [], []
     for model in (plain, recomputed):
         loss = model(tokens, positions, None, labels=tokens).mean()
@@ -410,6 +440,16 @@ def test_full_activation_recompute_gives_the_same_loss_and_gradients(run_distrib
     for losses, worst_grad_diff, gate_grad_norm in run_distributed(_full_recompute_matches_plain,
                                                                    2, world_size=2):
         assert losses[0] == losses[1]
+        assert worst_grad_diff <= 1e-6 and gate_grad_norm > 0, (worst_grad_diff, gate_grad_norm)
+
+
+@pytest.mark.gpu
+def test_full_activation_recompute_on_cuda_gives_the_same_loss_and_gradients(run_distributed):
+    # The recomputed forward runs the same kernels on the same inputs: equal up to kernels that
+    # are not bitwise deterministic on a GPU (atomics in some backward kernels), hence 1e-6.
+    for losses, worst_grad_diff, gate_grad_norm in run_distributed(_full_recompute_matches_plain,
+                                                                   1, "cuda", world_size=1):
+        assert abs(losses[0] - losses[1]) <= 1e-6, losses
         assert worst_grad_diff <= 1e-6 and gate_grad_norm > 0, (worst_grad_diff, gate_grad_norm)
 
 
@@ -570,7 +610,7 @@ def _offloading_matches_plain():
     return max((a - b).abs().max().item() for a, b in zip(*grads))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="megatron's activation offloading needs CUDA streams (GPU only)")
+@pytest.mark.gpu  # megatron's activation offloading needs CUDA streams
 def test_megatron_activation_offloading_gives_the_same_gradients(run_distributed):
-    assert max(run_distributed(_offloading_matches_plain, world_size=2)) <= 1e-6
+    # One rank: a second rank would ask for a second GPU (LOCAL_RANK 1).
+    assert max(run_distributed(_offloading_matches_plain, world_size=1)) <= 1e-6

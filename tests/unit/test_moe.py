@@ -211,7 +211,7 @@ def _expert_grads(model, weights):
 
 
 def model_vs_reference(tp=1, ep=1, dispatcher="allgather", etp=None, controls=False, cp=1,
-                       backend="sdpa"):
+                       backend="sdpa", device="cpu"):
     """Logits of the model vs the reference, and expert gradients vs the reference's.
 
     With CP each rank holds its load-balanced chunks of the sequence (the logits are compared
@@ -247,9 +247,12 @@ def model_vs_reference(tp=1, ep=1, dispatcher="allgather", etp=None, controls=Fa
     model = mcore_ext.build_gpt_model(config, vocab_size=VOCAB, max_sequence_length=SEQ,
                                       backend=backend)
     load_weights(model, config, weights)
+    model.to(device)
     with cuda_to_cpu():  # the local backend allocates its masks on "cuda"
-        logits = _logits_and_grads(model, local["tokens"], local["target"], local["positions"])
-    expert_grads = _expert_grads(model, weights)
+        logits = _logits_and_grads(model, *(local[k].to(device)
+                                            for k in ("tokens", "target", "positions"))).cpu()
+    expert_grads = {k: tuple(g.cpu() for g in grads)
+                    for k, grads in _expert_grads(model, weights).items()}
     for fc1, fc2 in expert_grads.values():
         for grad in (fc1, fc2):
             dist.all_reduce(grad, group=ps.get_expert_data_parallel_group())
@@ -314,6 +317,16 @@ def test_moe_model_matches_hf_formulas_with_distinct_clamps(run_distributed, bac
         expected.update({(2, f"expert {e}"): 0.07, (3, f"expert {e}"): None,
                          (4, f"expert {e}"): 0.05})
     assert r["limits"] == expected, r["limits"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["sdpa", "local"])
+def test_moe_model_on_cuda_matches_hf_formulas(run_distributed, backend):
+    # One GPU, fp32; megatron's MoE kernels on CUDA (permute / unpermute, the router's top-k)
+    # sum in other orders than the CPU reference: 1e-4 on O(1) logits.
+    (r,) = run_distributed(model_vs_reference, backend=backend, device="cuda", world_size=1)
+    assert r["diff"] <= 1e-4 and r["scale"] > 0.1, r
+    assert r["grad_diff"] <= GRAD_TOL * max(1.0, r["grad_scale"]), r
 
 
 @pytest.mark.parametrize("world_size, tp, ep, dispatcher, etp, cp", [

@@ -198,7 +198,7 @@ def test_every_field_has_a_docstring_comment():
 
 
 @pytest.mark.parametrize("world_size", [1, 8])
-@pytest.mark.parametrize("name", ["gpt_125m.yaml", "step35_attention.yaml"])
+@pytest.mark.parametrize("name", ["gpt_125m.yaml", "gpt_1b.yaml", "step35_attention.yaml"])
 def test_gpu_configs_validate(name, world_size):
     cfg = load_config(str(CONFIGS / name), world_size=world_size)  # bf16 validates on a CPU too
     assert cfg.model.head_wise_attn_gate and cfg.training.precision == "bf16"
@@ -246,3 +246,48 @@ def test_gate_init_bias_without_qkv_bias_is_kept_not_rewritten(tmp_path):
     assert config.effective_head_wise_attn_gate_init_bias == 0.0
     cfg.model.add_qkv_bias = True
     assert transformer_config(cfg).effective_head_wise_attn_gate_init_bias == 2.0
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.yaml")))
+def test_shipped_configs_start_their_gates_as_configured(name):
+    """No shipped config asks for a gate init bias its model has no bias rows for (which would
+    warn on every rank): the configured value is the effective one."""
+    from mcore_ext.training.config import PretrainConfig
+    from mcore_ext.training.config.overrides import apply_overrides, build, read_yaml
+    from mcore_ext.training.megatron_configs import transformer_config
+
+    raw = apply_overrides(read_yaml(str(CONFIGS / name)), ["training.precision=fp32"])
+    config = transformer_config(build(PretrainConfig, raw))
+    if config.head_wise_attn_gate:
+        assert config.effective_head_wise_attn_gate_init_bias == \
+            config.head_wise_attn_gate_init_bias, (name, config.head_wise_attn_gate_init_bias)
+
+
+def test_eta_leaves_out_the_first_step():
+    """The first step (compilation, allocation) gives no estimate; later ones use the mean of
+    the steps after it: 90 steps left x 1 s, not x the first step's 10 s."""
+    from mcore_ext.training.loop import _Eta
+
+    eta = _Eta(first_iteration=1)
+    assert eta.seconds_left(1, 1, 10.0, 100) is None
+    assert eta.seconds_left(10, 9, 9.0, 100) == pytest.approx(90.0)
+    assert eta.seconds_left(20, 10, 12.0, 100) == pytest.approx(80 * 21.0 / 19)
+    resumed = _Eta(first_iteration=51)  # a resumed run's first step warms up too
+    assert resumed.seconds_left(51, 1, 7.0, 100) is None
+
+
+def test_config_goes_to_the_run_directory_and_a_summary_to_the_console(tmp_path, capsys):
+    from mcore_ext.training.loop import _announce_config
+
+    cfg = load_config(str(CONFIGS / "tiny_cpu.yaml"),
+                      [f"logging.metrics_file={tmp_path / 'run' / 'metrics.jsonl'}"], world_size=2)
+    _announce_config(cfg)
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line == ("[config] 2 layers x 128 hidden, 4 heads, seq 128, gate on, sdpa; 100 "
+                    f"iterations, lr 0.003 (cosine); resolved configuration in "
+                    f"{tmp_path / 'run' / 'config.yaml'}")
+    assert load_config(str(tmp_path / "run" / "config.yaml"), world_size=2) == cfg
+    nowhere = load_config(str(CONFIGS / "tiny_cpu.yaml"),
+                          ["logging.metrics_file=null", "checkpoint.save=null"], world_size=2)
+    _announce_config(nowhere)  # nothing keeps it: the console gets all of it
+    assert "head_wise_attn_gate: true" in capsys.readouterr().out

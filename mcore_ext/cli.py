@@ -1,0 +1,72 @@
+"""A user's mistake in an entry point: one ``error:`` line, printed once, exit code 2.
+
+Every entry point (the YAML launcher, ``python -m mcore_ext.hf``, the Megatron-LM entry) checks
+what a user gave it before its first collective, so under torchrun every rank finds the same
+mistake: the first rank prints it, and every rank exits with ``USAGE_ERROR`` without a
+traceback. torchrun itself turns any rank's non-zero exit into its own failure report and exit
+code 1; ``python -m mcore_ext.torchrun`` (same flags) exits 2 quietly instead.
+"""
+
+import logging
+import os
+import sys
+import warnings
+
+USAGE_ERROR = 2
+
+
+def is_first_rank() -> bool:
+    """Rank 0 of a torchrun job, or a process that is not part of one."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def report_error(message: str, seen_by_every_rank: bool = True) -> int:
+    """Print ``error: message`` (on the first rank only when every rank saw the same mistake,
+    else on this rank, naming it) and return USAGE_ERROR."""
+    if seen_by_every_rank and not is_first_rank():
+        return USAGE_ERROR
+    where = "" if seen_by_every_rank or os.environ.get("WORLD_SIZE", "1") == "1" else \
+        f"[rank {os.environ.get('RANK')}] "
+    # One write: lines of ranks printing at once stay whole.
+    sys.stderr.write(f"error: {where}{' '.join(str(message).split())}\n")
+    sys.stderr.flush()
+    return USAGE_ERROR
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, *prefixes):
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record) -> bool:
+        return not str(record.msg).startswith(self.prefixes)
+
+
+# Third-party notices every run of an entry point prints, none of them about what the user asked
+# for: (message regex, category) for warnings, (logger, message prefixes) for log records.
+_KNOWN_WARNINGS = (
+    r".*(Apex|Transformer Engine and Apex|absl\.logging) (is|are) not installed",  # megatron
+    r"Only transformer-engine>=[\d.]+ supports MoE experts",
+    r"MimoModelConfig is experimental",
+    r"full scope is deprecated",  # megatron's TransformerConfig, for its own default
+    r"When using async grad allreduce",
+    # torch's distributed checkpoint, loading in one process as mcore_ext.hf does
+    r"torch\.distributed is disabled, unavailable or uninitialized",
+    r"The argument order of load has been changed",
+)
+_KNOWN_LOG_RECORDS = (
+    ("megatron.core.models.gpt.gpt_model", ("GPTModel IS DEPRECATED",)),
+    # every synchronous torch_dist save goes through megatron's async code path
+    ("megatron.core.dist_checkpointing.strategies.torch", ("MCore's async save is deprecated",)),
+)
+
+
+def quiet_known_noise() -> None:
+    """Silence the known third-party notices above (entry points only: a library user keeps
+    them)."""
+    for message in _KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
+    for name, prefixes in _KNOWN_LOG_RECORDS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropMessages) for f in logger.filters):
+            logger.addFilter(_DropMessages(*prefixes))

@@ -1,0 +1,93 @@
+"""A user's mistake in each entry point, under real torchrun (2 gloo ranks): one ``error:`` line,
+first and once; exit code 2 through ``python -m mcore_ext.torchrun``. Plain torchrun turns any
+rank's non-zero exit into its own report and exit code 1 (torch's launch_agent raises
+ChildFailedError, which its main re-raises): the mistake still comes first and once. Also: the
+``hf`` commands print their result line alone, and the Megatron-LM entry's --help works.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.functional.test_pretrain import ROOT, TINY, _free_port
+from tests.hf import models
+
+LAUNCHER = ["launch/pretrain.py", "--config", TINY]
+HF = ["-m", "mcore_ext.hf"]
+MEGATRON_LM = ["-m", "mcore_ext.megatron_lm.pretrain_gpt"]
+
+
+def _run(*args, timeout=300):
+    # OMP_NUM_THREADS set: without it torchrun prints a notice that it sets it (to 1).
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _torchrun(program, *args, wrapper: bool):
+    front = ["-m", "mcore_ext.torchrun"] if wrapper else ["-m", "torch.distributed.run"]
+    return _run(*front, "--nproc_per_node=2", "--master_addr=127.0.0.1",
+                f"--master_port={_free_port()}", *program, *args)
+
+
+def _lines(text):
+    return [line for line in text.splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    return models.write_released(str(tmp_path_factory.mktemp("hf") / "tiny"))
+
+
+CASES = {
+    "launcher": (LAUNCHER, ["model.num_layer=3"],
+                 "error: unknown config key 'model.num_layer'; did you mean 'model.num_layers'?"),
+    "hf": (HF, ["import", "{hf}", "{tmp}/ckpt", "--tp", "3"],
+           "error: 2 process(es) are not divisible by --tp 3 x --pp 1 = 3: run under torchrun "
+           "--nproc_per_node=N with N a multiple of 3"),
+    "megatron_lm": (MEGATRON_LM, ["--no-such-flag"],
+                    "error: unrecognized arguments: --no-such-flag (--help lists the flags)"),
+}
+
+
+@pytest.mark.parametrize("entry", list(CASES))
+def test_mistake_under_torchrun_is_one_line_first_and_exit_2(entry, hf_dir, tmp_path):
+    program, args, message = CASES[entry]
+    args = [a.format(hf=hf_dir, tmp=tmp_path) for a in args]
+
+    quiet = _torchrun(program, *args, wrapper=True)
+    assert quiet.returncode == 2, quiet.stderr[-3000:]
+    assert _lines(quiet.stderr) == [message] and not _lines(quiet.stdout), quiet.stderr[-3000:]
+
+    plain = _torchrun(program, *args, wrapper=False)
+    errors = _lines(plain.stderr)
+    assert plain.returncode == 1  # torchrun's own code for any failed rank
+    assert errors[0] == message and plain.stderr.count(message) == 1, plain.stderr[-3000:]
+    assert "usage:" not in plain.stderr and "Traceback" not in errors[1]  # torchrun's report
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_hf_commands_print_their_result_alone(hf_dir, tmp_path):
+    imported = _run(*HF, "import", hf_dir, str(tmp_path / "ckpt"))
+    exported = _run(*HF, "export", str(tmp_path / "ckpt"), str(tmp_path / "out"))
+    for result, line in ((imported, "[hf] import: wrote"), (exported, "[hf] export: wrote")):
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert _lines(result.stderr) == [], result.stderr  # no third-party notices
+        (out,) = _lines(result.stdout)
+        assert out.startswith(line), out
+
+
+def test_megatron_lm_help_lists_the_gate_flags_first():
+    result = _run(*MEGATRON_LM, "--help")
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = result.stdout
+    group = text.index("mcore_ext: head-wise attention gate, Step-3.5 layer kinds:")
+    assert group < text.index("  --head-wise-attn-gate\n") < text.index("  --tensor-model-parallel-size")
+    assert len(text.split("\n\n")[0].splitlines()) == 1  # a one-line usage, not every flag's
+
+
+def test_hf_plan_help_does_not_mention_torchrun():
+    result = _run(*HF, "plan", "--help")
+    assert result.returncode == 0 and "--tp TP" in result.stdout
+    assert "torchrun" not in result.stdout, result.stdout
