@@ -93,6 +93,20 @@ def _attention(name, kernel, seq, stage, extra=(), timeout_s=150):
     )
 
 
+def _long_context(name, seqs, stage, controls_up_to, timeout_s=150):
+    return Step(
+        name=name, stage=stage, timeout_s=timeout_s, script="benchmarks/bench_long_context.py",
+        figures="bench_json", json_name=f"{name}.json",
+        what=f"a sliding layer's core attention at Step-3.5's shapes (96 heads / 8 groups, head "
+             f"dim 128, window 512) at {', '.join(f'{s // 1024}K' for s in seqs)} tokens: banded "
+             "sdpa vs a full layer and the dense-mask control (time, peak memory)",
+        command=["{py}", "benchmarks/bench_long_context.py", "--seqs", *map(str, seqs),
+                 "--window", "512", "--heads", "96", "--groups", "8", "--head-dim", "128",
+                 "--controls-up-to", str(controls_up_to), "--rounds", "3",
+                 "--json", f"{{work}}/{name}.json"],
+    )
+
+
 STEPS = [
     # ------------------------------------------------------------------------ stage 1: tests
     Step("gpu-tests", 1, "the tests marked gpu (pytest -m gpu): gated layer, layer kinds, KV "
@@ -113,6 +127,7 @@ STEPS = [
       for k in ("sdpa", "flex", "varlen")],
     *[_attention(f"sliding-32k-{k}", k, 32768, 2, extra=("--layers", "4"))
       for k in ("sdpa", "flex")],
+    _long_context("long-context-32k-64k", [32768, 65536], 2, controls_up_to=32768),
     Step("moe-grouped-vs-sequential", 2, "MoE grouped experts vs the sequential loop, 64-288 "
          "experts (a benchmark the MoE work adds; it must take --preset gpu --json PATH)",
          ["{py}", "benchmarks/bench_moe.py", "--preset", "gpu", "--json", "{work}/bench_moe.json"],
@@ -132,6 +147,7 @@ STEPS = [
     _launcher("gpt_125m.yaml", False, 30, "train-125m-gate-off"),
     *[_attention(f"sliding-128k-{k}", k, 131072, 3, extra=("--layers", "4"))
       for k in ("sdpa", "flex")],
+    _long_context("long-context-128k", [131072], 3, controls_up_to=0),
 ]
 STAGES = sorted({s.stage for s in STEPS})
 
