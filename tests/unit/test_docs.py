@@ -115,6 +115,9 @@ DECISIONS = {
     "parallelism.tensor_model_parallel_size=2 data.prefix=data/mytext checkpoint.save=runs/ft":
         Covered(HF_ROUND_TRIP),
     "python -m mcore_ext.hf export runs/ft HF_OUT": Covered(HF_ROUND_TRIP),
+    # the CLI's import_checkpoint at TP 2 on 2 gloo ranks
+    "torchrun --nproc_per_node=2 -m mcore_ext.hf import HF_DIR CKPT_DIR --tp 2": Covered(
+        "tests/hf/test_hf_checkpoint.py::test_import_at_tp2_export_at_pp2_is_bit_identical"),
     "python -m mcore_ext.hf plan tests/hf/fixtures/step35_flash_config.json --tp 2 --pp 9 --ep 16 "
     "--etp 1 --dp 8": Run(expect="GiB"),
     "python -m mcore_ext.data.preprocess --input a.jsonl --output-prefix data/mytext --tokenizer "
