@@ -16,10 +16,19 @@ from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, n
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
 from mcore_ext import _mcore_compat
+from mcore_ext.checkpoint.errors import (
+    CheckpointCorruptError,
+    CheckpointLoadError,
+    CheckpointNotFoundError,
+    CheckpointSaveError,
+)
 from mcore_ext.checkpoint.sharding import GATE_SUFFIX, QKV_SUFFIX, QkvGateFactory, qkv_gate_factory
 
 __all__ = [
+    "CheckpointCorruptError",
     "CheckpointLoadError",
+    "CheckpointNotFoundError",
+    "CheckpointSaveError",
     "GATE_SUFFIX",
     "GateLayoutMismatch",
     "QKV_SUFFIX",
@@ -30,10 +39,6 @@ __all__ = [
     "qkv_gate_factory",
     "save",
 ]
-
-
-class CheckpointLoadError(RuntimeError):
-    """Reading the checkpoint failed (corrupt or truncated files, shapes that do not match)."""
 
 
 class GateLayoutMismatch(ValueError):

@@ -35,19 +35,39 @@ def main(argv=None) -> int:
         help="with --check: validate for this many ranks (default: $WORLD_SIZE, else 1)",
     )
     args = parser.parse_args(argv)
-    from mcore_ext.training.faults import CheckpointSaveError, die_with_torchrun
+    from mcore_ext.checkpoint.errors import (
+        CheckpointLoadError,
+        CheckpointNotFoundError,
+        CheckpointSaveError,
+        one_line,
+    )
+    from mcore_ext.megatron_lm.checkpoint_format import CheckpointFormatError
+    from mcore_ext.training.faults import die_with_torchrun
 
     die_with_torchrun()  # a SIGKILL of torchrun ends its ranks too
     _quiet_known_noise()
+    rank0 = os.environ.get("RANK", "0") == "0"
     try:
         cfg = load_config(args.config, args.overrides, world_size=args.world_size)
-    except ConfigError as err:
+        # Where the run starts, before anything is written: a checkpoint.load that holds no
+        # checkpoint is refused here.
+        from mcore_ext.training import checkpointing
+
+        start = checkpointing.start_point(cfg)
+    except (ConfigError, CheckpointNotFoundError) as err:
         # Every rank finds the same error; one message is enough.
-        if os.environ.get("RANK", "0") == "0":
+        if rank0:
             print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
     if args.check:
         print(cfg.to_yaml(), end="")
+        return 0
+    found, iterations = start.checkpoint, cfg.training.train_iters
+    if start.own and found.iteration is not None and found.iteration >= iterations:
+        from mcore_ext.training.loop import run_complete
+
+        if rank0:
+            print(run_complete(found.iteration, iterations, found.directory), flush=True)
         return 0
 
     from mcore_ext.training.loop import pretrain
@@ -57,6 +77,11 @@ def main(argv=None) -> int:
     except CheckpointSaveError as err:  # raised on every rank with the same message
         print(f"error: [rank {os.environ.get('RANK', '0')}] {err}", file=sys.stderr, flush=True)
         return 1
+    except (CheckpointNotFoundError, CheckpointLoadError, CheckpointFormatError) as err:
+        # Found on every rank alike, before training: said once, nothing was written.
+        if rank0:
+            print(f"error: {one_line(err)}", file=sys.stderr, flush=True)
+        return 2
     return 0
 
 

@@ -201,8 +201,9 @@ class _Trainer:
             wd_incr_steps=cfg.training.train_iters,
             wd_incr_style="constant",
         )
-        # The run's own checkpoint in checkpoint.save, else checkpoint.load, else from scratch.
-        self.iteration, consumed = checkpointing.load_checkpoint(
+        # The run's own checkpoint in checkpoint.save, else checkpoint.load, else from scratch;
+        # the line that says which is printed last before training.
+        self.iteration, consumed, self.start_line = checkpointing.load_checkpoint(
             cfg, self.model, self.optimizer, self.scheduler, vocab_size=tokenizer.vocab_size
         )
         self.train_data, self.valid_data = build_datasets(cfg, tokenizer)
@@ -244,6 +245,10 @@ class _Trainer:
     def run(self):
         t, c, log_interval = self.cfg.training, self.cfg.checkpoint, self.cfg.logging.log_interval
         first = self.iteration + 1
+        self._print(self.start_line)
+        if self.iteration >= t.train_iters:
+            self._print(run_complete(self.iteration, t.train_iters))
+            return
         self._print(f"[train] iterations {first} .. {t.train_iters}")
         window = _Window()
         while self.iteration < t.train_iters:
@@ -462,6 +467,13 @@ class _Trainer:
     def _print(self, message):
         if self.rank0:
             print(message, flush=True)
+
+
+def run_complete(iteration: int, train_iters: int, directory: str | None = None) -> str:
+    """The line that says a resumed run has nothing left to train, and how to extend it."""
+    where = f" (checkpoint {directory})" if directory else ""
+    return (f"{checkpointing.START_MARK} run complete at {iteration}; raise training.train_iters "
+            f"({train_iters}) to extend it{where}")
 
 
 def _every(interval, iteration) -> bool:
