@@ -150,8 +150,8 @@ def find_start(save: str | None, load: str | None) -> Start:
                   if save else "neither checkpoint.save nor checkpoint.load is set")
         return Start(None, own=False, reason=reason)
     if save and os.path.abspath(load) == os.path.abspath(save):
-        return Start(None, own=False,
-                     reason=f"checkpoint.save={save} holds no checkpoint yet (the run's first start)")
+        first = f"checkpoint.save={save} holds no checkpoint yet (the run's first start)"
+        return Start(None, own=False, reason=first)
     try:
         found = find_checkpoint(load)
         why = None if found else why_not_a_checkpoint(load)

@@ -5,11 +5,13 @@
 
 Who computes what: each rank checksums the files it wrote itself, in parallel, right after writing
 them (they are still in the page cache): megatron's torch_dist writer names a rank's data files
-``__<global rank>_<n>.distcp``; rank 0 takes the shared ones (``.metadata``, ``metadata.json``,
-``config.yaml``, ...). Rank 0 gathers the entries and writes the manifest inside the ``.saving.``
-directory before that is renamed into place (``saving.publish``), so no published checkpoint
-lacks it and no rank reads another rank's files. Verification splits the files over the ranks
-(round robin) and gathers the findings, so every file is read once whatever the world size.
+``__<global rank>_<n>.distcp``; rank 0 takes the shared ones (``.metadata``, ``metadata.json``).
+Rank 0 gathers the entries and writes the manifest inside the ``.saving.`` directory before that
+is renamed into place (``saving.publish``), so no published checkpoint lacks it and no rank reads
+another rank's files. What megatron wrote is covered; the launcher's ``config.yaml`` and
+``hf_config.json`` beside it are not: they are for people to read, and edit. Verification splits
+the files over the ranks (round robin) and gathers the findings, so every file is read once
+whatever the world size.
 
 CRC32 (zlib, about 3 GB/s per core) catches every single-bit flip and every burst of up to 32
 bits, other random damage but for a 2^-32 chance; sizes catch truncation first. It is no defence

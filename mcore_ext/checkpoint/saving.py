@@ -46,17 +46,18 @@ def begin(directory: str) -> str:
 
 def publish(partial: str, directory: str, *, files: dict | None = None, root: str | None = None,
             iteration=None) -> None:
-    """Collective, once every rank has written into ``partial``: rank 0 writes ``files``
-    ({name: text}); every rank checksums its own files; rank 0 writes the manifest, renames
-    ``partial`` to ``directory`` and, with ``root``, writes ``iteration`` to its tracker.
+    """Collective, once every rank has written into ``partial``: every rank checksums its own
+    files; rank 0 writes the manifest and ``files`` ({name: text}: config.yaml and the like,
+    meant to be read and edited by people, so not in the manifest), renames ``partial`` to
+    ``directory`` and, with ``root``, writes ``iteration`` to its tracker.
     CheckpointSaveError on every rank if any step fails on any rank."""
     failure, entries = None, {}
     try:
+        entries = manifest.describe(partial, manifest.files_of_rank(partial, _rank()))
         if _rank() == 0:
             for name, text in (files or {}).items():
                 with open(os.path.join(partial, name), "w") as f:
                     f.write(text)
-        entries = manifest.describe(partial, manifest.files_of_rank(partial, _rank()))
     except OSError as err:
         failure = err
     everyone = [entries]

@@ -41,6 +41,7 @@ def main(argv=None) -> int:
         CheckpointSaveError,
         one_line,
     )
+    from mcore_ext.checkpoint import GateLayoutMismatch
     from mcore_ext.megatron_lm.checkpoint_format import CheckpointFormatError
     from mcore_ext.training.faults import die_with_torchrun
 
@@ -77,7 +78,8 @@ def main(argv=None) -> int:
     except CheckpointSaveError as err:  # raised on every rank with the same message
         print(f"error: [rank {os.environ.get('RANK', '0')}] {err}", file=sys.stderr, flush=True)
         return 1
-    except (CheckpointNotFoundError, CheckpointLoadError, CheckpointFormatError) as err:
+    except (CheckpointNotFoundError, CheckpointLoadError, CheckpointFormatError,
+            GateLayoutMismatch) as err:
         # Found on every rank alike, before training: said once, nothing was written.
         if rank0:
             print(f"error: {one_line(err)}", file=sys.stderr, flush=True)

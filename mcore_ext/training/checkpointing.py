@@ -285,7 +285,8 @@ def _verified(found: Checkpoint, on_corrupt: str) -> tuple[Checkpoint, str]:
             print(f"warning: checkpoint {found.directory} is corrupt: {what}; resuming from "
                   f"iteration {previous.iteration} ({previous.directory}) instead "
                   "(checkpoint.on_corrupt=previous)", file=sys.stderr, flush=True)
-        return previous, f" INSTEAD OF the latest, {latest}: {what} (checkpoint.on_corrupt=previous)"
+        return previous, (f" INSTEAD OF the latest, {latest}: {what} "
+                          "(checkpoint.on_corrupt=previous)")
     if previous is not None:
         advice = (f"the newest checkpoint that verifies is iteration {previous.iteration} "
                   f"({previous.directory}): set checkpoint.on_corrupt=previous to resume from it")

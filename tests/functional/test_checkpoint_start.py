@@ -128,7 +128,8 @@ def _refusals(tmp):
 def test_a_load_path_without_a_checkpoint_is_an_error_naming_it(run_distributed, tmp_path):
     results = run_distributed(_refusals, tmp_path, world_size=2)
     expected = {
-        "typo": f"checkpoint.load={tmp_path / 'no_such_dir'} holds no checkpoint: it does not exist",
+        "typo": f"checkpoint.load={tmp_path / 'no_such_dir'} holds no checkpoint: it does not "
+                "exist",
         "empty": f"checkpoint.load={tmp_path / 'empty'} holds no checkpoint: it has no {TRACKER} "
                  "and is not a checkpoint directory",
         "tracker": f"checkpoint.load={tmp_path / 'garbage'} holds no checkpoint: "

@@ -134,27 +134,23 @@ def _check(results, tmp, cases):
             assert result["tracker"] == "4", name
 
 
-TWO_RANKS = {  # name: (damage to iteration 3, iteration 2 truncated too, on_corrupt)
-    "truncated_model_file": ("truncate_model", False, "error"),
-    "flipped_model_bit": ("flip_model", False, "previous"),
-    "flipped_optimizer_bit": ("flip_optimizer", False, "error"),
+CASES = {  # world size: {name: (damage to iteration 3, iteration 2 truncated too, on_corrupt)}
+    2: {  # TP 2
+        "truncated_model_file": ("truncate_model", False, "error"),
+        "flipped_model_bit": ("flip_model", False, "previous"),
+        "flipped_optimizer_bit": ("flip_optimizer", False, "error"),
+    },
+    4: {  # TP 2 x DP 2, distributed optimizer
+        "truncated_model_file": ("truncate_model", False, "error"),
+        "truncated_last_rank_file": ("truncate_last", False, "error"),
+        "flipped_optimizer_bits": ("flip_optimizer", True, "previous"),
+    },
 }
 
 
-def test_damaged_checkpoints_on_2_ranks_are_named_and_previous_resumes(run_distributed,
-                                                                       tmp_path):
-    results = run_distributed(_damaged_runs, tmp_path, 2, TWO_RANKS, world_size=2)
-    _check(results, tmp_path, TWO_RANKS)
-
-
-FOUR_RANKS = {
-    "truncated_model_file": ("truncate_model", False, "error"),
-    "truncated_last_rank_file": ("truncate_last", False, "error"),
-    "flipped_optimizer_bits": ("flip_optimizer", True, "previous"),
-}
-
-
-def test_damaged_checkpoints_on_4_ranks_with_the_distributed_optimizer(run_distributed,
-                                                                        tmp_path):
-    results = run_distributed(_damaged_runs, tmp_path, 4, FOUR_RANKS, world_size=4)
-    _check(results, tmp_path, FOUR_RANKS)
+@pytest.mark.parametrize("world", [2, 4],
+                         ids=["2_ranks_tp2", "4_ranks_tp2_dp2_distributed_optimizer"])
+def test_damaged_checkpoint_is_named_and_previous_resumes_exactly(run_distributed, tmp_path,
+                                                                  world):
+    results = run_distributed(_damaged_runs, tmp_path, world, CASES[world], world_size=world)
+    _check(results, tmp_path, CASES[world])
