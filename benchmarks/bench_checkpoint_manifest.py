@@ -53,13 +53,27 @@ def _worker(rank, world, port, mib, rounds, root, out):
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    import mcore_ext
+    from mcore_ext.training.faults import install_checkpoint_writer_queue
+
+    mcore_ext.init_parallel()  # megatron's state, and the CPU adaptations (cuda_to_cpu)
+    install_checkpoint_writer_queue(async_save=False)
+    with mcore_ext.cuda_to_cpu():
+        times = _rounds(rank, world, mib, rounds, root)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(times, f)
+    mcore_ext.destroy_parallel()
+    dist.destroy_process_group()
+
+
+def _rounds(rank, world, mib, rounds, root) -> dict:
+    import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
     from mcore_ext.checkpoint import manifest, saving
     from mcore_ext.checkpoint.directory import iteration_dir
-    from mcore_ext.training.faults import install_checkpoint_writer_queue
 
-    install_checkpoint_writer_queue(async_save=False)
     state = _state(rank, world, mib)
     times = {"save": [], "manifest": [], "verify": [], "load": []}
 
@@ -83,10 +97,7 @@ def _worker(rank, world, port, mib, rounds, root, out):
         timed("load", lambda: dist_checkpointing.load(target, directory))
         if rank == 0:
             shutil.rmtree(directory)
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(times, f)
-    dist.destroy_process_group()
+    return times
 
 
 def main(argv=None) -> int:
