@@ -5,6 +5,11 @@ checkpoint and the model agree on the gate: loading an ungated checkpoint into a
 the reverse) fails with an error naming the gate tensors, before anything is read. The option
 ``init_missing_gates=True`` starts the gates of a gated model from their init when its checkpoint
 has none (QKV rows load as usual).
+
+What every entry point shares about checkpoint directories lives beside it: ``directory`` (the
+layout, trackers, which checkpoint a path names, where a launcher run starts), ``saving`` (how
+every rank writes one directory: ``.saving.``, manifest, rename, tracker), ``manifest`` (sizes
+and checksums of what a save wrote, and their verification) and ``errors``.
 """
 
 import dataclasses
