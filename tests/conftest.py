@@ -15,7 +15,7 @@ def _worker_pools():
 
 
 @pytest.fixture(scope="session")
-def distributed(_worker_pools):
+def run_distributed_shared(_worker_pools):
     """``run_distributed`` for module- and session-scoped fixtures (e.g. a checkpoint that several
     tests read)."""
 
@@ -29,12 +29,12 @@ def distributed(_worker_pools):
 
 
 @pytest.fixture
-def run_distributed(distributed):
+def run_distributed(run_distributed_shared):
     """``run_distributed(fn, *args, world_size=N, timeout=..., **kwargs)`` -> per-rank results.
 
     ``fn`` must be a module-level function; it runs on N gloo ranks (workers reused across tests).
     """
-    return distributed
+    return run_distributed_shared
 
 
 def pytest_collection_modifyitems(config, items):

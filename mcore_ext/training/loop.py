@@ -59,14 +59,22 @@ def pretrain(cfg) -> None:
         seed=cfg.training.seed,
     )
     signals = faults.ExitSignalHandler() if cfg.checkpoint.exit_on_signal else None
+    save = cfg.checkpoint.save
+    made_save_dir = bool(save) and not os.path.exists(save)
+    dist.barrier()  # every rank looked before any rank makes it
     try:
         with signals or contextlib.nullcontext(), cuda_to_cpu():
             # cuda_to_cpu: CPU only, megatron's training path allocates on "cuda" literally.
-            if cfg.checkpoint.save:  # before hours of training, not at the first save
-                faults.check_writable(cfg.checkpoint.save)
-                checkpointing.recover_save_dir(cfg.checkpoint.save)  # what a killed save left
+            if save:  # before hours of training, not at the first save
+                faults.check_writable(save)
+                checkpointing.recover_save_dir(save)  # what a killed save left
                 faults.install_checkpoint_writer_queue(cfg.checkpoint.async_save)
             _Trainer(cfg, signals).run()
+    except BaseException:
+        if made_save_dir and dist.get_rank() == 0:  # a run refused before its first save
+            with contextlib.suppress(OSError):
+                os.rmdir(save)  # only if empty: nothing a save wrote
+        raise
     finally:
         destroy_parallel()
 

@@ -37,10 +37,10 @@ def _base(tmp):
 
 
 @pytest.fixture(scope="module")
-def base(distributed, tmp_path_factory):
+def base(run_distributed_shared, tmp_path_factory):
     """The shared run: {"dir": its save directory, "tmp": the folder, "result": rank 0's output}."""
     tmp = tmp_path_factory.mktemp("start")
-    result = distributed(_base, tmp, world_size=2)
+    result = run_distributed_shared(_base, tmp, world_size=2)
     assert result[0]["code"] == 0, result[0]
     return {"dir": tmp / "base", "tmp": tmp, "result": result[0]}
 
@@ -68,13 +68,13 @@ def _loads(tmp, base):
     return out
 
 
-def test_iteration_directory_and_release_tracker_load_and_one_line_says_so(distributed, base):
+def test_iteration_directory_and_release_tracker_load_and_one_line_says_so(run_distributed, base):
     tmp, saved = base["tmp"], base["dir"]
     first = start_lines(base["result"]["stdout"])
     assert first == [f"{MARK} starting from scratch: checkpoint.save={saved} holds no checkpoint "
                      "yet (the run's first start)"], base["result"]["stdout"][-2000:]
 
-    results = distributed(_loads, tmp, saved, world_size=2)
+    results = run_distributed(_loads, tmp, saved, world_size=2)
     out = results[0]
     for case, result in out.items():
         assert result["code"] == 0, (case, result)
@@ -207,6 +207,7 @@ def test_finetune_of_a_megatron_lm_checkpoint_loads_weights_whatever_its_schedul
         "--global-batch-size 4: resume with the same global batch size (or set "
         "checkpoint.finetune=true for weights only)\n"), resume["stderr"]
     assert other["stderr"] == "" and "Traceback" not in resume["stdout"] + resume["stderr"]
+    assert not resume["wrote"]  # not even checkpoint.save's directory
 
 
 # --------------------------------------------------------------------------- scripts/pretrain.sh

@@ -251,6 +251,8 @@ def test_cli_reports_any_conversion_error_as_one_line(hf_dir, tmp_path, case):
     assert len(errors) == 1, result.stderr[-3000:]  # megatron's warnings may come before it
     assert result.stderr.strip().splitlines()[-1] == errors[0]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    if case == "corrupt_checkpoint":  # found by the manifest, named, before megatron reads it
+        assert "iter_0000000 is corrupt: __0_0.distcp truncated" in errors[0], errors[0]
     assert not out.exists()
 
 
