@@ -2,12 +2,13 @@
 # Run the test suite (installs what it needs into .venv first).
 #   bash scripts/test.sh            the whole suite on .venv's megatron-core (0.19.2), then the
 #                                   smoke runs on the older releases (scripts/test_versions.sh)
-#   bash scripts/test.sh ARGS...    pytest ARGS on .venv only (e.g. -k reshard -x)
+#   bash scripts/test.sh ARGS...    pytest ARGS on .venv only (e.g. -k reshard -x, or
+#                                   tests/unit/test_docs.py -x: that file alone)
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
 cd "$ROOT"
 if [[ $# -gt 0 ]]; then
-    exec "$PY" -m pytest tests "$@"
+    exec "$PY" -m pytest "$@"  # no path given: pyproject's testpaths (tests/)
 fi
 suite=0
 "$PY" -m pytest tests || suite=$?

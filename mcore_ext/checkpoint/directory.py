@@ -114,13 +114,20 @@ def why_not_a_checkpoint(path: str) -> str:
     if not os.path.isdir(path):
         return "it is a file, not a directory"
     why = f"it has no {TRACKER} and is not a checkpoint directory"
-    names = sorted(os.listdir(path))
-    iterations = [n for n in names if _ITERATION_NAME.fullmatch(n)]
+    iterations = _iteration_names(path)
     if iterations:
         return f"{why} (it holds {', '.join(iterations[-3:])}: name one of them)"
-    if any(n.startswith(SAVING) for n in names):
+    if any(n.startswith(SAVING) for n in os.listdir(path)):
         return f"{why} (only a save that did not finish)"
     return why
+
+
+def _iteration_names(path: str) -> list[str]:
+    """The ``iter_*`` directories in ``path``, oldest first ([] when it is no directory)."""
+    if not os.path.isdir(path):
+        return []
+    return sorted(n for n in os.listdir(path)
+                  if _ITERATION_NAME.fullmatch(n) and os.path.isdir(os.path.join(path, n)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +152,13 @@ def find_start(save: str | None, load: str | None) -> Start:
                 f"checkpoint.save={save} holds this run's checkpoints, but {err}") from None
         if own is not None:
             return Start(own, own=True)
+        untracked = _iteration_names(save)
+        if untracked:  # starting there would replace them, one save at a time
+            raise CheckpointNotFoundError(
+                f"checkpoint.save={save} holds {', '.join(untracked[-3:])} but no {TRACKER}: a "
+                f"run started there would replace them. Resume one with checkpoint.load="
+                f"{os.path.join(save, untracked[-1])} and another checkpoint.save, or write its "
+                f"iteration into {os.path.join(save, TRACKER)}")
     if not load:
         reason = (f"checkpoint.save={save} holds no checkpoint yet and checkpoint.load is not set"
                   if save else "neither checkpoint.save nor checkpoint.load is set")

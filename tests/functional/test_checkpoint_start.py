@@ -107,8 +107,9 @@ def test_iteration_directory_and_release_tracker_load_and_one_line_says_so(run_d
 def _refusals(tmp):
     """checkpoint.load paths that hold no checkpoint: {case: (launch result, save existed)}."""
     cases = {"typo": tmp / "no_such_dir", "empty": tmp / "empty", "tracker": tmp / "garbage",
-             "lost": tmp / "lost"}
+             "lost": tmp / "lost", "untracked": tmp / "untracked"}
     if _rank0():
+        (cases["untracked"] / "iter_0000005").mkdir(parents=True)  # its tracker lost
         cases["empty"].mkdir()
         cases["tracker"].mkdir()
         (cases["tracker"] / TRACKER).write_text("iter5\n")
@@ -117,11 +118,13 @@ def _refusals(tmp):
     _barrier()
     out = {}
     for case, load in cases.items():
-        save = tmp / f"save_{case}"
+        # "untracked": the run's own checkpoint.save, whose checkpoints a fresh start would replace
+        save = load if case == "untracked" else tmp / f"save_{case}"
+        finetune = [] if case == "untracked" else ["checkpoint.finetune=true"]
         out[case] = launch(*TINY_MOCK, "training.train_iters=1", f"checkpoint.load={load}",
-                           "checkpoint.finetune=true", f"checkpoint.save={save}")
+                           *finetune, f"checkpoint.save={save}")
         _barrier()
-        out[case]["wrote"] = save.exists()
+        out[case]["wrote"] = sorted(os.listdir(save)) if save.exists() else None
     return out
 
 
@@ -137,13 +140,16 @@ def test_a_load_path_without_a_checkpoint_is_an_error_naming_it(run_distributed,
                    "or 'release'",
         "lost": f"checkpoint.load={tmp_path / 'lost'} holds no checkpoint: {TRACKER} names "
                 f"iteration 3 but {tmp_path / 'lost' / 'iter_0000003'} does not exist",
+        "untracked": f"checkpoint.save={tmp_path / 'untracked'} holds iter_0000005 but no "
+                     f"{TRACKER}: a run started there would replace them",
     }
     for case, message in expected.items():
         zero, one = results[0][case], results[1][case]
         assert zero["code"] == 2 and one["code"] == 2, (case, zero)
         assert zero["stderr"].startswith(f"error: {message}"), (case, zero["stderr"])
         assert zero["stderr"].count("\n") == 1 and one["stderr"] == "", (case, one["stderr"])
-        assert not zero["wrote"], case  # nothing written: not even checkpoint.save
+        # nothing written: not even checkpoint.save's directory
+        assert zero["wrote"] == (["iter_0000005"] if case == "untracked" else None), case
 
 
 # ------------------------------------------------------------- Megatron-LM checkpoints, finetune
