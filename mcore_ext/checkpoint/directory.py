@@ -122,12 +122,17 @@ def why_not_a_checkpoint(path: str) -> str:
     return why
 
 
-def _iteration_names(path: str) -> list[str]:
-    """The ``iter_*`` directories in ``path``, oldest first ([] when it is no directory)."""
-    if not os.path.isdir(path):
+def iterations_in(root: str) -> list[int]:
+    """The iterations of the ``iter_*`` directories in ``root``, oldest first ([] when it is no
+    directory)."""
+    if not os.path.isdir(root):
         return []
-    return sorted(n for n in os.listdir(path)
-                  if _ITERATION_NAME.fullmatch(n) and os.path.isdir(os.path.join(path, n)))
+    return sorted(int(match.group(1)) for match in map(_ITERATION_NAME.fullmatch, os.listdir(root))
+                  if match and os.path.isdir(os.path.join(root, match.group(0))))
+
+
+def _iteration_names(path: str) -> list[str]:
+    return [os.path.basename(iteration_dir(path, i)) for i in iterations_in(path)]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,7 +26,7 @@ import zlib
 
 import torch.distributed as dist
 
-from mcore_ext.checkpoint.directory import Checkpoint, iteration_dir
+from mcore_ext.checkpoint.directory import Checkpoint, iteration_dir, iterations_in
 
 MANIFEST = "mcore_ext_manifest.json"
 _RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp")
@@ -123,10 +123,7 @@ def newest_verified(root: str, before: int):
     """The newest ``iter_*`` checkpoint under ``root`` older than ``before`` whose files match its
     manifest (a ``directory.Checkpoint``), or None; ones without a manifest are skipped.
     Collective like ``verify_checkpoint``."""
-    older = sorted((int(name[5:]) for name in os.listdir(root)
-                    if re.fullmatch(r"iter_\d{7,}", name) and int(name[5:]) < before),
-                   reverse=True)
-    for iteration in older:
+    for iteration in reversed([i for i in iterations_in(root) if i < before]):
         directory = iteration_dir(root, iteration)
         if verify_checkpoint(directory) == []:
             return Checkpoint(directory, iteration, root=root)
