@@ -25,6 +25,9 @@ there were one megatron-core; each shim below says which releases need it and wh
 9. 0.16's fp32 router GEMM reads ``moe_utils.te_general_gemm``, which it defines only when
    Transformer Engine is installed (NameError without it; 0.17+ set it to None)
    (``_define_missing_te_general_gemm``).
+10. Checkpoint trackers are read by megatron.training's ``read_metadata`` where the wheel ships
+    megatron.training (0.17+), by mcore_ext's own small reader on 0.16
+    (``read_checkpoint_tracker``).
 
 This module adapts megatron-core to other releases; ``_cpu_compat`` adapts it to a CPU.
 """
@@ -393,3 +396,26 @@ def _define_missing_te_general_gemm() -> None:
 
 
 _define_missing_te_general_gemm()
+
+
+# ------------------------------------------------------------------ 10. checkpoint tracker
+
+
+def read_checkpoint_tracker(path: str, fallback) -> tuple[int, bool]:
+    """(iteration, release) of a ``latest_checkpointed_iteration.txt`` through megatron.training's
+    ``read_metadata``, else ``fallback(path)`` (0.16's wheel has no megatron.training).
+
+    Check the content first: megatron's reader calls ``sys.exit()`` (exit code 0) on text that
+    is neither a number nor ``release``. With torch.distributed initialized it is a collective
+    (every rank reads, all agree on the highest iteration) on a "cuda" tensor, which a CPU run
+    maps to the CPU.
+    """
+    try:
+        from megatron.training.checkpointing import read_metadata
+    except Exception:  # noqa: BLE001  (no megatron.training, or one that does not import here)
+        return fallback(path)
+    from mcore_ext._cpu_compat import cuda_to_cpu
+
+    with cuda_to_cpu():
+        iteration, release = read_metadata(path)
+    return int(iteration), bool(release)

@@ -14,12 +14,10 @@ def _worker_pools():
         pool.close()
 
 
-@pytest.fixture
-def run_distributed(_worker_pools):
-    """``run_distributed(fn, *args, world_size=N, timeout=..., **kwargs)`` -> per-rank results.
-
-    ``fn`` must be a module-level function; it runs on N gloo ranks (workers reused across tests).
-    """
+@pytest.fixture(scope="session")
+def run_distributed_shared(_worker_pools):
+    """``run_distributed`` for module- and session-scoped fixtures (e.g. a checkpoint that several
+    tests read)."""
 
     def run(fn, *args, world_size: int, timeout: float = DEFAULT_TIMEOUT_S, **kwargs):
         pool = _worker_pools.get(world_size)
@@ -28,6 +26,15 @@ def run_distributed(_worker_pools):
         return pool.run(fn, *args, timeout=timeout, **kwargs)
 
     return run
+
+
+@pytest.fixture
+def run_distributed(run_distributed_shared):
+    """``run_distributed(fn, *args, world_size=N, timeout=..., **kwargs)`` -> per-rank results.
+
+    ``fn`` must be a module-level function; it runs on N gloo ranks (workers reused across tests).
+    """
+    return run_distributed_shared
 
 
 def pytest_collection_modifyitems(config, items):

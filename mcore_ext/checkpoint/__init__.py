@@ -5,6 +5,11 @@ checkpoint and the model agree on the gate: loading an ungated checkpoint into a
 the reverse) fails with an error naming the gate tensors, before anything is read. The option
 ``init_missing_gates=True`` starts the gates of a gated model from their init when its checkpoint
 has none (QKV rows load as usual).
+
+What every entry point shares about checkpoint directories lives beside it: ``directory`` (the
+layout, trackers, which checkpoint a path names, where a launcher run starts), ``saving`` (how
+every rank writes one directory: ``.saving.``, manifest, rename, tracker), ``manifest`` (sizes
+and checksums of what a save wrote, and their verification) and ``errors``.
 """
 
 import dataclasses
@@ -16,10 +21,19 @@ from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, n
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
 from mcore_ext import _mcore_compat
+from mcore_ext.checkpoint.errors import (
+    CheckpointCorruptError,
+    CheckpointLoadError,
+    CheckpointNotFoundError,
+    CheckpointSaveError,
+)
 from mcore_ext.checkpoint.sharding import GATE_SUFFIX, QKV_SUFFIX, QkvGateFactory, qkv_gate_factory
 
 __all__ = [
+    "CheckpointCorruptError",
     "CheckpointLoadError",
+    "CheckpointNotFoundError",
+    "CheckpointSaveError",
     "GATE_SUFFIX",
     "GateLayoutMismatch",
     "QKV_SUFFIX",
@@ -30,10 +44,6 @@ __all__ = [
     "qkv_gate_factory",
     "save",
 ]
-
-
-class CheckpointLoadError(RuntimeError):
-    """Reading the checkpoint failed (corrupt or truncated files, shapes that do not match)."""
 
 
 class GateLayoutMismatch(ValueError):

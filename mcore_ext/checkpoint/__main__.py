@@ -1,7 +1,9 @@
-"""``python -m mcore_ext.checkpoint inspect DIR``: what a distributed checkpoint holds.
+"""``python -m mcore_ext.checkpoint inspect DIR [--verify]``: what a distributed checkpoint holds.
 
-Reads only the checkpoint's metadata (global shapes), so it needs neither the saving run's
-parallel layout nor a process group.
+DIR is a checkpoint directory or a save directory (its tracked checkpoint). Reads only the
+checkpoint's metadata (global shapes), so it needs neither the saving run's parallel layout nor
+a process group. ``--verify`` also reads every file and compares it with the manifest the save
+wrote (sizes, CRC32): exit code 1 when a file differs or there is no manifest.
 """
 
 import argparse
@@ -10,6 +12,9 @@ import sys
 
 from megatron.core import dist_checkpointing
 
+from mcore_ext.checkpoint import manifest
+from mcore_ext.checkpoint.directory import find_checkpoint
+from mcore_ext.checkpoint.errors import CheckpointNotFoundError
 from mcore_ext.checkpoint.sharding import GATE_SUFFIX, QKV_SUFFIX
 
 
@@ -44,23 +49,51 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mcore_ext.checkpoint")
     commands = parser.add_subparsers(dest="command", required=True)
     inspect = commands.add_parser("inspect", help="list tensors, global shapes and attention layout")
-    inspect.add_argument("checkpoint_dir")
+    inspect.add_argument("checkpoint_dir", help="a checkpoint directory or a save directory")
+    inspect.add_argument("--verify", action="store_true",
+                         help="compare every file with the sizes and checksums its save recorded")
     args = parser.parse_args(argv)
 
+    directory = args.checkpoint_dir
     try:
-        metadata = dist_checkpointing.load_tensors_metadata(args.checkpoint_dir)
+        found = find_checkpoint(directory)
+    except (CheckpointNotFoundError, OSError) as error:
+        print(f"error: {directory}: {error}", file=sys.stderr)
+        return 1
+    directory = found.directory if found is not None else directory
+    ok = not args.verify or _verify(directory)
+    try:
+        metadata = dist_checkpointing.load_tensors_metadata(directory)
     except Exception as error:  # noqa: BLE001 - report any unreadable checkpoint plainly
-        print(f"error: cannot read checkpoint {args.checkpoint_dir}: {error}", file=sys.stderr)
+        print(f"error: cannot read checkpoint {directory}: {error}", file=sys.stderr)
         return 1
     shapes = {key: tuple(t.global_shape) for key, t in metadata.items()}
     width = max(map(len, shapes), default=0)
-    print(f"{len(shapes)} tensors in {args.checkpoint_dir}")
+    print(f"{len(shapes)} tensors in {directory}")
     for key in sorted(shapes):
         print(f"  {key:<{width}}  {list(shapes[key])}  {metadata[key].dtype}")
     print("attention layout:")
     for line in attention_layout(shapes) or ["  (no linear_qkv tensors)"]:
         print(f"  {line}")
-    return 0
+    return 0 if ok else 1
+
+
+def _verify(directory: str) -> bool:
+    """Print what verification finds; True when every file matches the manifest."""
+    problems = manifest.verify_checkpoint(directory, collective=False)
+    if problems is None:
+        print(f"verify: {directory} has no {manifest.MANIFEST} (saved before checksums were "
+              "recorded, or by Megatron-LM): cannot verify it")
+        return False
+    if problems:
+        for name, what in problems:
+            print(f"CORRUPT: {directory}/{name}: {what}")
+        return False
+    entries = manifest.read(directory)
+    size = sum(entry["size"] for entry in entries.values())
+    print(f"verified: all {len(entries)} files of {directory} ({size / 2**20:.1f} MiB) match "
+          "their recorded sizes and checksums")
+    return True
 
 
 if __name__ == "__main__":

@@ -36,6 +36,9 @@ def main(argv=None) -> int:
                      help="rows of the padded vocabulary to keep (default: the imported HF "
                           "config's, else the launcher tokenizer's)")
     exp.add_argument("--max-shard-size", type=float, default=2.0, help="GiB per safetensors file")
+    exp.add_argument("--overwrite", action="store_true",
+                     help="replace the export in a folder that holds one (config.json, weights); "
+                          "its other files stay (default: a folder with files is refused)")
     pln = sub.add_parser("plan", help="parameters and memory per rank at a parallel layout")
     pln.add_argument("hf_dir", help="an HF model directory or its config.json")
     pln.add_argument("--dp", type=int, default=1, help="data-parallel size")
@@ -72,7 +75,9 @@ def main(argv=None) -> int:
             raise
         # Conversion errors (mcore_ext.hf's, megatron's checkpoint and process-group errors,
         # files): one line for the user; nothing was written (the writers stage their files).
-        return report_error(_one_line(err), seen_by_every_rank=_seen_by_every_rank(err))
+        from mcore_ext.checkpoint.errors import one_line
+
+        return report_error(one_line(err), seen_by_every_rank=_seen_by_every_rank(err))
     finally:
         mcore_ext.destroy_parallel()
     print(f"[hf] {args.command}: wrote {out} in {time.perf_counter() - start:.1f}s")
@@ -97,7 +102,8 @@ def _run(args) -> str:
         from mcore_ext.hf.checkpoint import export_checkpoint
 
         export_checkpoint(args.ckpt_dir, args.hf_dir, vocab_size=args.vocab_size,
-                          max_shard_bytes=int(args.max_shard_size * 1024**3))
+                          max_shard_bytes=int(args.max_shard_size * 1024**3),
+                          overwrite=args.overwrite)
         return args.hf_dir
 
 
@@ -145,20 +151,6 @@ def _user_errors() -> tuple:
 
     return (ValueError, RuntimeError, OSError, yaml.YAMLError, CheckpointingException,
             CheckpointException)
-
-
-def _one_line(err: BaseException) -> str:
-    """The error's message on one line; torch's checkpoint errors (which print every rank's
-    traceback) as each failing rank's error alone."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    text = str(err)
-    cause = err if isinstance(err, CheckpointException) else err.__cause__
-    if isinstance(cause, CheckpointException):
-        failures = "; ".join(f"rank {rank}: {type(exc).__name__}: {exc}"
-                             for rank, (exc, _) in cause.failures.items())
-        text = text.replace(str(cause), failures)
-    return " ".join(text.split()) or type(err).__name__
 
 
 def _plan(args) -> int:

@@ -2,26 +2,36 @@
 
 ``import_checkpoint`` writes ``<ckpt>/iter_0000000/`` in the launcher's format (megatron
 dist_checkpointing, torch_dist, the same ``{"model": ...}`` state the launcher saves) with a
-``config.yaml`` of the model and the HF ``hf_config.json`` it came from, then the tracker file. The
-launcher loads it at any TP / PP as weights only (``checkpoint.load: <ckpt>``; it holds no optimizer
-state, so training starts at iteration 0).
+``config.yaml`` of the model and the HF ``hf_config.json`` it came from, then the tracker file,
+through the launcher's own save protocol (``mcore_ext.checkpoint.saving``: a ``.saving.``
+directory, a manifest of checksums, a rename, the tracker last), so a killed import leaves
+nothing that looks like a checkpoint. The launcher loads it at any TP / PP as weights only
+(``checkpoint.load: <ckpt>``; it holds no optimizer state, so training starts at iteration 0).
 
 ``export_checkpoint`` reads a launcher checkpoint (a save directory or one ``iter_*`` directory),
-rebuilds the model from its ``config.yaml``, and writes the HF layout with ``save_pretrained``.
+verifies its files, rebuilds the model from its ``config.yaml``, and writes the HF layout with
+``save_pretrained`` into a staging folder that takes the target's place at the end. A target
+that holds files is refused unless ``overwrite``.
 """
 
 import dataclasses
 import json
 import os
-import shutil
 
 import torch
-import torch.distributed as dist
 import yaml
 from megatron.core import dist_checkpointing, parallel_state
+from torch.distributed.checkpoint.api import CheckpointException
 
 from mcore_ext._cpu_compat import cuda_to_cpu
-from mcore_ext.checkpoint.directory import TRACKER, iteration_dir, latest_iteration
+from mcore_ext.checkpoint import manifest, saving
+from mcore_ext.checkpoint.directory import (
+    TRACKER,
+    find_checkpoint,
+    iteration_dir,
+    why_not_a_checkpoint,
+)
+from mcore_ext.checkpoint.errors import CheckpointCorruptError, CheckpointNotFoundError
 from mcore_ext.hf.config import HFConfigError, Step35Config
 from mcore_ext.hf.convert import (
     PROVENANCE_NAME,
@@ -34,8 +44,7 @@ from mcore_ext.hf.convert import (
 )
 from mcore_ext.hf.safetensors_io import SafetensorsReader
 from mcore_ext.precision import precision_of
-from mcore_ext.runtime import device, raise_unless_all_ok
-
+from mcore_ext.runtime import device
 
 
 def launcher_model_section(spec: Step35Config, seq_length: int, multiple: int) -> dict:
@@ -111,49 +120,31 @@ def import_checkpoint(hf_dir: str, ckpt_dir: str, *, dtype: torch.dtype | None =
                             make_vocab_size_divisible_by=make_vocab_size_divisible_by,
                             max_sequence_length=seq_length)
     directory = iteration_dir(ckpt_dir, 0)
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    failure = None
-    if rank0:
-        try:
-            shutil.rmtree(directory, ignore_errors=True)
-            os.makedirs(directory)
-        except OSError as err:
-            failure = err
-    raise_unless_all_ok(failure, f"creating {directory}")
+    partial = saving.begin(directory)
     state = {
         "model": model.sharded_state_dict(),
         "iteration": 0,
         "consumed_samples": 0,
         "weights_only": True,  # no optimizer state: the launcher loads the weights only
     }
+    failure = None
     try:
-        dist_checkpointing.save(state, directory)
-    except Exception as err:
+        dist_checkpointing.save(state, partial)
+    except (Exception, CheckpointException) as err:  # reported below, on every rank
         failure = err
-    raise_unless_all_ok(failure, f"checkpoint save to {directory}")
-    if rank0:
-        with open(os.path.join(directory, "config.yaml"), "w") as f:
-            f.write(cfg.to_yaml())
-        with open(os.path.join(directory, PROVENANCE_NAME), "w") as f:
-            json.dump(raw, f, indent=2)
-        with open(os.path.join(ckpt_dir, TRACKER), "w") as f:
-            f.write("0")
-    if dist.is_initialized():
-        dist.barrier()
+    saving.raise_unless_saved(failure, partial, f"checkpoint save to {directory} failed")
+    saving.publish(partial, directory, root=ckpt_dir, iteration=0, files={
+        "config.yaml": cfg.to_yaml(), PROVENANCE_NAME: json.dumps(raw, indent=2)})
     return directory
 
 
 def resolve_iteration_dir(ckpt_dir: str) -> str:
     """A save directory (its latest complete iteration) or an ``iter_*`` directory itself."""
-    if os.path.exists(os.path.join(ckpt_dir, "config.yaml")):
-        return ckpt_dir
-    iteration = latest_iteration(ckpt_dir)
-    if iteration is None:
-        raise FileNotFoundError(
-            f"{ckpt_dir}: neither a launcher checkpoint directory ({TRACKER}) nor an iteration "
-            "directory (config.yaml)"
-        )
-    return iteration_dir(ckpt_dir, iteration)
+    found = find_checkpoint(ckpt_dir)
+    if found is None:
+        raise CheckpointNotFoundError(f"{ckpt_dir} holds no checkpoint: "
+                                      f"{why_not_a_checkpoint(ckpt_dir)}")
+    return found.directory
 
 
 def find_provenance(directory: str, cfg) -> dict | None:
@@ -185,19 +176,28 @@ def _read_launcher_config(directory: str):
 
 
 def export_checkpoint(ckpt_dir: str, hf_dir: str, *, vocab_size: int | None = None,
-                      max_shard_bytes: int = 2 * 1024**3, backend: str = "sdpa") -> None:
+                      max_shard_bytes: int = 2 * 1024**3, backend: str = "sdpa",
+                      overwrite: bool = False) -> None:
     """Launcher checkpoint -> HF directory (call after ``init_parallel``, any TP / PP).
 
     ``vocab_size`` (the rows to keep of the padded embedding) defaults to the HF config the
     checkpoint was imported from, else the launcher tokenizer's size; HFConfigError when neither
     is known (a tokenizer that does not load is reported, not replaced by the padded size).
+    An ``hf_dir`` with files in it is refused (FileExistsError) unless ``overwrite``: then the
+    export in it is replaced and its other files stay. A checkpoint whose files differ from its
+    manifest is refused (CheckpointCorruptError).
     """
+    _check_target(hf_dir, overwrite)
     from mcore_ext import checkpoint
     from mcore_ext.models import build_gpt_model
     from mcore_ext.training.config import ParallelismConfig
     from mcore_ext.training.megatron_configs import transformer_config
 
     directory = resolve_iteration_dir(ckpt_dir)
+    problems = manifest.verify_checkpoint(directory)
+    if problems:
+        raise CheckpointCorruptError(
+            f"checkpoint {directory} is corrupt: {manifest.summary(problems)}")
     cfg = _read_launcher_config(directory)
     metadata = dist_checkpointing.load_tensors_metadata(directory)
     embedding = metadata.get("embedding.word_embeddings.weight")
@@ -251,6 +251,19 @@ def export_checkpoint(ckpt_dir: str, hf_dir: str, *, vocab_size: int | None = No
         model.hf_config = source.replace(vocab_size=vocab_size)
     save_pretrained(model, hf_dir, vocab_size=vocab_size, max_shard_bytes=max_shard_bytes,
                     extra_config=extra)
+
+
+def _check_target(hf_dir: str, overwrite: bool) -> None:
+    """Refuse a target that is a file, or a folder with files in it unless ``overwrite``."""
+    if os.path.exists(hf_dir) and not os.path.isdir(hf_dir):
+        raise FileExistsError(f"{hf_dir} is a file, not a folder for the export")
+    held = sorted(os.listdir(hf_dir)) if os.path.isdir(hf_dir) else []
+    if held and not overwrite:
+        more = f", ... {len(held)} entries" if len(held) > 3 else ""
+        raise FileExistsError(
+            f"{hf_dir} is not empty ({', '.join(held[:3])}{more}): pass --overwrite "
+            "(overwrite=True) to replace the export in it (its other files stay), or choose "
+            "another folder")
 
 
 def _tokenizer_vocab(cfg) -> int:

@@ -7,17 +7,21 @@ time through ``safetensors.safe_open``.
 Writing: the names, shapes and dtypes of every tensor are known before any data exists (they follow
 from the config), so ``ShardedSafetensorsWriter`` plans the shards and each file's header first and
 then streams the tensors into the files in plan order: nothing but the tensor being written is
-held. Files go to a staging directory that replaces the target only when every tensor is written.
+held. Files go to a staging directory beside the target (``.saving.<name>``) that takes the
+target's place only when every tensor is written, by the same renames as a checkpoint
+(``mcore_ext.checkpoint.directory.replace_dir``): a kill at any moment leaves the earlier export
+or the new one, never a config without its weights.
 """
 
 import json
 import os
 import shutil
 import struct
-import tempfile
 
 import torch
 from safetensors import safe_open
+
+from mcore_ext.checkpoint.directory import partial_dir, recover_dir, replace_dir
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -154,19 +158,23 @@ def _nbytes(dtype: torch.dtype, shape) -> int:
 class ShardedSafetensorsWriter:
     """Writes ``plan`` [(name, dtype, shape)] as size-sharded safetensors plus the index JSON.
 
-    ``write(name, tensor)`` must be called in plan order. ``close()`` moves the files into
-    ``directory`` (and ``extra_files``, {file name: text}, with them); ``abort()`` (or an
-    exception inside ``with``) removes everything written.
+    ``write(name, tensor)`` must be called in plan order. ``close()`` puts the files (and
+    ``extra_files``, {file name: text}) in place of ``directory``: an earlier export there
+    (config.json, model.safetensors, the index and the shards it lists) is replaced, every other
+    file in it is kept. ``abort()`` (or an exception inside ``with``) removes everything written.
+    Whether ``directory`` may hold files at all is the caller's decision (``hf export``
+    refuses a folder with files unless ``--overwrite``).
     """
 
     def __init__(self, directory: str, plan: list, max_shard_bytes: int = 2 * 1024**3,
                  extra_files: dict | None = None):
-        self.directory = directory
+        self.directory = os.path.normpath(directory)
         self.plan = list(plan)
         self.extra_files = dict(extra_files or {})
-        parent = os.path.dirname(os.path.abspath(directory)) or "."
-        os.makedirs(parent, exist_ok=True)
-        self.staging = tempfile.mkdtemp(prefix=".hf-export-", dir=parent)
+        os.makedirs(os.path.dirname(os.path.abspath(self.directory)), exist_ok=True)
+        recover_dir(self.directory)  # what an export killed while replacing it left
+        self.staging = partial_dir(self.directory)
+        os.makedirs(self.staging)
         self.shards = _plan_shards(self.plan, max_shard_bytes)
         self._next = 0  # index into plan
         self._file = None
@@ -256,31 +264,57 @@ class ShardedSafetensorsWriter:
             missing = [name for name, _, _ in self.plan[self._next:]][:5]
             self.abort()
             raise SafetensorsError(f"export incomplete: {missing} ... not written")
-        if len(self.shards) > 1:
-            weight_map = {
-                name: self._file_name(shard)
-                for shard, (first, last) in enumerate(self.shards)
-                for name, _, _ in self.plan[first:last]
-            }
-            with open(os.path.join(self.staging, INDEX_NAME), "w") as f:
-                json.dump({"metadata": {"total_size": self._total}, "weight_map": weight_map}, f,
-                          indent=2)
-        for name, text in self.extra_files.items():
-            with open(os.path.join(self.staging, name), "w") as f:
-                f.write(text)
-        os.makedirs(self.directory, exist_ok=True)
-        for stale in os.listdir(self.directory):  # a previous export's shards must not linger
-            if stale == INDEX_NAME or (stale.startswith("model") and stale.endswith(".safetensors")):
-                os.remove(os.path.join(self.directory, stale))
-        for name in os.listdir(self.staging):
-            os.replace(os.path.join(self.staging, name), os.path.join(self.directory, name))
-        shutil.rmtree(self.staging, ignore_errors=True)
+        try:
+            if len(self.shards) > 1:
+                weight_map = {
+                    name: self._file_name(shard)
+                    for shard, (first, last) in enumerate(self.shards)
+                    for name, _, _ in self.plan[first:last]
+                }
+                with open(os.path.join(self.staging, INDEX_NAME), "w") as f:
+                    json.dump({"metadata": {"total_size": self._total}, "weight_map": weight_map},
+                              f, indent=2)
+            for name, text in self.extra_files.items():
+                with open(os.path.join(self.staging, name), "w") as f:
+                    f.write(text)
+            if os.path.isdir(self.directory):
+                self._keep_other_files()
+        except BaseException:
+            self.abort()
+            raise
+        replace_dir(self.staging, self.directory)
+
+    def _keep_other_files(self) -> None:
+        """Link (or copy) into the staging directory what ``directory`` holds besides an earlier
+        export, so that it stays when the staging directory takes the folder's place."""
+        export = {SINGLE_NAME, INDEX_NAME, *self.extra_files}
+        try:
+            with open(os.path.join(self.directory, INDEX_NAME)) as f:
+                export.update(json.load(f)["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass  # no (readable) index: no shards listed
+        for name in os.listdir(self.directory):
+            source, target = os.path.join(self.directory, name), os.path.join(self.staging, name)
+            if name in export or os.path.lexists(target):
+                continue
+            if os.path.isdir(source) and not os.path.islink(source):
+                shutil.copytree(source, target, symlinks=True, copy_function=_link_or_copy)
+            else:
+                _link_or_copy(source, target)
 
     def abort(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
         shutil.rmtree(self.staging, ignore_errors=True)
+
+
+def _link_or_copy(source: str, target: str) -> None:
+    """A hard link (no bytes copied, nothing lost if either name goes), else a copy."""
+    try:
+        os.link(source, target, follow_symlinks=False)
+    except OSError:
+        shutil.copy2(source, target, follow_symlinks=False)
 
 
 def _plan_shards(plan: list, max_shard_bytes: int) -> list[tuple[int, int]]:

@@ -33,17 +33,37 @@ def main(argv=None) -> int:
         help="with --check: validate for this many ranks (default: $WORLD_SIZE, else 1)",
     )
     args = parser.parse_args(argv)
-    from mcore_ext.cli import quiet_known_noise, report_error
-    from mcore_ext.training.faults import CheckpointSaveError, die_with_torchrun
+    from mcore_ext.checkpoint import GateLayoutMismatch
+    from mcore_ext.checkpoint.errors import (
+        CheckpointLoadError,
+        CheckpointNotFoundError,
+        CheckpointSaveError,
+        one_line,
+    )
+    from mcore_ext.cli import is_first_rank, quiet_known_noise, report_error
+    from mcore_ext.megatron_lm.checkpoint_format import CheckpointFormatError
+    from mcore_ext.training.faults import die_with_torchrun
 
     die_with_torchrun()  # a SIGKILL of torchrun ends its ranks too
     quiet_known_noise()
     try:
         cfg = load_config(args.config, args.overrides, world_size=args.world_size)
-    except ConfigError as err:
+        # Where the run starts, before anything is written: a checkpoint.load that holds no
+        # checkpoint is refused here.
+        from mcore_ext.training import checkpointing
+
+        start = checkpointing.start_point(cfg)
+    except (ConfigError, CheckpointNotFoundError) as err:
         return report_error(str(err))  # every rank finds the same error: the first says it
     if args.check:
         print(cfg.to_yaml(), end="")
+        return 0
+    found, iterations = start.checkpoint, cfg.training.train_iters
+    if start.own and found.iteration is not None and found.iteration >= iterations:
+        from mcore_ext.training.loop import run_complete
+
+        if is_first_rank():
+            print(run_complete(found.iteration, iterations, found.directory), flush=True)
         return 0
 
     from mcore_ext.training.loop import pretrain
@@ -53,6 +73,10 @@ def main(argv=None) -> int:
     except CheckpointSaveError as err:  # raised on every rank with the same message
         print(f"error: [rank {os.environ.get('RANK', '0')}] {err}", file=sys.stderr, flush=True)
         return 1
+    except (CheckpointNotFoundError, CheckpointLoadError, CheckpointFormatError,
+            GateLayoutMismatch) as err:
+        # Found on every rank alike, before training: said once, nothing was written.
+        return report_error(one_line(err))
     return 0
 
 

@@ -1,21 +1,25 @@
 """Checkpoints in megatron's torch_dist format, resumable at any TP / PP / DP layout.
 
-    <save>/iter_0000010/                      megatron dist checkpoint + config.yaml
+    <save>/iter_0000010/                      megatron dist checkpoint, config.yaml, manifest
     <save>/latest_checkpointed_iteration.txt  "10", written last
 
-A save writes ``<save>/.saving.iter_0000010/``; once every rank reports a completed write, rank 0
-renames it to ``iter_0000010`` (an existing one, possibly the tracked one, is moved aside first
-and deleted after) and then writes the tracker. So a save that fails (or a run killed while
-saving) never touches the tracked checkpoint, which stays the latest one; what a killed save
-leaves is removed when the next run starts (``recover_save_dir``) and never loaded. A failed save,
-synchronous or asynchronous, in megatron's writer or after it, raises ``CheckpointSaveError`` on
-every rank, naming the failing ranks and their errors, and removes its partial directory (space
-on a full disk).
+A save goes through ``mcore_ext.checkpoint.saving``: every rank writes ``.saving.iter_0000010``,
+the files' sizes and checksums go into its manifest, rank 0 renames it into place (an existing
+one, possibly the tracked one, is moved aside first and deleted after) and then writes the
+tracker. So a save that fails (or a run killed while saving) never touches the tracked
+checkpoint; what a killed save leaves is removed when the next run starts and never loaded. A
+failed save, synchronous or asynchronous, in megatron's writer or after it, raises
+``CheckpointSaveError`` on every rank, naming the failing ranks and their errors, and removes its
+partial directory (space on a full disk).
 
-Where a run starts (``load_checkpoint``): a complete checkpoint in ``checkpoint.save`` is the
-run's own and always wins, fully resumed, so a relaunch or a torchrun restart continues the run;
-``checkpoint.load`` (weights only with ``finetune``) only initialises a run whose ``save`` holds
-no checkpoint yet (Megatron-LM's ``--pretrained-checkpoint``).
+Where a run starts (``directory.find_start``): a complete checkpoint in ``checkpoint.save`` is
+the run's own and always wins, fully resumed, so a relaunch or a torchrun restart continues the
+run; ``checkpoint.load`` (a save directory, Megatron-LM's ``release`` tracker included, or one
+iteration directory; weights only with ``finetune``) initialises a run whose ``save`` holds no
+checkpoint yet (Megatron-LM's ``--pretrained-checkpoint``). A ``load`` that holds no checkpoint is
+an error, never a silent start from scratch. Before anything is read, the checkpoint's files are
+checked against its manifest; a damaged one is an error naming the file and the newest checkpoint
+that verifies, which ``checkpoint.on_corrupt: previous`` resumes instead.
 
 What is saved: the model's sharded state (layout-free: megatron and mcore_ext's gate sharding key
 every tensor by its global shape), the optimizer's (keyed by model parameter, the distributed
@@ -29,7 +33,7 @@ checkpoints and the launcher resumes Megatron-LM's.
 
 import os
 import random
-import shutil
+import sys
 
 import numpy as np
 import torch
@@ -39,13 +43,20 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTenso
 from torch.distributed.checkpoint.api import CheckpointException
 
 from mcore_ext import checkpoint
-from mcore_ext.checkpoint.directory import TRACKER, iteration_dir, latest_iteration  # noqa: F401
+from mcore_ext.checkpoint import manifest, saving
+from mcore_ext.checkpoint.directory import (  # noqa: F401  (tests import them here)
+    TRACKER,
+    Checkpoint,
+    find_start,
+    iteration_dir,
+    latest_iteration,
+)
+from mcore_ext.checkpoint.errors import CheckpointCorruptError, CheckpointSaveError  # noqa: F401
 from mcore_ext.megatron_lm import checkpoint_format
-from mcore_ext.runtime import device, raise_unless_all_ok
-from mcore_ext.training.faults import CheckpointSaveError, fault_point
+from mcore_ext.training.faults import fault_point
 
-# Prefixes of an iteration directory's name while it is written / while it is being replaced.
-_SAVING, _REPLACED = ".saving.", ".replaced."
+# Marks the line that says where a run starts, so that it stands out among the others.
+START_MARK = "==> [checkpoint]"
 
 
 def _layout() -> dict:
@@ -101,24 +112,13 @@ def save_checkpoint(
 ):
     """Save at ``iteration`` under cfg.checkpoint.save; the tracker moves only if all ranks succeed.
 
-    With ``async_queue`` the write happens in the background; the directory is renamed and the
-    tracker written when the queue finalizes the request on all ranks, which raises
-    ``CheckpointSaveError`` there if the write failed.
+    With ``async_queue`` the write happens in the background; the directory is checksummed,
+    renamed and the tracker written when the queue finalizes the request on all ranks, which
+    raises ``CheckpointSaveError`` there if the write failed.
     """
     root = cfg.checkpoint.save
     directory = iteration_dir(root, iteration)
-    partial = _partial_dir(directory)
-    failure = None
-    if dist.get_rank() == 0:
-        try:
-            # Leftovers of an earlier failed save at this iteration are not a checkpoint.
-            shutil.rmtree(partial, ignore_errors=True)
-            os.makedirs(partial)
-        except OSError as err:
-            failure = err
-    raise_unless_all_ok(
-        failure, f"creating checkpoint directory {partial} failed", CheckpointSaveError
-    )
+    partial = saving.begin(directory)
 
     model_state = model.module.sharded_state_dict()
     metadata = checkpoint_format.content_metadata(cfg.optimizer.use_distributed_optimizer)
@@ -140,21 +140,8 @@ def save_checkpoint(
     ))
 
     def publish():
-        """Every rank has written: rename into place, then move the tracker (rank 0)."""
-        failure = None
-        if dist.get_rank() == 0:
-            try:
-                with open(os.path.join(partial, "config.yaml"), "w") as f:
-                    f.write(cfg.to_yaml())
-                _replace_dir(partial, directory)
-                tmp = os.path.join(root, TRACKER + ".tmp")
-                with open(tmp, "w") as f:
-                    f.write(str(iteration))
-                os.replace(tmp, os.path.join(root, TRACKER))  # atomic: never half a tracker
-                shutil.rmtree(_replaced_dir(directory), ignore_errors=True)
-            except OSError as err:
-                failure = err
-        _raise_unless_saved(failure, partial, f"publishing {directory} failed")
+        saving.publish(partial, directory, files={"config.yaml": cfg.to_yaml()}, root=root,
+                       iteration=iteration)
 
     if async_queue is not None:
         request = dist_checkpointing.save(
@@ -170,163 +157,62 @@ def save_checkpoint(
                     fn()
             except (Exception, CheckpointException) as err:  # reported below, on every rank
                 failure = err
-            _raise_unless_saved(failure, partial, f"checkpoint save to {directory} failed")
+            saving.raise_unless_saved(failure, partial, f"checkpoint save to {directory} failed")
             publish()
 
         async_queue.schedule_async_request(request._replace(finalize_fns=[finalize]))
         return
 
+    failure = None
     try:
         dist_checkpointing.save(state, partial, content_metadata=metadata)
         fault_point("save", iteration)
     except (Exception, CheckpointException) as err:  # reported below, after every rank's say
         failure = err
-    _raise_unless_saved(failure, partial, f"checkpoint save to {directory} failed")
+    saving.raise_unless_saved(failure, partial, f"checkpoint save to {directory} failed")
     publish()
 
 
-def _partial_dir(directory: str) -> str:
-    head, name = os.path.split(directory)
-    return os.path.join(head, _SAVING + name)
-
-
-def _replaced_dir(directory: str) -> str:
-    head, name = os.path.split(directory)
-    return os.path.join(head, _REPLACED + name)
-
-
-def _replace_dir(new: str, directory: str) -> None:
-    """Rename ``new`` to ``directory``; an existing ``directory`` is moved aside first (renames,
-    atomic each: a kill in between leaves the aside copy, restored by ``recover_save_dir``)."""
-    if os.path.exists(directory):
-        aside = _replaced_dir(directory)
-        shutil.rmtree(aside, ignore_errors=True)
-        os.rename(directory, aside)
-    os.rename(new, directory)
-
-
-def _raise_unless_saved(failure, partial: str, what: str) -> None:
-    """Collective: raise CheckpointSaveError on every rank if the save failed on any, after rank
-    0 removed the partial directory (not a checkpoint; space on a full disk)."""
-    try:
-        raise_unless_all_ok(_own_error(failure), what, CheckpointSaveError)
-    except CheckpointSaveError:
-        if dist.get_rank() == 0:
-            shutil.rmtree(partial, ignore_errors=True)
-        raise
-
-
-def _own_error(failure):
-    """Collective: this rank's own error in a failed save, for the all-ranks report.
-
-    When any rank's writer fails, megatron (torch.distributed.checkpoint) raises
-    ``CheckpointException``, a BaseException, on every rank, with each failing rank's error only
-    on the coordinator, rank 0 (``failures``: {rank: (error, traceback)}). Rank 0 sends each rank
-    its own, so that the report names the ranks that failed, not every rank.
-    """
-    everywhere = torch.tensor(
-        [int(isinstance(failure, CheckpointException))], dtype=torch.int32, device=device()
-    )
-    dist.all_reduce(everywhere, op=dist.ReduceOp.MIN)
-    if not everywhere.item():
-        return failure
-    causes = [failure.failures if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(causes, src=0)
-    if not causes[0]:
-        return failure  # no details: report the exception itself
-    cause = causes[0].get(dist.get_rank())
-    return cause[0] if cause is not None else None
-
-
 def recover_save_dir(root: str) -> None:
-    """Collective, before loading: undo what a save killed half way left in ``root`` (rank 0).
-
-    A partially written ``.saving.iter_N`` is deleted. A ``.replaced.iter_N`` (moved aside to
-    make way for a new ``iter_N``) goes back in place if the kill came between the two renames
-    and the tracker names ``iter_N``, and is deleted otherwise.
-    """
-    failure = None
-    if dist.get_rank() == 0:
-        try:
-            _recover(root)
-        except OSError as err:
-            failure = err
-    raise_unless_all_ok(
-        failure, f"cleaning up interrupted saves in {root} failed", CheckpointSaveError
-    )
+    """Collective, before loading: undo what a save killed half way left in ``root``."""
+    saving.recover(root)
 
 
-def _recover(root: str) -> None:
-    tracked = latest_iteration(root)
-    tracked = iteration_dir(root, tracked) if tracked is not None else None
-    for name in sorted(os.listdir(root)):
-        path = os.path.join(root, name)
-        if name.startswith(_REPLACED):
-            original = os.path.join(root, name[len(_REPLACED):])
-            if original == tracked and not os.path.exists(original):
-                os.rename(path, original)
-                _print0(f"[checkpoint] restored {original} (a save was killed replacing it)")
-            else:
-                shutil.rmtree(path)
-        elif name.startswith(_SAVING):
-            shutil.rmtree(path)
-            _print0(f"[checkpoint] removed {path}, left by a save that did not finish")
-
-
-def resume_source(cfg) -> tuple[str | None, bool]:
-    """(directory to load, weights only?): where this run starts from.
-
-    A complete checkpoint in ``checkpoint.save`` is this run's own: it wins, fully resumed (a
-    relaunch or restart must continue the run, not restart it from ``load``). Otherwise
-    ``checkpoint.load``, weights only with ``checkpoint.finetune``; (None, False) without either.
-    """
-    c = cfg.checkpoint
-    if c.save and latest_iteration(c.save) is not None:
-        return c.save, False
-    return c.load, bool(c.load and c.finetune)
+def start_point(cfg):
+    """Where this run starts (``directory.find_start`` for cfg.checkpoint); raises
+    CheckpointNotFoundError when checkpoint.load holds no checkpoint."""
+    return find_start(cfg.checkpoint.save, cfg.checkpoint.load)
 
 
 def load_checkpoint(cfg, model, optimizer, scheduler, vocab_size: int | None = None
-                    ) -> tuple[int, int]:
-    """Restore from the latest checkpoint of ``resume_source(cfg)``; (iteration, consumed samples).
+                    ) -> tuple[int, int, str]:
+    """Restore where ``start_point(cfg)`` says: (iteration, consumed samples, the line that says
+    what was loaded, for the user).
 
-    Returns (0, 0) without loading when there is no complete checkpoint. With
-    ``checkpoint.finetune`` (and no checkpoint in ``checkpoint.save`` yet) only the model weights
-    of ``checkpoint.load`` are loaded and training starts at 0. ``vocab_size`` (the tokenizer's,
-    unpadded) is checked against the checkpoint's vocabulary rows (``_check_vocabulary``).
+    From scratch: (0, 0, why). With ``checkpoint.finetune`` (and no checkpoint in
+    ``checkpoint.save`` yet) only the model weights are loaded and training starts at 0; an
+    imported Hugging Face model (weights only) loads so too. The files are verified against the
+    checkpoint's manifest first (``_verified``). ``vocab_size`` (the tokenizer's, unpadded) is
+    checked against the checkpoint's vocabulary rows (``_check_vocabulary``).
     """
-    root, finetune = resume_source(cfg)
-    if root is None:
-        return 0, 0
-    iteration = latest_iteration(root)
-    if iteration is None:
-        _print0(f"[checkpoint] no complete checkpoint in {root}: starting from scratch")
-        return 0, 0
-    load = cfg.checkpoint.load
-    if load and os.path.abspath(root) != os.path.abspath(load):
-        _print0(f"[checkpoint] {root} holds this run's checkpoints: resuming it (checkpoint.load="
-                f"{load} only starts a run whose checkpoint.save is empty)")
-    directory = iteration_dir(root, iteration)
-    # A Megatron-LM checkpoint's launcher content derives from its own (args, scheduler).
+    c = cfg.checkpoint
+    start = start_point(cfg)
+    if start.checkpoint is None:
+        return 0, 0, f"{START_MARK} starting from scratch: {start.reason}"
+    if start.own and c.load and os.path.abspath(c.load) != os.path.abspath(c.save):
+        _print0(f"[checkpoint] {c.save} holds this run's checkpoints: resuming it (checkpoint.load="
+                f"{c.load} only starts a run whose checkpoint.save is empty)")
+    found, instead = _verified(start.checkpoint, c.on_corrupt)
+    directory = found.directory
     common = dist_checkpointing.load_common_state_dict(directory)
     by_megatron_lm = checkpoint_format.written_by_megatron_lm(common)
-    common = checkpoint_format.launcher_common(common, cfg)
-    # An imported Hugging Face model (python -m mcore_ext.hf import) holds weights only.
-    finetune = finetune or common.get("weights_only", False)
-    distributed = cfg.optimizer.use_distributed_optimizer
-    saved_distributed = common.get("distributed_optimizer", distributed)
-    if not finetune and saved_distributed != distributed:
-        raise RuntimeError(
-            f"{directory} was saved with optimizer.use_distributed_optimizer="
-            f"{str(saved_distributed).lower()}: resume with the same setting (the two optimizers' "
-            "states are not interchangeable), or set checkpoint.finetune=true for weights only"
-        )
-
-    if by_megatron_lm and not finetune and common["no_optimizer"]:
-        raise RuntimeError(
-            f"{directory} was saved by Megatron-LM with --no-save-optim: set "
-            "checkpoint.finetune=true to load its weights only"
-        )
+    # Weights only: with finetune (before the run has a checkpoint of its own), and for an
+    # imported Hugging Face model (python -m mcore_ext.hf import), which holds nothing else.
+    finetune = (c.finetune and not start.own) or common.get("weights_only", False)
+    if not finetune:
+        # A Megatron-LM checkpoint's launcher content derives from its own (args, scheduler).
+        common = checkpoint_format.launcher_common(common, cfg)
+        _check_resumable(common, directory, cfg, by_megatron_lm)
 
     model_state = model.module.sharded_state_dict()
     if vocab_size is not None:
@@ -343,23 +229,72 @@ def load_checkpoint(cfg, model, optimizer, scheduler, vocab_size: int | None = N
             checkpoint_format.megatron_lm_rng_state() if by_megatron_lm else _rng_state(rng_key)
         )
     loaded = checkpoint.load(
-        state, directory, init_missing_gates=cfg.checkpoint.init_missing_gates
+        state, directory, init_missing_gates=c.init_missing_gates
     )
 
     model.module.load_state_dict(loaded["model"])
     if finetune:
-        _print0(f"[checkpoint] finetune: loaded the model weights of {directory}; iteration 0")
-        return 0, 0
+        return 0, 0, (f"{START_MARK} finetune: loaded the model weights of {directory}; "
+                      "iteration 0, with a new optimizer and schedule" + instead)
     checkpoint.load_optimizer_state_dict(optimizer, loaded["optimizer"])
     scheduler.load_state_dict(common["scheduler"])
     if same_layout:
         rng = loaded[rng_key]
         _set_rng_state(checkpoint_format.launcher_rng_from_megatron_lm(rng) if by_megatron_lm
                        else rng)
+    iteration = common["iteration"]
     change = f", layout {common.get('layout')} -> {_layout()}, RNG not restored"
     change = "" if same_layout else change
-    _print0(f"[checkpoint] resumed from {directory} (iteration {iteration}{change})")
-    return iteration, common["consumed_samples"]
+    return iteration, common["consumed_samples"], (
+        f"{START_MARK} resumed from {directory} (iteration {iteration}{change})" + instead)
+
+
+def _check_resumable(common: dict, directory: str, cfg, by_megatron_lm: bool) -> None:
+    """Refuse a full resume the optimizer state does not allow."""
+    distributed = cfg.optimizer.use_distributed_optimizer
+    saved_distributed = common.get("distributed_optimizer", distributed)
+    if saved_distributed != distributed:
+        raise checkpoint_format.CheckpointFormatError(
+            f"{directory} was saved with optimizer.use_distributed_optimizer="
+            f"{str(saved_distributed).lower()}: resume with the same setting (the two optimizers' "
+            "states are not interchangeable), or set checkpoint.finetune=true for weights only"
+        )
+    if by_megatron_lm and common["no_optimizer"]:
+        raise checkpoint_format.CheckpointFormatError(
+            f"{directory} was saved by Megatron-LM with --no-save-optim: set "
+            "checkpoint.finetune=true to load its weights only"
+        )
+
+
+def _verified(found: Checkpoint, on_corrupt: str) -> tuple[Checkpoint, str]:
+    """``found`` if its files match its manifest (or it has none: saved before manifests, or by
+    Megatron-LM), with "" ; else, with ``on_corrupt='previous'``, the newest older checkpoint
+    of the same save directory that verifies, with a note for the start line (and a warning on
+    stderr). Otherwise CheckpointCorruptError naming the file and that checkpoint.
+    Collective: the ranks share the reading."""
+    problems = manifest.verify_checkpoint(found.directory)
+    if not problems:
+        return found, ""
+    what = manifest.summary(problems)
+    previous = None
+    if found.root is not None and found.iteration is not None:
+        previous = manifest.newest_verified(found.root, found.iteration)
+    if on_corrupt == "previous" and previous is not None:
+        latest = f"iteration {found.iteration}"
+        if dist.get_rank() == 0:
+            print(f"warning: checkpoint {found.directory} is corrupt: {what}; resuming from "
+                  f"iteration {previous.iteration} ({previous.directory}) instead "
+                  "(checkpoint.on_corrupt=previous)", file=sys.stderr, flush=True)
+        return previous, (f" INSTEAD OF the latest, {latest}: {what} "
+                          "(checkpoint.on_corrupt=previous)")
+    if previous is not None:
+        advice = (f"the newest checkpoint that verifies is iteration {previous.iteration} "
+                  f"({previous.directory}): set checkpoint.on_corrupt=previous to resume from it")
+    elif found.root is not None:
+        advice = f"no older checkpoint in {found.root} verifies"
+    else:
+        advice = "name another checkpoint in checkpoint.load"
+    raise CheckpointCorruptError(f"checkpoint {found.directory} is corrupt: {what}; {advice}")
 
 
 def _check_vocabulary(directory: str, model_state: dict, vocab_size: int) -> None:

@@ -14,7 +14,7 @@ resume, save errors are clear.
   such handler). A scheduler signals every process and torchrun forwards its own copy, so a
   repeat within ``ExitSignalHandler.REPEAT_WINDOW_S`` is the same request, not a second one.
 - Restarts: a worker restarted by ``torchrun --max-restarts`` resumes from the latest complete
-  checkpoint in ``checkpoint.save`` (``checkpointing.resume_source``).
+  checkpoint in ``checkpoint.save`` (``checkpoint.directory.find_start``).
 - Save errors: every rank checks that it can write ``checkpoint.save`` before training, and a
   failed save reports the failing ranks and their errors on every rank (``CheckpointSaveError``).
 - Fault injection for tests and drills: ``MCORE_EXT_KILL_AT=<point>,<iteration>,<rank>`` makes
@@ -31,15 +31,12 @@ import time
 import torch
 import torch.distributed as dist
 
+from mcore_ext.checkpoint.errors import CheckpointSaveError
 from mcore_ext.runtime import raise_unless_all_ok  # noqa: F401  (data.py, tests import it here)
 
 _PR_SET_PDEATHSIG = 1
 # Keeps an async save's Manager (and so its server process) alive as long as this process.
 _writer_manager = None
-
-
-class CheckpointSaveError(RuntimeError):
-    """A checkpoint could not be written; the previous checkpoint is still the latest."""
 
 
 # ----------------------------------------------------------------------------- helper processes

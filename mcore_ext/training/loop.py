@@ -61,14 +61,22 @@ def pretrain(cfg) -> None:
         seed=cfg.training.seed,
     )
     signals = faults.ExitSignalHandler() if cfg.checkpoint.exit_on_signal else None
+    save = cfg.checkpoint.save
+    made_save_dir = bool(save) and not os.path.exists(save)
+    dist.barrier()  # every rank looked before any rank makes it
     try:
         with signals or contextlib.nullcontext(), cuda_to_cpu():
             # cuda_to_cpu: CPU only, megatron's training path allocates on "cuda" literally.
-            if cfg.checkpoint.save:  # before hours of training, not at the first save
-                faults.check_writable(cfg.checkpoint.save)
-                checkpointing.recover_save_dir(cfg.checkpoint.save)  # what a killed save left
+            if save:  # before hours of training, not at the first save
+                faults.check_writable(save)
+                checkpointing.recover_save_dir(save)  # what a killed save left
                 faults.install_checkpoint_writer_queue(cfg.checkpoint.async_save)
             _Trainer(cfg, signals).run()
+    except BaseException:
+        if made_save_dir and dist.get_rank() == 0:  # a run refused before its first save
+            with contextlib.suppress(OSError):
+                os.rmdir(save)  # only if empty: nothing a save wrote
+        raise
     finally:
         destroy_parallel()
 
@@ -204,8 +212,9 @@ class _Trainer:
             wd_incr_steps=cfg.training.train_iters,
             wd_incr_style="constant",
         )
-        # The run's own checkpoint in checkpoint.save, else checkpoint.load, else from scratch.
-        self.iteration, consumed = checkpointing.load_checkpoint(
+        # The run's own checkpoint in checkpoint.save, else checkpoint.load, else from scratch;
+        # the line that says which is printed last before training.
+        self.iteration, consumed, self.start_line = checkpointing.load_checkpoint(
             cfg, self.model, self.optimizer, self.scheduler, vocab_size=tokenizer.vocab_size
         )
         self.train_data, self.valid_data = build_datasets(cfg, tokenizer)
@@ -247,6 +256,10 @@ class _Trainer:
     def run(self):
         t, c, log_interval = self.cfg.training, self.cfg.checkpoint, self.cfg.logging.log_interval
         first = self.iteration + 1
+        self._print(self.start_line)
+        if self.iteration >= t.train_iters:
+            self._print(run_complete(self.iteration, t.train_iters))
+            return
         self._print(f"[train] iterations {first} .. {t.train_iters}")
         window = _Window()
         self.eta = _Eta(first)
@@ -504,6 +517,13 @@ class _Eta:
         self.seconds += window_seconds
         self.steps += window_steps
         return (last_iteration - iteration) * self.seconds / self.steps
+
+
+def run_complete(iteration: int, train_iters: int, directory: str | None = None) -> str:
+    """The line that says a resumed run has nothing left to train, and how to extend it."""
+    where = f" (checkpoint {directory})" if directory else ""
+    return (f"{checkpointing.START_MARK} run complete at {iteration}; raise training.train_iters "
+            f"({train_iters}) to extend it{where}")
 
 
 def _every(interval, iteration) -> bool:

@@ -374,8 +374,8 @@ def test_kill_inside_the_writer_while_resaving_the_tracked_iteration(faults_tmp,
 def test_sigkill_of_torchrun_takes_its_ranks_along(faults_tmp, reference):
     tmp = faults_tmp / "torchrun_killed"
     tmp.mkdir()
-    run = Run(tmp, "run", f"checkpoint.save={tmp / 'ckpt'}", "training.exit_interval=null",
-              data=reference["data"])
+    run = Run(tmp, "run", f"checkpoint.save={tmp / 'ckpt'}", "checkpoint.load=null",
+              "training.exit_interval=null", data=reference["data"])
     wait_for(lambda: tracker(tmp / "ckpt") is not None, run, "the first checkpoint")
     os.kill(run.proc.pid, signal.SIGKILL)
     run.wait()

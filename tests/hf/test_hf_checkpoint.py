@@ -251,6 +251,8 @@ def test_cli_reports_any_conversion_error_as_one_line(hf_dir, tmp_path, case):
     assert len(errors) == 1, result.stderr[-3000:]  # megatron's warnings may come before it
     assert result.stderr.strip().splitlines()[-1] == errors[0]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    if case == "corrupt_checkpoint":  # found by the manifest, named, before megatron reads it
+        assert "iter_0000000 is corrupt: __0_0.distcp truncated" in errors[0], errors[0]
     assert not out.exists()
 
 
@@ -375,3 +377,69 @@ def test_import_export_and_load_pretrained_on_cuda_with_nccl(hf_dir, tmp_path):
     assert_same_tensors(hf_dir, str(out))
     check(run("-c", GPU_SCRIPT, hf_dir, str(direct)), "load / save_pretrained on CUDA")
     assert_same_tensors(hf_dir, str(direct))
+
+
+# ------------------------------------------------------------------------- interrupted writes
+
+_KILLED_IMPORT = """
+import os, signal, sys
+from megatron.core import dist_checkpointing
+from mcore_ext.hf.__main__ import main
+
+real_save = dist_checkpointing.save
+
+def save_then_die(*args, **kwargs):  # every tensor written, then killed before the import ends
+    real_save(*args, **kwargs)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+dist_checkpointing.save = save_then_die
+main(["import", sys.argv[1], sys.argv[2]])
+"""
+
+
+def test_a_killed_import_leaves_nothing_that_looks_like_a_checkpoint(run_distributed, hf_dir,
+                                                                     tmp_path):
+    """Killed (SIGKILL) after megatron wrote every tensor: no tracker and no iter_0000000, only
+    the .saving. directory, which the next import (or the launcher) removes."""
+    import signal
+
+    ckpt = tmp_path / "ckpt"
+    with open(tmp_path / "killed.log", "w") as log:
+        killed = subprocess.Popen([sys.executable, "-c", _KILLED_IMPORT, hf_dir, str(ckpt)],
+                                  stdout=log, stderr=log, cwd=ROOT, start_new_session=True,
+                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
+        returncode = killed.wait(timeout=300)
+    try:
+        os.killpg(killed.pid, signal.SIGKILL)  # a helper process the import started, if any
+    except ProcessLookupError:
+        pass
+    assert returncode == -9, (tmp_path / "killed.log").read_text()[-3000:]
+    assert sorted(os.listdir(ckpt)) == [".saving.iter_0000000"], os.listdir(ckpt)
+    run_distributed(_import, hf_dir, str(ckpt), 1, world_size=1)
+    assert sorted(os.listdir(ckpt)) == ["iter_0000000", "latest_checkpointed_iteration.txt"]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "0"
+
+
+def test_export_refuses_a_folder_with_files_and_overwrite_keeps_the_others(run_distributed,
+                                                                          hf_dir, tmp_path):
+    """An earlier export (3 shards, index) plus a tokenizer file: refused without --overwrite
+    (exit 2, nothing touched); with it, the earlier export is replaced by the new one (one file)
+    and the tokenizer file stays."""
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    run_distributed(_import, hf_dir, str(ckpt), 1, world_size=1)
+    run_distributed(_export, str(ckpt), str(out), 1, 1, world_size=1)
+    (out / "tokenizer.json").write_text('{"kept": true}')
+    before = {name: (out / name).read_bytes() for name in os.listdir(out)}
+    assert len([n for n in before if n.endswith(".safetensors")]) > 1
+
+    refused = _cli("export", str(ckpt), str(out))
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    (error,) = [line for line in refused.stderr.splitlines() if line.startswith("error: ")]
+    assert error.startswith(f"error: {out} is not empty (") and "--overwrite" in error, error
+    assert {name: (out / name).read_bytes() for name in os.listdir(out)} == before
+
+    check(_cli("export", str(ckpt), str(out), "--overwrite"), "export --overwrite")
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert (out / "tokenizer.json").read_text() == '{"kept": true}'
+    assert_same_tensors(hf_dir, str(out))
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]  # no staging left

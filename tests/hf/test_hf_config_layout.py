@@ -294,3 +294,75 @@ def test_export_refuses_rope_scaling_by_name(kwargs, message):
     with pytest.raises(HFConfigError, match=message):
         Step35Config.from_transformer_config(config, vocab_size=257, max_position_embeddings=64,
                                              **kwargs)
+
+
+def _write_export(directory, tensors, config, max_shard_bytes=2 * 1024**3):
+    with ShardedSafetensorsWriter(str(directory), _plan(tensors), max_shard_bytes=max_shard_bytes,
+                                  extra_files={"config.json": json.dumps(config)}) as writer:
+        for name, t in tensors.items():
+            writer.write(name, t)
+
+
+def _kill_inside(fn, at: int) -> bool:
+    """Run ``fn`` in a forked child that SIGKILLs itself before its ``at``-th file-system change
+    (remove, unlink, rmdir, rename, replace, link): True if ``fn`` finished first."""
+    import signal
+
+    pid = os.fork()
+    if pid == 0:
+        changes = [0]
+
+        def dying(op):
+            def call(*args, **kwargs):
+                if changes[0] == at:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                changes[0] += 1
+                return op(*args, **kwargs)
+            return call
+
+        for name in ("remove", "unlink", "rmdir", "rename", "replace", "link"):
+            setattr(os, name, dying(getattr(os, name)))
+        try:
+            fn()
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    return os.WIFEXITED(status)
+
+
+def test_writer_killed_anywhere_in_close_never_leaves_config_without_its_weights(tmp_path):
+    """Replacing an earlier export (3 shards, index, a tokenizer file beside them) with a new one
+    (one file), killed before each file-system change of ``close()`` in turn: the folder holds
+    the old export or the new one, complete, each time (or, between two renames, the old one
+    moved aside, which the next writer puts back); the tokenizer file is never lost."""
+    old = {f"t{i}": torch.full((256,), float(i)) for i in range(3)}
+    new = {f"t{i}": torch.full((256,), 10.0 + i) for i in range(2)}
+    for at in range(20):
+        target = tmp_path / f"kill_{at}" / "hf"
+        _write_export(target, old, {"version": "old"}, max_shard_bytes=1024)
+        assert len(os.listdir(target)) == 5  # 3 shards, index, config
+        (target / "tokenizer.json").write_text("{}")
+        writer = ShardedSafetensorsWriter(str(target), _plan(new), extra_files={
+            "config.json": json.dumps({"version": "new"})})
+        for name, t in new.items():
+            writer.write(name, t)
+        finished = _kill_inside(writer.close, at)
+        aside = target.parent / f".replaced.{target.name}"
+        if not target.exists():  # killed between the two renames
+            assert (aside / "config.json").exists(), (at, os.listdir(target.parent))
+            from mcore_ext.checkpoint.directory import recover_dir
+
+            recover_dir(str(target))
+        assert (target / "tokenizer.json").exists(), at
+        version = json.loads((target / "config.json").read_text())["version"]
+        reader = SafetensorsReader(str(target))  # every weight file of the config's export is there
+        expected = old if version == "old" else new
+        assert sorted(reader.names) == sorted(expected), (at, version, os.listdir(target))
+        assert all(torch.equal(reader.get(n), t) for n, t in expected.items()), (at, version)
+        if finished:
+            assert version == "new" and at > 0
+            assert sorted(os.listdir(target)) == ["config.json", "model.safetensors",
+                                                  "tokenizer.json"], os.listdir(target)
+            break
+    else:
+        raise AssertionError("close() did not finish within 20 file-system changes")

@@ -83,7 +83,8 @@ def _tree(root) -> dict[str, str]:
 def test_recover_restores_a_tracked_checkpoint_moved_aside_and_drops_partial_saves(tmp_path):
     """A save killed between its two renames (iter_4 moved aside, the new one not yet in place):
     the tracked iteration's old directory goes back; unfinished writes are deleted."""
-    from mcore_ext.training.checkpointing import TRACKER, _recover
+    from mcore_ext.checkpoint.directory import TRACKER
+    from mcore_ext.checkpoint.directory import recover_root as _recover
 
     (tmp_path / TRACKER).write_text("4")
     (tmp_path / ".replaced.iter_0000004").mkdir()
@@ -97,7 +98,8 @@ def test_recover_restores_a_tracked_checkpoint_moved_aside_and_drops_partial_sav
 
 
 def test_recover_drops_a_replaced_directory_once_the_new_one_is_in_place(tmp_path):
-    from mcore_ext.training.checkpointing import TRACKER, _recover
+    from mcore_ext.checkpoint.directory import TRACKER
+    from mcore_ext.checkpoint.directory import recover_root as _recover
 
     (tmp_path / TRACKER).write_text("4")
     for name, text in [("iter_0000004", "new"), (".replaced.iter_0000004", "old"),

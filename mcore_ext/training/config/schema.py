@@ -308,8 +308,10 @@ class CheckpointConfig:
     """Checkpoint directory (iter_NNNNNNN/, latest_checkpointed_iteration.txt); null = no saving."""
 
     load: Optional[str] = None
-    """Start from the latest complete checkpoint here when checkpoint.save holds none (a
-    checkpoint in save always wins: the run resumes it); missing or empty -> start fresh."""
+    """Start from this checkpoint when checkpoint.save holds none (a checkpoint in save always
+    wins: the run resumes it): a save directory (its tracked iteration; Megatron-LM's
+    ``release`` too) or one iteration directory (iter_NNNNNNN). A path that holds no checkpoint
+    is an error, unless it is checkpoint.save itself (the run's first start); null = none."""
 
     save_interval: Optional[int] = None
     """Save every this many steps (and always at the end); null = at the end only."""
@@ -322,6 +324,11 @@ class CheckpointConfig:
     """Load a checkpoint saved without head_wise_attn_gate into a gated model: QKV rows load, the
     gates start from their init (combine with finetune; otherwise loading such a checkpoint fails
     with an error naming the missing gate tensors)."""
+
+    on_corrupt: Literal["error", "previous"] = "error"
+    """When the checkpoint to load differs from what its save recorded (a truncated or damaged
+    file): ``error`` stops, naming the file and the newest checkpoint that verifies;
+    ``previous`` resumes from that one instead, and says so."""
 
     async_save: bool = False
     """GPU only: write checkpoints in the background."""

@@ -1,0 +1,139 @@
+"""What a save wrote, so that a load can check it: every file's size and CRC32.
+
+    <iter_N>/mcore_ext_manifest.json   {"format": 1, "checksum": "crc32",
+                                        "files": {name: {"size": bytes, "crc32": "8 hex digits"}}}
+
+Who computes what: each rank checksums the files it wrote itself, in parallel, right after writing
+them (they are still in the page cache): megatron's torch_dist writer names a rank's data files
+``__<global rank>_<n>.distcp``; rank 0 takes the shared ones (``.metadata``, ``metadata.json``).
+Rank 0 gathers the entries and writes the manifest inside the ``.saving.`` directory before that
+is renamed into place (``saving.publish``), so no published checkpoint lacks it and no rank reads
+another rank's files. What megatron wrote is covered; the launcher's ``config.yaml`` and
+``hf_config.json`` beside it are not: they are for people to read, and edit. Verification splits
+the files over the ranks (round robin) and gathers the findings, so every file is read once
+whatever the world size.
+
+CRC32 (zlib, about 3 GB/s per core) catches every single-bit flip and every burst of up to 32
+bits, other random damage but for a 2^-32 chance; sizes catch truncation first. It is no defence
+against deliberate tampering. Checkpoints without a manifest (saved before it existed, or by
+Megatron-LM) load unverified.
+"""
+
+import json
+import os
+import re
+import zlib
+
+import torch.distributed as dist
+
+from mcore_ext.checkpoint.directory import Checkpoint, iteration_dir, iterations_in
+
+MANIFEST = "mcore_ext_manifest.json"
+_RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp")
+_CHUNK = 16 * 2**20
+
+
+def files_of_rank(directory: str, rank: int) -> list[str]:
+    """The files of ``directory`` (relative paths) that ``rank`` wrote: its ``__<rank>_*.distcp``,
+    and on rank 0 every file no rank's name claims."""
+    mine = []
+    for parent, _, names in os.walk(directory):
+        for name in names:
+            relative = os.path.relpath(os.path.join(parent, name), directory)
+            if relative == MANIFEST:
+                continue
+            owner = _RANK_FILE.search(name)
+            if (int(owner.group(1)) if owner else 0) == rank:
+                mine.append(relative)
+    return sorted(mine)
+
+
+def describe(directory: str, names) -> dict:
+    """{name: {"size", "crc32"}} of the files ``names`` under ``directory``."""
+    entries = {}
+    for name in names:
+        size, crc = _checksum(os.path.join(directory, name))
+        entries[name] = {"size": size, "crc32": f"{crc:08x}"}
+    return entries
+
+
+def write(directory: str, entries: dict) -> None:
+    """Write the manifest of ``entries`` (a rename: never half a manifest)."""
+    path = os.path.join(directory, MANIFEST)
+    with open(path + ".tmp", "w") as f:
+        json.dump({"format": 1, "checksum": "crc32", "files": dict(sorted(entries.items()))}, f,
+                  indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def read(directory: str) -> dict | None:
+    """{name: entry} of the manifest, or None when the checkpoint has none."""
+    path = os.path.join(directory, MANIFEST)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)["files"]
+
+
+def verify(directory: str, entries: dict) -> list[tuple[str, str]]:
+    """What differs from ``entries`` ({name: entry}): (name, problem) pairs."""
+    problems = []
+    for name, entry in sorted(entries.items()):
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            problems.append((name, "missing"))
+            continue
+        size = os.path.getsize(path)
+        if size < entry["size"]:
+            problems.append((name, f"truncated ({size} of {entry['size']} bytes)"))
+        elif size > entry["size"]:
+            problems.append((name, f"has {size} bytes, {entry['size']} recorded"))
+        elif f"{_checksum(path)[1]:08x}" != entry["crc32"]:
+            problems.append((name, "checksum mismatch (its CRC32 is not the one recorded)"))
+    return problems
+
+
+def summary(problems: list[tuple[str, str]]) -> str:
+    """The first problem, and how many more: "<name> <problem> (and N more files)"."""
+    name, what = problems[0]
+    more = f" (and {len(problems) - 1} more file(s))" if len(problems) > 1 else ""
+    return f"{name} {what}{more}"
+
+
+def verify_checkpoint(directory: str, collective: bool = True) -> list[tuple[str, str]] | None:
+    """The problems of ``directory`` against its manifest ([] when intact); None without a
+    manifest. ``collective`` (and torch.distributed initialized): every rank calls it, each
+    reads a share of the files, every rank returns all findings."""
+    try:
+        entries = read(directory)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return [(MANIFEST, f"unreadable ({type(err).__name__}: {err})")]
+    if entries is None:
+        return None
+    if not (collective and dist.is_initialized()):
+        return verify(directory, entries)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    names = sorted(entries)[rank::world]
+    found = [None] * world
+    dist.all_gather_object(found, verify(directory, {n: entries[n] for n in names}))
+    return sorted(problem for problems in found for problem in problems)
+
+
+def newest_verified(root: str, before: int):
+    """The newest ``iter_*`` checkpoint under ``root`` older than ``before`` whose files match its
+    manifest (a ``directory.Checkpoint``), or None; ones without a manifest are skipped.
+    Collective like ``verify_checkpoint``."""
+    for iteration in reversed([i for i in iterations_in(root) if i < before]):
+        directory = iteration_dir(root, iteration)
+        if verify_checkpoint(directory) == []:
+            return Checkpoint(directory, iteration, root=root)
+    return None
+
+
+def _checksum(path: str) -> tuple[int, int]:
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+            size += len(chunk)
+    return size, crc
