@@ -167,22 +167,16 @@ def attention_bytes(shape: ModelShape, layer: LayerShape, layout: Layout, work: 
     qkv_cols = (layer.heads + 2 * layer.groups) * d / (tp if layer.groups >= tp else 1)
     gate_cols = heads if layer.gate else 0
     banded = layer.sliding and work.sliding_kernel == "banded" and layer.window is not None
-    # q / k / v are views of linear_qkv's output, which stays saved through them (not on the
-    # banded path, whose K / V block pairs are copies).
-    if not banded or work.recompute == "selective":
-        out.add("linear_qkv output", n * b * (qkv_cols + gate_cols))
+    # q / k / v are views of linear_qkv's output, which stays saved through them (on the banded
+    # path too: the first block's SDPA call takes slices of them).
+    out.add("linear_qkv output", n * b * (qkv_cols + gate_cols))
     if layer.qk_norm:
         out.add("q / k norms", n * (2 * FP32 * d + FP32) * (heads + groups))  # 1/rms per head
     out.add("q, k after RoPE", n * b * (heads + groups) * d)
-    if banded:
-        if work.recompute != "selective":
-            # q cut into blocks and K / V block pairs (2x) are SDPA's inputs: copies
-            out.add("sliding blocks", n * b * (heads + 4 * groups) * d)
-            out.add("sliding blocks", -n * b * (heads + groups) * d)  # replace q, k after RoPE
-            out.add("core attention output", n * b * heads * d)  # SDPA's, blocked
-        out.add("core attention output", n * b * heads * d)  # put back in order (the gate's)
-    else:
-        out.add("core attention output", n * b * heads * d)
+    if banded and work.recompute != "selective":
+        # SDPA's inputs and output in blocks: q cut into blocks, K / V as block pairs (2x)
+        out.add("sliding blocks", n * b * (heads + 4 * groups) * d + n * b * heads * d)
+    out.add("core attention output", n * b * heads * d)
     if work.recompute != "selective":
         out.add("log-sum-exp", n * FP32 * heads)
     if layer.gate:

@@ -5,7 +5,7 @@ full, sliding and MoE layers) run forward + backward with the loss on real gloo 
 measure is torch's own CPU allocations (``mcore_ext.plan.measure.allocation_peak``: the running
 sum of the allocator's allocation and free events under the profiler, exact): the peak of one
 step after a first one has allocated the weight gradients (later steps accumulate into them, as
-megatron does into its gradient buffers). The plan must be within 15 % of it.
+megatron does into its gradient buffers), the least of three. The plan must be within 15 % of it.
 """
 
 import pytest
@@ -64,7 +64,9 @@ def _measure_and_plan(kind, recompute, cp=1, tp=1):
         losses.float().sum().backward()
 
     step()  # allocates the weight gradients
-    measured = allocation_peak(step, "cpu")["peak"]
+    # The least of three steps: gloo's collectives (the MoE dispatcher's at TP 2) allocate on
+    # their own timing, which moves a single step's peak by up to ~10 %.
+    measured = min(allocation_peak(step, "cpu")["peak"] for _ in range(3))
     shape = ModelShape.from_transformer_config(config, vocab_size=VOCAB)
     work = activations.Workload(seq=SEQ, micro_batch=BATCH, recompute=recompute,
                                 sliding_kernel=activations.installed_sliding_kernel(),
