@@ -98,3 +98,73 @@ def test_plan_matches_the_measured_peak_at_cp2(run_distributed, kind, recompute)
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_plan_matches_the_measured_peak_at_tp2_with_sequence_parallelism(run_distributed, kind):
     _check(run_distributed(_measure_and_plan, kind, "none", 1, 2, world_size=2))
+
+
+# ------------------------------------------------------------------ the plan of a launcher config
+
+def _flash_shape_and_spec():
+    import json
+    import os
+
+    import mcore_ext  # noqa: F401 (megatron's config)
+    from mcore_ext.hf import plan as hf_plan
+    from mcore_ext.hf.config import Step35Config
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+    with open(os.path.join(root, "tests", "hf", "fixtures", "step35_flash_config.json")) as f:
+        spec = Step35Config.from_hf_dict(json.load(f))
+    return hf_plan.shape_of(spec), root
+
+
+def test_the_launcher_config_and_the_hf_config_plan_alike():
+    import os
+    import subprocess
+    import sys
+
+    _, root = _flash_shape_and_spec()
+    common = ["--seq", "32768", "--cp", "4", "--recompute", "full", "--dp", "2"]
+    launcher = subprocess.run(
+        [sys.executable, "-m", "mcore_ext.plan", "--config",
+         os.path.join(root, "configs", "step35_flash.yaml"), "--vocab-size", "128896", *common],
+        capture_output=True, text=True, check=True).stdout
+    hf = subprocess.run(
+        [sys.executable, "-m", "mcore_ext.hf", "plan",
+         os.path.join(root, "tests", "hf", "fixtures", "step35_flash_config.json"),
+         "--tp", "2", "--pp", "9", "--ep", "16", "--etp", "1", *common],
+        capture_output=True, text=True, check=True).stdout
+    assert launcher == hf and "TP 2 x PP 9 CP 4, EP 16, ETP 1, DP 2 = 144 ranks" in hf
+    bad = subprocess.run([sys.executable, "-m", "mcore_ext.plan", "--config",
+                          os.path.join(root, "configs", "step35_flash.yaml"),
+                          "parallelism.pipeline_model_parallel_size=4", "--vocab-size", "128896",
+                          "--dp", "8"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "num_layers=45 is not divisible by pipeline size 4" in bad.stderr
+
+
+def test_sliding_layers_cost_their_tokens_and_cp_divides_them():
+    from mcore_ext.plan import activations as A
+
+    shape, _ = _flash_shape_and_spec()
+    sliding, full = shape.layers[1], shape.layers[0]
+    assert sliding.sliding and not full.sliding
+
+    def per_token(layer, seq, cp=1):
+        work = A.Workload(seq=seq, recompute="selective")
+        return A.attention_bytes(shape, layer, A.Layout(tp=2, cp=cp), work).total / seq * cp
+
+    # flash-style kernels keep no [s, s] scores: bytes per token do not grow with the sequence
+    assert per_token(sliding, 4096) == per_token(sliding, 262144)
+    assert per_token(sliding, 262144, cp=8) == per_token(sliding, 262144)
+    # the dense window mask (today's sdpa path) is s^2 per batch
+    masked = A.Workload(seq=32768, sliding_kernel="masked")
+    assert A.batch_bytes(shape, [1], A.Layout(), masked).total == 32768**2 * 2
+
+
+def test_pipeline_stages_hold_megatrons_1f1b_micro_batches():
+    from mcore_ext.plan import activations as A
+
+    work = A.Workload(seq=4096)
+    assert [A.in_flight(A.Layout(pp=4), s, work) for s in range(4)] == [4, 3, 2, 1]
+    # interleaved (VPP 3): warmup (pp - s - 1) * 2 + (vpp - 1) * pp chunks, 1 / vpp of a stage
+    assert A.in_flight(A.Layout(pp=4, vpp=3), 0, work) == (3 * 2 + 2 * 4 + 1) / 3
+    assert A.in_flight(A.Layout(pp=4), 0, A.Workload(seq=4096, num_microbatches=2)) == 2
