@@ -4,9 +4,9 @@
 ``MLP`` with its own config, clamp and parameters), the same checkpoint keys and EP / expert-TP
 sharding, the same activation arithmetic. Only its forward differs: instead of one fc1 and one
 fc2 GEMM per expert (288 small GEMMs each way for Step-3.5-Flash, and as many in backward), the
-local experts' weights are stacked (a view-sized copy, ``E_local x 3 f h`` elements, next to the
-``2 x tokens x k x 3 f h`` FLOPs) and fc1 and fc2 each run as one ``torch._grouped_mm`` over the
-tokens sorted by expert. Expert linears do no TP communication of their own (the dispatcher
+local experts' weights are stacked (a copy of ``E_local x 3 f h`` elements, next to the
+``2 x tokens x k x 3 f h`` FLOPs, made again in backward rather than kept) and fc1 and fc2 each
+run as one ``torch._grouped_mm`` over the tokens sorted by expert. Expert linears do no TP communication of their own (the dispatcher
 does it), so nothing else changes. Gradients reach every expert's own parameter through the
 stack.
 
@@ -55,13 +55,12 @@ class GroupedGemmSequentialMLP(SequentialMLP):
         self.last_forward_grouped = True
         offsets = torch.cumsum(tokens_per_expert.to(x.device), 0).to(torch.int32)
         experts = self.local_experts
-        # [E, 2f, h] -> [E, h, 2f] and [E, h, f] -> [E, f, h]: torch takes the transposed views
-        fc1 = torch.stack([e.linear_fc1.weight for e in experts]).transpose(1, 2)
-        fc2 = torch.stack([e.linear_fc2.weight for e in experts]).transpose(1, 2)
-        intermediate = torch._grouped_mm(x, fc1, offs=offsets)  # [N, 2f]
+        fc1 = [e.linear_fc1.weight for e in experts]  # [2f, h] each
+        fc2 = [e.linear_fc2.weight for e in experts]  # [h, f] each
+        intermediate = _GroupedLinear.apply(x, offsets, *fc1)  # [N, 2f]
         intermediate = _activation(experts[0], intermediate)  # every expert's is the same
         intermediate = (intermediate * permuted_probs.unsqueeze(-1)).to(intermediate.dtype)
-        return torch._grouped_mm(intermediate, fc2, offs=offsets), None  # [N, h]
+        return _GroupedLinear.apply(intermediate, offsets, *fc2), None  # [N, h]
 
     def _groupable(self, x) -> bool:
         config, expert = self.config, self.local_experts[0]
@@ -74,6 +73,29 @@ class GroupedGemmSequentialMLP(SequentialMLP):
             and (expert.config.use_te_activation_func or not expert.config.bias_activation_fusion)
             and grouped_mm_runs(x.device.type, x.dtype)
         )
+
+
+class _GroupedLinear(torch.autograd.Function):
+    """x [N, in] (rows sorted by group) -> [N, out], group g's rows times weight g [out, in]^T.
+
+    The weights are stacked for the grouped GEMM and the stack dropped at once: backward stacks
+    them again rather than keeping a copy of every expert's weights per layer until then (at
+    Step-3.5-Flash's size and EP 8, 1.1 GB a layer). The weight gradients come out of one
+    grouped GEMM as one [E, out, in] tensor, handed to the experts as its slices.
+    """
+
+    @staticmethod
+    def forward(ctx, x, offsets, *weights):
+        ctx.save_for_backward(x, offsets, *weights)
+        return torch._grouped_mm(x, torch.stack(weights).transpose(1, 2), offs=offsets)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, offsets, *weights = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x = torch._grouped_mm(grad, torch.stack(weights), offs=offsets)
+        grad_w = torch._grouped_mm(grad.t(), x, offs=offsets)  # [E, out, in]
+        return (grad_x, None, *grad_w.unbind(0))
 
 
 def _activation(expert, x):
