@@ -168,3 +168,18 @@ def test_pipeline_stages_hold_megatrons_1f1b_micro_batches():
     # interleaved (VPP 3): warmup (pp - s - 1) * 2 + (vpp - 1) * pp chunks, 1 / vpp of a stage
     assert A.in_flight(A.Layout(pp=4, vpp=3), 0, work) == (3 * 2 + 2 * 4 + 1) / 3
     assert A.in_flight(A.Layout(pp=4), 0, A.Workload(seq=4096, num_microbatches=2)) == 2
+
+
+def test_search_lists_the_fewest_gpus_that_fit_first():
+    from mcore_ext.plan import GIB, Workload, plan_memory, search
+
+    shape, _ = _flash_shape_and_spec()
+    work = Workload(seq=4096)
+    found = search(shape, work, usable_gib=68.0, max_gpus=128, recomputes=("selective",),
+                   tps=(2, 8), limit=50)
+    assert found and found[0][0] == 72  # weights, grads and Adam state alone need that many
+    assert [gpus for gpus, *_ in found] == sorted(gpus for gpus, *_ in found)
+    for gpus, layout, recompute, worst in found[:5]:
+        rows = plan_memory(shape, layout, Workload(seq=4096, recompute=recompute))
+        assert max(r.total for r in rows) / GIB == pytest.approx(worst) and worst <= 68.0
+        assert layout.world == gpus
