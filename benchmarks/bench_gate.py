@@ -311,12 +311,15 @@ class Case:
         self.times = []  # seconds per step on the chosen clock
         self.times_wall, self.times_cpu = [], []
 
+    def forward(self):
+        return forward(self.module, self.scope, self.x)
+
     def step(self):
         """One forward + backward; returns the output (still referenced)."""
         for p in self.params:
             p.grad = None
         self.x.grad = None
-        out = forward(self.module, self.scope, self.x)
+        out = self.forward()
         out.backward(self.dy)
         return out
 

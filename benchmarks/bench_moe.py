@@ -31,6 +31,7 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "5")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
+import bench_gate  # noqa: E402
 from bench_gate import DTYPES, run_rounds  # noqa: E402
 
 
@@ -75,8 +76,9 @@ def build_mlp(config, dense):
     return layer.mlp
 
 
-class Case:
-    """One variant: its module, input and output gradient; ``step`` runs forward + backward."""
+class Case(bench_gate.Case):
+    """One variant: its module, input and output gradient; ``step`` and ``release`` are
+    bench_gate's (its ``__init__``, which builds an attention case, is not called)."""
 
     def __init__(self, args, variant, dtype, device):
         from mcore_ext.runtime import set_seed
@@ -109,18 +111,6 @@ class Case:
             return self.module(self.x, self.counts, self.probs)[0]
         return self.module(self.x)[0]
 
-    def step(self):
-        for p in self.params:
-            p.grad = None
-        self.x.grad = None
-        out = self.forward()
-        out.backward(self.dy)
-        return out
-
-    def release(self):
-        for p in self.params:
-            p.grad = None
-        self.x.grad = None
 
 
 VARIANTS = ("dense", "sequential", "grouped", "experts-sequential", "experts-grouped")

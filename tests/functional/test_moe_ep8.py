@@ -67,8 +67,6 @@ def _train(ep, steps, rate=RATE, first_step=0, save_at=None, save_dir=None, load
 
 def _train_on_this_rank(ep, steps, rate, first_step, save_at, save_dir, load_dir):
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.moe.router import TopKRouter
 
     import mcore_ext
@@ -93,36 +91,14 @@ def _train_on_this_rank(ep, steps, rate, first_step, save_at, save_dir, load_dir
         router.register_forward_hook(functools.partial(count, load))
 
     text = _text_tokens()
-    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    forward_backward = get_forward_backward_func()
-
-    def forward_step(data, model_chunk):
-        tokens = next(data)
-        positions = torch.arange(SEQ).expand(tokens.size(0), -1)
-        output = model_chunk(tokens[:, :-1], positions, None, labels=tokens[:, 1:])
-
-        def loss_func(per_token):
-            loss = per_token.float().mean()
-            return loss, {"loss": loss.detach()}
-
-        return output, loss_func
-
     losses, biases = [], []
     for step in range(first_step, first_step + steps):
         start = step * GLOBAL_BATCH * (SEQ + 1)
-        tokens = text[start:start + GLOBAL_BATCH * (SEQ + 1)].view(GLOBAL_BATCH, SEQ + 1)
-        local = tokens.chunk(dp)[dp_rank]
         for load in step_loads:
             load.zero_()
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
-        out = forward_backward(forward_step_func=forward_step, data_iterator=iter([local]),
-                               model=[model], num_microbatches=1, seq_length=SEQ,
-                               micro_batch_size=local.size(0), forward_only=False)
-        optimizer.step()
-        loss = out[0]["loss"].clone()
-        dist.all_reduce(loss, group=ps.get_data_parallel_group())
-        losses.append(loss.item() / dp)
+        losses.append(builders.train_step(
+            model, optimizer, text[start:start + GLOBAL_BATCH * (SEQ + 1)].view(GLOBAL_BATCH,
+                                                                                 SEQ + 1)))
         step_load = torch.stack(step_loads)
         dist.all_reduce(step_load)  # every rank routes its own tokens: sum over all ranks
         loads.append(step_load.tolist())
