@@ -25,15 +25,16 @@ plus the module's parameter bytes and the input's bytes:
 
     GPU  torch.cuda.max_memory_allocated after reset_peak_memory_stats, minus what was allocated
          before the step.
-    CPU  PyTorch's CPU allocator has no peak counter, so the process's resident-memory peak is
-         read instead: /proc/self/clear_refs resets the kernel's high-water mark (VmHWM) before
-         the step, and the peak is VmHWM after it minus VmRSS before it. glibc is told to serve
-         every allocation of 64 KiB or more with mmap (mallopt), so freed tensors leave the
-         resident set at once and the mark follows live memory. That makes every large
-         allocation page-fault afresh, so it is set only in a child process that measures memory
-         after the timed rounds; they run with glibc's default (freed memory reused, as in a
-         training run). Also reported: the bytes the forward leaves allocated for backward
-         (profiler memory events), exact but blind to transients.
+    CPU  the peak of torch's own CPU allocations during the step (mcore_ext.plan.measure:
+         the allocator's events under the profiler, exact). Also reported: the process's
+         resident-memory peak (/proc/self/clear_refs resets the kernel's high-water mark, VmHWM,
+         before the step; glibc serves every allocation of 64 KiB or more with mmap, so freed
+         tensors leave the resident set at once: set only in a child process that measures
+         memory after the timed rounds, which keep glibc's default) and the bytes the forward
+         leaves allocated for backward (exact, blind to transients).
+
+``--moe``: a MoE block, none vs head-wise with the same weights and an open gate (sigmoid = 1),
+so both route every token alike; ``check_same_routing`` asserts it before any round.
 
 Run ``python benchmarks/bench_gate.py --help``; see benchmarks/README.md.
 """
@@ -117,7 +118,9 @@ def parse_args(argv=None):
                         "the run's noise floor")
     p.add_argument("--moe", action="store_true",
                    help="MoE block (Step-3.5's router: 8 experts, top-2, sigmoid + expert bias, "
-                        "x3.0, a shared expert; every layer MoE): none vs head-wise gate")
+                        "x3.0, a shared expert; every layer MoE): none vs head-wise gate, with "
+                        "the same weights and the gate open (sigmoid = 1), so that both route "
+                        "every token alike (checked)")
     p.add_argument("--json", metavar="PATH", help="write every figure to PATH")
     return p.parse_args(argv)
 
@@ -187,13 +190,81 @@ def make_config(opts, variant, dtype):
 
 
 def _moe_fields(opts):
-    """Step-3.5-Flash's MoE in miniature: experts as wide as a quarter of the dense MLP."""
+    """Step-3.5-Flash's MoE in miniature: experts as wide as a quarter of the dense MLP. A QKV
+    bias in every variant: it holds the head-wise gate open (``GATE_OPEN``)."""
     return dict(num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=opts["hidden"],
                 moe_shared_expert_intermediate_size=opts["hidden"],
                 moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
                 moe_router_topk_scaling_factor=3.0, moe_router_dtype="fp32",
                 gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-                bias_activation_fusion=False, add_bias_linear=False)
+                bias_activation_fusion=False, add_bias_linear=False, add_qkv_bias=True)
+
+
+# A gate logit whose fp32 sigmoid rounds to exactly 1.0 (1 - 9e-14): the gated attention output
+# equals the ungated one bit for bit, in fp32 and bf16, while the gate's GEMM rows, sigmoid,
+# product and saved tensors all still run. A MoE block routes on its input, so only an open gate
+# lets the two variants route alike; any other value changes the routing and, with it, the
+# experts' memory and time, which are no cost of the gate.
+GATE_OPEN = 30.0
+
+
+def copy_ungated_weights(gated, ungated):
+    """Give ``gated`` (head-wise gate, TP 1) every weight and buffer of ``ungated``; its gate rows
+    of ``linear_qkv`` (after the QKV rows: ``[QKV ; Gate]``) get weight 0 and bias GATE_OPEN."""
+    source = dict(ungated.named_parameters())
+    source.update(ungated.named_buffers())
+    with torch.no_grad():
+        for name, tensor in [*gated.named_parameters(), *gated.named_buffers()]:
+            if name not in source:
+                raise KeyError(f"{name} has no counterpart in the ungated module")
+            value = source.pop(name)
+            if tensor.shape == value.shape:
+                tensor.copy_(value)
+                continue
+            if not name.endswith(("linear_qkv.weight", "linear_qkv.bias")):
+                raise ValueError(f"{name}: {tuple(tensor.shape)} vs {tuple(value.shape)}")
+            rows = value.size(0)
+            tensor[:rows].copy_(value)
+            tensor[rows:].fill_(0.0 if name.endswith("weight") else GATE_OPEN)
+    if source:
+        raise KeyError(f"the gated module lacks {sorted(source)}")
+
+
+def routing_maps(module, x):
+    """[routing_map of each router, in call order] of one forward (no backward)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    maps = []
+    hooks = [m.register_forward_hook(lambda _m, _i, out: maps.append(out[1].detach().clone()))
+             for m in module.modules() if isinstance(m, TopKRouter)]
+    try:
+        with torch.no_grad():
+            out = forward(module, "block", x)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return maps, out
+
+
+def check_same_routing(cases, log):
+    """Assert every MoE case routes each token to the experts the first case chooses, with the
+    same router and expert weights; log the tokens per expert and the largest output difference."""
+    base_maps, base_out = routing_maps(cases[0].module, cases[0].x)
+    base_params = dict(cases[0].module.named_parameters())
+    assert base_maps, "no router ran: not a MoE block"
+    for case in cases[1:]:
+        for name, p in case.module.named_parameters():
+            if ".router." in name or ".experts." in name:
+                assert torch.equal(p, base_params[name]), f"{case.variant}: {name} differs"
+        maps, out = routing_maps(case.module, case.x)
+        assert len(maps) == len(base_maps)
+        for layer, (a, b) in enumerate(zip(base_maps, maps)):
+            assert torch.equal(a, b), f"{case.variant} routes layer {layer} differently from none"
+        diff = (out.float() - base_out.float()).abs().max().item()
+        log(f"  {case.variant}: same router and expert weights, same routing in all "
+            f"{len(maps)} layers; largest output difference from none {diff:.3g}")
+    loads = [m.sum(0).tolist() for m in base_maps]
+    log(f"  tokens per expert, layer by layer: {loads}")
 
 
 def build(opts, variant, scope, dtype, backend):
@@ -224,8 +295,13 @@ class Case:
 
     def __init__(self, opts, variant, scope, dtype, backend, device):
         self.variant, self.scope = variant, scope
-        torch.manual_seed(0)
+        from mcore_ext.runtime import set_seed
+
+        set_seed(0)  # torch's generator and megatron's model-parallel streams (expert weights)
         self.module = build(opts, variant, scope, dtype, backend)
+        if opts.get("moe") and variant == "head-wise":
+            set_seed(0)
+            copy_ungated_weights(self.module, build(opts, "none", scope, dtype, backend))
         shape = (opts["seq"], opts["batch"], opts["hidden"])
         gen = torch.Generator(device="cpu").manual_seed(1)
         self.x = torch.randn(shape, generator=gen).to(device=device, dtype=dtype).requires_grad_()
@@ -235,12 +311,15 @@ class Case:
         self.times = []  # seconds per step on the chosen clock
         self.times_wall, self.times_cpu = [], []
 
+    def forward(self):
+        return forward(self.module, self.scope, self.x)
+
     def step(self):
         """One forward + backward; returns the output (still referenced)."""
         for p in self.params:
             p.grad = None
         self.x.grad = None
-        out = forward(self.module, self.scope, self.x)
+        out = self.forward()
         out.backward(self.dy)
         return out
 
@@ -313,21 +392,29 @@ def memory_gpu(case):
 
 
 def memory_cpu(case):
-    """Resident-memory peak of one forward + backward, and the bytes the forward holds.
+    """Peak of one forward + backward (torch's allocations, and the process's resident memory),
+    and the bytes the forward holds.
 
-    The peak: reset the kernel's high-water mark (VmHWM), run the step, read it. With glibc's mmap
-    threshold fixed at 64 KiB (``fix_malloc_threshold``), every tensor of that size or more is its
-    own mapping, returned to the kernel when freed, so resident memory follows live tensors (set
-    at the start of the process: ``measure_memory`` runs this in a process of its own). The held
-    bytes (allocated minus freed during the forward, from the profiler's memory events) are
-    exact, but blind to transients.
+    The allocation peak (``mcore_ext.plan.measure.allocation_peak``): the running sum of the CPU
+    allocator's allocation and free events during the step, exact. The resident peak: reset the
+    kernel's high-water mark (VmHWM), run the step, read it; with glibc's mmap threshold fixed at
+    64 KiB (``fix_malloc_threshold``), every tensor of that size or more is its own mapping,
+    returned to the kernel when freed, so resident memory follows live tensors (set at the start
+    of the process: ``measure_memory`` runs this in a process of its own), give or take what
+    glibc and the kernel do meanwhile. The held bytes (allocated minus freed during the forward,
+    from the profiler's memory events) are exact, but blind to transients.
     """
+    from mcore_ext.plan.measure import allocation_peak
+
     case.release()
     activities = [torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
         out = forward(case.module, case.scope, case.x)
     forward_held = sum(event.self_cpu_memory_usage for event in prof.key_averages())
     del out
+    case.release()
+
+    alloc_peak = allocation_peak(case.step, "cpu")["peak"]
     case.release()
 
     _reset_resident_peak()
@@ -339,13 +426,15 @@ def memory_cpu(case):
     case.release()
     inp = case.x.numel() * case.x.element_size()
     return dict(
-        measure="cpu_resident_peak",
-        peak_delta_bytes=peak,
+        measure="cpu_allocation_peak",
+        peak_delta_bytes=alloc_peak,
+        resident_peak_delta_bytes=peak,
         param_bytes=case.param_bytes,
         input_bytes=inp,
         grad_bytes=grad_bytes,
         forward_held_bytes=forward_held,
-        total_bytes=peak + case.param_bytes + inp,
+        total_bytes=alloc_peak + case.param_bytes + inp,
+        resident_total_bytes=peak + case.param_bytes + inp,
     )
 
 
@@ -496,16 +585,20 @@ def summarize(cases, mem):
 
 def print_table(rows, on_gpu, log):
     head = f"  {'variant':<10} {'time ratio':>10} {'paired':>8} {'min':>8} {'peak mem ratio':>15}"
-    head += f" {'time ms':>9} {'peak MiB':>9}" if on_gpu else f" {'held ratio':>11}"
+    head += f" {'time ms':>9} {'peak MiB':>9}" if on_gpu else (
+        f" {'resident ratio':>15} {'held ratio':>11} {'peak MiB':>9}")
     log(head)
-    base_held = next(iter(rows.values()))["memory"].get("forward_held_bytes")
+    base = next(iter(rows.values()))["memory"]
     for variant, r in rows.items():
         line = (f"  {variant:<10} {r['time_ratio']:10.4f} {r['time_ratio_paired_median']:8.4f} "
                 f"{r['time_ratio_min']:8.4f} {r['memory_ratio']:15.4f}")
+        mem = r["memory"]
         if on_gpu:
-            line += f" {1e3 * r['time_s_median']:9.2f} {r['memory']['total_bytes'] / 2**20:9.1f}"
+            line += f" {1e3 * r['time_s_median']:9.2f} {mem['total_bytes'] / 2**20:9.1f}"
         else:
-            line += f" {r['memory']['forward_held_bytes'] / base_held:11.4f}"
+            line += (f" {mem['resident_total_bytes'] / base['resident_total_bytes']:15.4f}"
+                     f" {mem['forward_held_bytes'] / base['forward_held_bytes']:11.4f}"
+                     f" {mem['total_bytes'] / 2**20:9.1f}")
         log(line)
 
 
@@ -574,9 +667,10 @@ def main(argv=None):
             log("  memory: CUDA peak of one forward + backward (max_memory_allocated - allocated "
                 "before) + parameter bytes + input bytes")
         else:
-            log("  memory: resident peak of one forward + backward (VmHWM after - VmRSS before, "
-                "mmap threshold 64 KiB) + parameter bytes + input bytes; held: bytes the forward "
-                "leaves allocated for backward")
+            log("  memory: peak of torch's CPU allocations in one forward + backward (allocator "
+                "events under the profiler) + parameter bytes + input bytes; resident: the same "
+                "with the process's resident peak (VmHWM after - VmRSS before, mmap threshold 64 "
+                "KiB); held: bytes the forward leaves allocated for backward")
 
         base = ("none", "head-wise") if opts["moe"] else VARIANTS  # the MoE case: the gate's cost
         variants = base + (() if on_gpu or args.no_control else (CONTROL,))
@@ -586,6 +680,8 @@ def main(argv=None):
                 key = f"{dtype_name} {scope}"
                 log(f"\n[{key}] building {', '.join(variants)}")
                 cases = [_case(key, v, opts, backend) for v in variants]
+                if opts["moe"]:
+                    check_same_routing(cases, log)
                 rounds = opts["rounds"] if scope == "layer" else opts["block_rounds"]
                 start = time.perf_counter()
                 run_rounds(cases, rounds, opts["warmup"], on_gpu, log, opts["clock"])
@@ -615,7 +711,7 @@ def main(argv=None):
             threads=torch.get_num_threads(),
             backend=backend,
             options=opts,
-            memory_measure="cuda_peak" if on_gpu else "cpu_resident_peak",
+            memory_measure="cuda_peak" if on_gpu else "cpu_allocation_peak",
             results=results,
             targets=checks,
             profile=profile,

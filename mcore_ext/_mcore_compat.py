@@ -419,3 +419,31 @@ def read_checkpoint_tracker(path: str, fallback) -> tuple[int, bool]:
     with cuda_to_cpu():
         iteration, release = read_metadata(path)
     return int(iteration), bool(release)
+
+
+# --------------------------------------------------------------- 11. expert modules in a spec
+
+
+def replace_experts_module(moe_spec, old: type, new: type):
+    """``moe_spec`` (how a MoELayer is built) with its experts built by ``new`` where they are
+    ``old``. 0.19 gives the layer and its experts as ``functools.partial``s of their classes,
+    earlier releases as ModuleSpecs."""
+    import dataclasses
+    import functools
+
+    def swap(builder, keep):
+        if isinstance(builder, functools.partial):
+            submodules = builder.keywords.get("submodules")
+            return functools.partial(builder.func, *builder.args,
+                                     **{**builder.keywords, "submodules": keep(submodules)})
+        return dataclasses.replace(builder, submodules=keep(builder.submodules))
+
+    def experts_of(submodules):
+        experts = submodules.experts
+        if isinstance(experts, functools.partial) and experts.func is old:
+            experts = functools.partial(new, *experts.args, **experts.keywords)
+        elif getattr(experts, "module", None) is old:
+            experts = dataclasses.replace(experts, module=new)
+        return dataclasses.replace(submodules, experts=experts)
+
+    return swap(moe_spec, experts_of)

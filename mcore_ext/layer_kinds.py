@@ -52,7 +52,8 @@ class KindTransformerLayer(TransformerLayer):
         self.swiglu_limit = swiglu_limit
         self.moe_expert_swiglu_limit = moe_expert_swiglu_limit
         if isinstance(self.mlp, MoELayer):
-            moe.clamp_moe_layer(self.mlp, moe_expert_swiglu_limit, swiglu_limit)
+            moe.clamp_moe_layer(self.mlp, moe_expert_swiglu_limit, swiglu_limit,
+                                self.layer_number)
             moe.mark_expert_parameters(self.mlp)
         elif swiglu_limit:
             clamp_swiglu_mlp(self.mlp, swiglu_limit)

@@ -8,8 +8,9 @@ expert); the others are dense. This module adds only what megatron cannot expres
 - HF's SwiGLU clamp ``silu(gate).clamp(max=L) * up.clamp(-L, L)`` per layer, separately for the
   routed experts (``moe_expert_swiglu_limits``) and the shared expert (``swiglu_limits``), set
   on each expert module's own copy of its config so that no layer or expert kind sees another's
-  (``clamp_moe_layer``; megatron's ``activation_func_clamp_value`` is another function, and
-  TEGroupedMLP shares one config between all layers);
+  (``clamp_moe_layer``, for sequential and grouped experts alike; megatron's
+  ``activation_func_clamp_value`` is another function, and TEGroupedMLP shares one config
+  between all layers);
 - the experts' parameters marked expert-parallel at EP 1 too, so the optimizer (and its
   checkpoint) has the same structure at every EP size (``mark_expert_parameters``);
 - validation naming fields and values (``validate_moe_fields`` / ``validate_moe_clamps``).
@@ -145,13 +146,6 @@ def validate_moe_clamps(config) -> None:
                 "moe_expert_swiglu_limits clamps SwiGLU experts: it needs gated_linear_unit=True "
                 "and activation_func=silu"
             )
-        if any(limits) and config.moe_grouped_gemm:
-            raise ValueError(
-                "moe_expert_swiglu_limits with moe_grouped_gemm=True: Transformer Engine's grouped "
-                "experts (TEGroupedMLP) share one config between all layers and fuse the "
-                "activation, which would drop or mix the clamps; set moe_grouped_gemm=False "
-                "(SequentialMLP experts)"
-            )
     clamp = config.activation_func_clamp_value
     if clamp is not None:
         if has_hf_clamp:
@@ -168,40 +162,59 @@ def validate_moe_clamps(config) -> None:
             )
 
 
-def clamp_moe_layer(moe_layer, routed_limit: Optional[float], shared_limit: Optional[float]):
+def clamp_moe_layer(moe_layer, routed_limit: Optional[float], shared_limit: Optional[float],
+                    layer_number: Optional[int] = None):
     """Give ``moe_layer``'s routed experts and shared expert HF's SwiGLU clamp, each on a private
-    copy of its config, or refuse an expert implementation that would drop it."""
+    copy of its config, or refuse, naming the layer, an expert implementation that would drop
+    it.
+
+    Routed experts: ``SequentialMLP`` (and mcore_ext's grouped-GEMM form of it) clamp in each
+    expert's MLP; megatron's grouped ``TEGroupedMLP`` applies ``self.activation_func`` to the
+    whole fc1 output when its config has ``use_te_activation_func`` (before any fused kernel),
+    so it gets the clamped SwiGLU there, on its own config copy (megatron hands one config to the
+    grouped experts of every layer). Only Transformer Engine's op-fused grouped MLP
+    (``use_transformer_engine_op_fuser``), whose SwiGLU has no clamp, is refused.
+    """
     from megatron.core.transformer.mlp import MLP
-    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
     from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 
     from mcore_ext.layer_kinds import clamp_swiglu_mlp
 
+    where = f" (layer {layer_number})" if layer_number is not None else ""
     if routed_limit:
         experts = moe_layer.experts
-        if not isinstance(experts, SequentialMLP) or not all(
+        field = f"moe_expert_swiglu_limits{where}"
+        if isinstance(experts, TEGroupedMLP):
+            if getattr(experts, "_with_fused_impl", False):
+                raise NotImplementedError(
+                    f"{field}: Transformer Engine's op-fused grouped MLP "
+                    "(use_transformer_engine_op_fuser=True) has no SwiGLU clamp; turn it off, "
+                    "grouped experts then clamp exactly")
+            clamp_swiglu_mlp(experts, routed_limit, field=field)
+        elif isinstance(experts, SequentialMLP) and all(
             type(e) is MLP for e in experts.local_experts
         ):
+            for expert in experts.local_experts:
+                clamp_swiglu_mlp(expert, routed_limit, field=field)
+        else:
             raise NotImplementedError(
-                f"moe_expert_swiglu_limits: the routed experts are {type(experts).__name__}, whose "
-                "activation cannot take HF's clamp (a fused or grouped path would drop it); use "
-                "SequentialMLP experts (moe_grouped_gemm=False)"
+                f"{field}: the routed experts are {type(experts).__name__}, whose activation "
+                "cannot take HF's clamp; use SequentialMLP or TEGroupedMLP experts"
             )
-        for expert in experts.local_experts:
-            clamp_swiglu_mlp(expert, routed_limit, field="moe_expert_swiglu_limits")
     if shared_limit and moe_layer.shared_experts is not None:
         shared = moe_layer.shared_experts
         if type(shared) is not SharedExpertMLP:
             raise NotImplementedError(
-                f"swiglu_limits on a MoE layer clamps its shared expert, which is "
+                f"swiglu_limits{where} on a MoE layer clamps its shared expert, which is "
                 f"{type(shared).__name__} here (a fused path would drop the clamp); use "
                 "megatron's SharedExpertMLP"
             )
         if shared.config.moe_shared_expert_overlap:
             raise NotImplementedError(
-                "swiglu_limits with moe_shared_expert_overlap=True is not supported"
+                f"swiglu_limits{where} with moe_shared_expert_overlap=True is not supported"
             )
-        clamp_swiglu_mlp(shared, shared_limit, field="swiglu_limits")
+        clamp_swiglu_mlp(shared, shared_limit, field=f"swiglu_limits{where}")
 
 
 def mark_expert_parameters(moe_layer) -> None:

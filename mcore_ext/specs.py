@@ -13,6 +13,7 @@ import logging
 import torch
 from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
+from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
@@ -25,6 +26,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from mcore_ext import _mcore_compat
 from mcore_ext.attention.gated import HeadWiseGatedSelfAttention
 from mcore_ext.attention.sdpa import SDPAttention
+from mcore_ext.grouped_experts import GroupedGemmSequentialMLP
 from mcore_ext.layer_kinds import kind_layer_spec
 from mcore_ext.moe import is_moe_layer
 from mcore_ext.mtp import get_mtp_block_spec
@@ -95,6 +97,11 @@ def get_gpt_layer_spec(
         spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=config.normalization, **options)
 
     layer = spec.submodules
+    if backend is not AttentionBackend.TE and options["num_experts"] and config.moe_grouped_gemm:
+        # megatron's local backend ignores moe_grouped_gemm (SequentialMLP): the same experts,
+        # run as one grouped GEMM per linear layer (mcore_ext.grouped_experts)
+        layer = dataclasses.replace(layer, mlp=_mcore_compat.replace_experts_module(
+            layer.mlp, SequentialMLP, GroupedGemmSequentialMLP))
     attention = layer.self_attention
     if getattr(config, "head_wise_attn_gate", False):
         attention = dataclasses.replace(attention, module=HeadWiseGatedSelfAttention)

@@ -119,6 +119,45 @@ def ddp_and_optimizer(config, gpt, distributed_optimizer: bool):
     return model, optimizer
 
 
+def train_step(model, optimizer, tokens) -> float:
+    """One optimizer step of a DDP GPTModel on a global batch ``tokens`` [B, S + 1] (inputs and
+    next-token labels), this data-parallel rank's share of it as one micro-batch through
+    megatron's schedule; returns the mean loss over DP (the last pipeline stage's, on every
+    rank)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    local = tokens.chunk(dp)[dp_rank]
+    seq = local.size(1) - 1
+
+    def forward_step(data, model_chunk):
+        batch = next(data)
+        positions = torch.arange(seq).expand(batch.size(0), -1)
+        output = model_chunk(batch[:, :-1], positions, None, labels=batch[:, 1:])
+
+        def loss_func(per_token):
+            loss = per_token.float().mean()
+            return loss, {"loss": loss.detach()}
+
+        return output, loss_func
+
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    out = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter([local]), model=[model],
+        num_microbatches=1, seq_length=seq, micro_batch_size=local.size(0), forward_only=False)
+    optimizer.step()
+    loss = torch.zeros(())
+    if ps.is_pipeline_last_stage():
+        loss = out[0]["loss"].clone()
+        dist.all_reduce(loss, group=ps.get_data_parallel_group())
+        loss /= dp
+    dist.all_reduce(loss, op=dist.ReduceOp.MAX)  # every rank reports the last stage's
+    return loss.item()
+
+
 def training_state(model, optimizer, is_loading: bool, with_optimizer: bool = True) -> dict:
     """The sharded state dict of a DDP model and (optionally) its optimizer, as mcore_ext saves."""
     from mcore_ext import checkpoint

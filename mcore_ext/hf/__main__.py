@@ -2,9 +2,11 @@
 
 Runs as one process (TP = PP = 1) or under torchrun at any TP / PP / EP (``--tp``, ``--pp``,
 ``--ep``, ``--etp``). ``plan`` (HF_DIR or its config.json; no weights read) prints parameters and
-memory per rank at ``--tp --pp --ep --dp``. Errors are one ``error:`` line and exit code 2, with
-nothing written; under torchrun the first rank prints a mistake every rank finds (a layout the
-world size does not divide, a bad config), a rank's own failure names the rank.
+memory per rank at ``--tp --pp --ep --dp``; with ``--seq`` activations too (``--cp --vpp
+--recompute --micro-batch``), with ``--search`` the layouts with the fewest GPUs that fit. Errors
+are one ``error:`` line and exit code 2, with nothing written; under torchrun the first rank
+prints a mistake every rank finds (a layout the world size does not divide, a bad config), a
+rank's own failure names the rank.
 """
 
 import argparse
@@ -53,6 +55,9 @@ def main(argv=None) -> int:
         p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (as --tp)")
     pln.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the plan")
     pln.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the plan")
+    from mcore_ext.plan.cli import add_activation_args
+
+    add_activation_args(pln)
     for p in (imp, exp, pln):
         p.add_argument("--ep", type=int, default=1, help="expert-parallel size")
         p.add_argument("--etp", type=int, default=None,
@@ -165,6 +170,15 @@ def _plan(args) -> int:
     try:
         with open(path) as f:
             spec = Step35Config.from_hf_dict(json.load(f))
+        if args.seq or args.search:  # activations too: mcore_ext.plan's table
+            from mcore_ext.plan.cli import print_plan
+
+            if not args.seq:
+                raise ValueError("--search needs --seq (tokens per sample)")
+            shape = plan.shape_of(spec)
+            print_plan(shape, args, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, dp=args.dp,
+                       distributed_optimizer=not args.no_distributed_optimizer)
+            return 0
         rows = plan.plan(spec, tp=args.tp, pp=args.pp, ep=args.ep, dp=args.dp, etp=args.etp,
                          distributed_optimizer=not args.no_distributed_optimizer,
                          make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)

@@ -90,6 +90,7 @@ def _moe_fields(m, p) -> dict:
         moe_aux_loss_coeff=m.moe_aux_loss_coeff,
         moe_router_bias_update_rate=m.moe_router_bias_update_rate,
         moe_token_dispatcher_type=m.moe_token_dispatcher_type,
+        moe_grouped_gemm=m.moe_grouped_gemm,
         moe_expert_swiglu_limits=_optional_list(m.moe_expert_swiglu_limits),
         expert_model_parallel_size=p.expert_model_parallel_size,
         expert_tensor_parallel_size=p.expert_tensor_parallel_size,

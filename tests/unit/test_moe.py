@@ -211,7 +211,7 @@ def _expert_grads(model, weights):
 
 
 def model_vs_reference(tp=1, ep=1, dispatcher="allgather", etp=None, controls=False, cp=1,
-                       backend="sdpa", device="cpu"):
+                       backend="sdpa", grouped=False, device="cpu"):
     """Logits of the model vs the reference, and expert gradients vs the reference's.
 
     With CP each rank holds its load-balanced chunks of the sequence (the logits are compared
@@ -228,7 +228,8 @@ def model_vs_reference(tp=1, ep=1, dispatcher="allgather", etp=None, controls=Fa
 
     mcore_ext.init_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
                             expert_tensor_parallel_size=etp, context_parallel_size=cp)
-    config = moe_config(tp, ep, dispatcher, etp, context_parallel_size=cp)
+    config = moe_config(tp, ep, dispatcher, etp, context_parallel_size=cp,
+                        moe_grouped_gemm=grouped)
     layers = builders.reference_layers(config)
     weights = global_weights(layers)
     gen = torch.Generator().manual_seed(3)
@@ -271,7 +272,11 @@ def model_vs_reference(tp=1, ep=1, dispatcher="allgather", etp=None, controls=Fa
             grad_scale = max(grad_scale, want.abs().max().item())
     result = dict(diff=(logits - local["expected"]).abs().max().item(),
                   scale=expected.abs().max().item(), grad_diff=grad_diff, grad_scale=grad_scale,
-                  experts=sorted(expert_grads))
+                  experts=sorted(expert_grads),
+                  expert_modules={type(layer.mlp.experts).__name__ for layer in
+                                  model.decoder.layers if hasattr(layer.mlp, "experts")},
+                  grouped_ran=[getattr(layer.mlp.experts, "last_forward_grouped", None)
+                               for layer in model.decoder.layers if hasattr(layer.mlp, "experts")])
     if controls:
         with torch.no_grad():
             result["controls"] = {
@@ -353,6 +358,120 @@ def test_expert_parallel_matches_reference(run_distributed, world_size, tp, ep, 
         seen.update(r["experts"])
         assert len(r["experts"]) == 3 * EXPERTS // ep, (rank, r["experts"])
     assert seen == {(n, e) for n in (2, 3, 4) for e in range(EXPERTS)}
+
+
+@pytest.mark.parametrize("world_size, tp, ep, dispatcher, etp", [
+    (1, 1, 1, "allgather", None),
+    (2, 1, 2, "alltoall", None),
+    (4, 2, 2, "alltoall", 1),   # expert TP 1 under TP 2
+    (4, 1, 2, "alltoall", 2),   # expert TP 2: each expert's width split
+])
+def test_grouped_gemm_experts_match_reference_with_clamps(run_distributed, world_size, tp, ep,
+                                                          dispatcher, etp):
+    """moe_grouped_gemm on the sdpa backend: the same experts (parameters, keys, clamps) run as
+    one torch grouped GEMM per linear layer, within the same 1e-5 of the HF formulas, clamps on
+    layers 2 and 4 included (the controls show each clamp is seen)."""
+    results = run_distributed(model_vs_reference, tp, ep, dispatcher, etp,
+                              controls=world_size == 1, grouped=True, world_size=world_size)
+    for rank, r in enumerate(results):
+        assert r["expert_modules"] == {"GroupedGemmSequentialMLP"}, r["expert_modules"]
+        assert r["grouped_ran"] == [True] * 3, (rank, r["grouped_ran"])
+        assert r["diff"] <= TOL and r["scale"] > 0.1, (rank, r)
+        assert r["grad_diff"] <= GRAD_TOL * max(1.0, r["grad_scale"]), (rank, r)
+        for name, effect in r.get("controls", {}).items():
+            assert effect > 100 * TOL, (name, effect)
+
+
+def _te_grouped_mlp_with_clamp():
+    """megatron's TEGroupedMLP (its grouped linears stood in by plain torch: no Transformer
+    Engine here) under clamp_moe_layer: every layer's clamp in its own module, the output
+    equal to the clamped SwiGLU experts' computed one by one; the op-fused form refused by
+    layer."""
+    import functools
+
+    import torch.nn.functional as F
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    import mcore_ext
+    from mcore_ext import moe
+    from mcore_ext.layer_kinds import clamped_swiglu
+
+    mcore_ext.init_parallel()
+    config = moe_config(moe_grouped_gemm=True)
+    pgs = ps.ProcessGroupCollection.use_mpu_process_groups() if hasattr(
+        ps, "ProcessGroupCollection") else None
+    if pgs is None:
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        pgs = ProcessGroupCollection.use_mpu_process_groups()
+    submodules = GroupedMLPSubmodules(linear_fc1=_TorchGroupedLinear,
+                                      linear_fc2=_TorchGroupedLinear)
+    layers = [TEGroupedMLP(EXPERTS, config, submodules, pg_collection=pgs) for _ in range(2)]
+    holder = [MoELayer.__new__(MoELayer) for _ in layers]
+    for h, experts in zip(holder, layers):
+        torch.nn.Module.__init__(h)
+        h.experts, h.shared_experts = experts, None
+    moe.clamp_moe_layer(holder[0], 0.07, None, layer_number=2)
+    moe.clamp_moe_layer(holder[1], 0.05, None, layer_number=4)
+
+    gen = torch.Generator().manual_seed(5)
+    counts = torch.tensor([3, 0, 5, 4])
+    x = torch.randn(int(counts.sum()), HIDDEN, generator=gen)
+    probs = torch.rand(int(counts.sum()), generator=gen)
+    out = {}
+    for limit, experts in zip((0.07, 0.05), layers):
+        got, _ = experts(x, counts, probs)
+        want = []
+        for e, (xe, pe) in enumerate(zip(x.split(counts.tolist()), probs.split(counts.tolist()))):
+            fc1 = getattr(experts.linear_fc1, f"weight{e}")
+            fc2 = getattr(experts.linear_fc2, f"weight{e}")
+            want.append((clamped_swiglu(xe @ fc1.t(), limit) * pe.unsqueeze(-1)) @ fc2.t())
+        unclamped = F.silu((x @ experts.linear_fc1.weight0.t()).chunk(2, -1)[0])
+        out[limit] = dict(diff=(got - torch.cat(want)).abs().max().item(),
+                          limit=experts.activation_func.keywords["limit"],
+                          clamp_hit=bool((unclamped > limit).any()))
+    out["shared config untouched"] = not config.use_te_activation_func
+    fused = TEGroupedMLP.__new__(TEGroupedMLP)
+    torch.nn.Module.__init__(fused)
+    fused._with_fused_impl, fused.config = True, config
+    h = MoELayer.__new__(MoELayer)
+    torch.nn.Module.__init__(h)
+    h.experts, h.shared_experts = fused, None
+    try:
+        moe.clamp_moe_layer(h, 7.0, None, layer_number=44)
+        out["fused"] = None
+    except NotImplementedError as err:
+        out["fused"] = str(err)
+    return out
+
+
+class _TorchGroupedLinear(torch.nn.Module):
+    """Transformer Engine's GroupedLinear in plain torch (weights ``weight{i}`` [out, in], a
+    loop over the groups): enough for TEGroupedMLP's forward on a CPU."""
+
+    def __init__(self, num_gemms, input_size, output_size, *, config, init_method, bias,
+                 skip_bias_add, is_expert, tp_comm_buffer_name, pg_collection=None, name=None):
+        super().__init__()
+        self.num_gemms = num_gemms
+        for i in range(num_gemms):
+            w = torch.empty(output_size, input_size)
+            init_method(w)
+            self.register_parameter(f"weight{i}", torch.nn.Parameter(w))
+
+    def forward(self, x, m_splits):
+        parts = x.split(list(m_splits))
+        return torch.cat([p @ getattr(self, f"weight{i}").t() for i, p in enumerate(parts)]), None
+
+
+def test_te_grouped_mlp_applies_each_layers_clamp_exactly(run_distributed):
+    (r,) = run_distributed(_te_grouped_mlp_with_clamp, world_size=1)
+    for limit in (0.07, 0.05):
+        assert r[limit]["limit"] == limit and r[limit]["clamp_hit"], r
+        assert r[limit]["diff"] <= 1e-6, r
+    assert r["shared config untouched"], r
+    assert r["fused"] and "(layer 44)" in r["fused"] and "op_fuser" in r["fused"], r["fused"]
 
 
 # ------------------------------------------------------- load balancing and the bias update
@@ -500,7 +619,6 @@ def test_balancing_losses_and_expert_bias_update_match_the_formulas(run_distribu
     (dict(moe_expert_swiglu_limits=[None, -1.0, None, None]), "-1.0 is negative"),
     (dict(gated_linear_unit=False, swiglu_limits=None),
      "moe_expert_swiglu_limits clamps SwiGLU experts: it needs gated_linear_unit=True"),
-    (dict(moe_grouped_gemm=True), "moe_expert_swiglu_limits with moe_grouped_gemm=True"),
     (dict(activation_func_clamp_value=7.0), "activation_func_clamp_value=7.0 (megatron's clamp"),
     (dict(moe_expert_swiglu_limits=None, swiglu_limits=None, activation_func_clamp_value=7.0,
           bias_activation_fusion=True), "megatron's fused SwiGLU ignores the clamp"),

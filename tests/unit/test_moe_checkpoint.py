@@ -37,8 +37,6 @@ def _train_on_this_rank(layout, steps, save_dir, load_dir, first_step, load_opti
     import mcore_ext
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
-    from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from mcore_ext import checkpoint
 
@@ -66,38 +64,10 @@ def _train_on_this_rank(layout, steps, save_dir, load_dir, first_step, load_opti
         assert any("_gate" in k for k in model_keys), model_keys
         assert any("experts.experts.linear_fc1" in k for k in model_keys), model_keys
 
-    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    forward_backward = get_forward_backward_func()
-
-    def forward_step(data, model_chunk):
-        tokens = next(data)
-        positions = torch.arange(SEQ).expand(tokens.size(0), -1)
-        output = model_chunk(tokens[:, :-1], positions, None, labels=tokens[:, 1:])
-
-        def loss_func(per_token):
-            loss = per_token.float().mean()
-            return loss, {"loss": loss.detach()}
-
-        return output, loss_func
-
-    losses = []
-    for step in range(first_step, first_step + steps):
-        tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1),
-                               generator=torch.Generator().manual_seed(step))
-        local = tokens.chunk(dp)[dp_rank]
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
-        out = forward_backward(forward_step_func=forward_step, data_iterator=iter([local]),
-                               model=[model], num_microbatches=1, seq_length=SEQ,
-                               micro_batch_size=local.size(0), forward_only=False)
-        optimizer.step()
-        loss = torch.zeros(())
-        if ps.is_pipeline_last_stage():
-            loss = out[0]["loss"].clone()
-            dist.all_reduce(loss, group=ps.get_data_parallel_group())
-            loss /= dp
-        dist.all_reduce(loss, op=dist.ReduceOp.MAX)  # every rank reports the last stage's
-        losses.append(loss.item())
+    losses = [builders.train_step(model, optimizer,
+                                  torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1),
+                                                generator=torch.Generator().manual_seed(step)))
+              for step in range(first_step, first_step + steps)]
 
     if save_dir:
         checkpoint.save(builders.training_state(model, optimizer, False),

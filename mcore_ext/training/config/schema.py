@@ -131,6 +131,11 @@ class ModelConfig:
     moe_token_dispatcher_type: Literal["allgather", "alltoall", "flex"] = "allgather"
     """How tokens reach their experts' ranks (flex: DeepEP, GPU only)."""
 
+    moe_grouped_gemm: bool = False
+    """Run each MoE layer's experts as one grouped GEMM per linear layer: Transformer Engine's
+    TEGroupedMLP on the te backend, torch's grouped GEMM over the same experts on sdpa / local
+    (mcore_ext.grouped_experts); HF's clamps stay exact on both."""
+
     moe_expert_swiglu_limits: Optional[list[Optional[float]]] = None
     """Per layer, the routed experts' SwiGLU clamp (HF's swiglu_limits); swiglu_limits clamps
     dense MLPs and shared experts (HF's swiglu_limits_shared). null or 0 = none."""

@@ -1,0 +1,72 @@
+"""python -m mcore_ext.plan --config CONFIG.yaml [section.key=value ...] [--dp N] [--seq N] ...
+
+Memory per rank of a launcher config (``launch/pretrain.py``'s YAML, with the same overrides):
+weights, gradients and optimizer state per pipeline stage, and the activations of one
+micro-batch times the micro-batches the stage holds (megatron's 1F1B schedule), at the config's
+layout (TP, PP, CP, EP, ETP, sequence parallelism), ``model.seq_length``,
+``training.micro_batch_size`` and ``model.recompute_granularity`` unless the options say
+otherwise. ``--search`` lists the layouts with the fewest GPUs that fit. Nothing is built.
+Errors are one ``error:`` line and exit code 2.
+"""
+
+import argparse
+import sys
+import warnings
+
+from mcore_ext.plan.cli import PlanError, add_activation_args, print_plan
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mcore_ext.plan",
+                                     description=__doc__.split("\n\n")[1].replace("\n", " "))
+    parser.add_argument("--config", required=True, help="a launcher YAML config")
+    parser.add_argument("overrides", nargs="*", help="section.key=value, as the launcher takes")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel size (default 1)")
+    parser.add_argument("--vocab-size", type=int,
+                        help="vocabulary before padding (default: the config's tokenizer's)")
+    parser.add_argument("--gpu-gib", type=float, default=80.0, help="memory of one GPU")
+    add_activation_args(parser, dict(seq=None, micro_batch=None, cp=None, recompute=None))
+    args = parser.parse_args(argv)
+    # megatron's config warns about GPU-only settings (TE's fused attention, CUDA graphs)
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    try:
+        cfg, shape = _load(args)
+        p = cfg.parallelism
+        args.seq = args.seq or cfg.model.seq_length
+        args.micro_batch = args.micro_batch or cfg.training.micro_batch_size
+        args.cp = args.cp or p.context_parallel_size
+        args.recompute = args.recompute or cfg.model.recompute_granularity or "none"
+        print_plan(shape, args, tp=p.tensor_model_parallel_size,
+                   pp=p.pipeline_model_parallel_size, ep=p.expert_model_parallel_size,
+                   etp=p.expert_tensor_parallel_size, dp=args.dp, sp=p.sequence_parallel,
+                   distributed_optimizer=cfg.optimizer.use_distributed_optimizer)
+    except (OSError, ValueError, PlanError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _load(args):
+    """(the launcher config, its ModelShape): the YAML with overrides, the model config the
+    launcher would build (at the config's own parallel sizes; nothing is validated against a
+    world size)."""
+    from mcore_ext.plan.shape import ModelShape
+    from mcore_ext.training.config import PretrainConfig
+    from mcore_ext.training.config.overrides import apply_overrides, build, read_yaml
+    from mcore_ext.training.megatron_configs import transformer_config
+
+    cfg = build(PretrainConfig, apply_overrides(read_yaml(args.config), args.overrides))
+    vocab = args.vocab_size
+    if vocab is None:
+        from mcore_ext.data.tokenizers import load_tokenizer
+
+        vocab = load_tokenizer(cfg.data.tokenizer).vocab_size
+    config = transformer_config(cfg)
+    shape = ModelShape.from_transformer_config(
+        config, vocab_size=vocab, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
+        tied_embeddings=not cfg.model.untie_embeddings_and_output_weights)
+    return cfg, shape
+
+
+if __name__ == "__main__":
+    sys.exit(main())

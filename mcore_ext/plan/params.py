@@ -1,0 +1,140 @@
+"""Parameters per rank and their memory (weights, gradients, optimizer state) at a parallel layout.
+
+Counts follow megatron's sharding: attention, dense MLP, shared expert, eh_proj, embedding and
+output heads split over TP (the vocabulary padded to a multiple of
+lcm(make_vocab_size_divisible_by, TP)); norms and the router replicated; the routed experts split
+E / EP per EP rank and their width over ETP. Layers split evenly over PP x VPP model chunks; the
+embedding is on the first stage, the final norm, lm_head and the MTP layers on the last (with MTP
+layers, a copy of the embedding too, as megatron builds it).
+
+Memory (bytes per parameter, the launcher's mixed precision: bf16 weights, fp32 gradients with
+``grad_reduce_in_fp32``, fp32 main weights and Adam's two moments): 2 + 4 + 12 without the
+distributed optimizer; with it the 12 bytes of optimizer state are sharded over the ranks that
+hold the same parameter (data-parallel x CP for dense parameters, expert-DP for experts). The
+router's fp32 expert bias adds 4 bytes per element.
+"""
+
+from dataclasses import dataclass
+
+from mcore_ext.plan.shape import LayerShape, ModelShape
+
+
+class PlanError(ValueError):
+    """A layout the plan cannot describe: the message names the value."""
+
+
+@dataclass
+class StageCount:
+    """Parameters one rank of a pipeline stage holds."""
+
+    stage: int
+    layers: list  # global layer indices (MTP layers: num_layers + k)
+    dense: int  # non-expert parameters on the rank
+    expert: int  # routed-expert parameters on the rank
+    expert_bias: int  # fp32 router-bias elements (a buffer in megatron)
+
+
+def layer_counts(shape: ModelShape, layer: LayerShape, tp: int, ep: int, etp: int):
+    """(dense, expert, bias) elements of one layer on one rank."""
+    h, hn = shape.hidden, layer.head_dim
+    heads, groups = layer.heads, layer.groups
+    qkv_rows = (heads + 2 * groups) * hn // tp + (heads // tp if layer.gate else 0)
+    # linear_qkv: q, k, v rows and the g_proj rows, each split over TP; o_proj split.
+    dense = qkv_rows * h + h * heads * hn // tp
+    dense += qkv_rows if shape.qkv_bias else 0
+    dense += h if shape.linear_bias else 0
+    norms = 2 * h + (2 * hn if layer.qk_norm else 0)  # input, pre-MLP (and q / k) norms
+    dense += norms * (2 if shape.layer_norm else 1)
+    fc1 = 2 if shape.gated_mlp else 1
+    expert = bias = 0
+    if layer.moe:
+        e, fe, fs = layer.experts, layer.expert_ffn, layer.shared_ffn
+        dense += e * h + (fc1 + 1) * h * fs // tp  # router (replicated), shared expert
+        expert = (e // ep) * (fc1 + 1) * h * fe // etp
+        bias = e
+    else:
+        dense += (fc1 + 1) * h * layer.ffn // tp
+        if shape.linear_bias:
+            dense += fc1 * layer.ffn // tp + h
+    if layer.mtp:  # enorm, hnorm, eh_proj, its final norm (its head: see stage_counts)
+        dense += 3 * h * (2 if shape.layer_norm else 1) + 2 * h * h // tp
+    return dense, expert, bias
+
+
+def split_layers(shape: ModelShape, pp: int, vpp: int = 1) -> list:
+    """[layers of each PP rank], the MTP layers on the last; each rank's list holds its ``vpp``
+    model chunks (rank p holds chunks p, p + pp, ...)."""
+    n, chunks = shape.num_layers, pp * vpp
+    if n % chunks:
+        raise PlanError(f"num_layers={n} is not divisible by pipeline size {pp} x virtual "
+                        f"stages {vpp} = {chunks}")
+    per_chunk = n // chunks
+    ranks = [[] for _ in range(pp)]
+    for chunk in range(chunks):
+        ranks[chunk % pp] += list(range(chunk * per_chunk, (chunk + 1) * per_chunk))
+    ranks[-1] += [n + k for k in range(shape.mtp_layers)]
+    return ranks
+
+
+def padded_vocab(shape: ModelShape, tp: int) -> int:
+    from mcore_ext.models.gpt import padded_vocab_size
+
+    return padded_vocab_size(shape.vocab, shape.make_vocab_size_divisible_by, tp)
+
+
+def stage_counts(shape: ModelShape, tp: int = 1, pp: int = 1, ep: int = 1,
+                 etp: int | None = None, vpp: int = 1) -> list:
+    """One ``StageCount`` per pipeline stage (every rank of a stage holds the same count)."""
+    etp = tp if etp is None else etp
+    experts = {layer.experts for layer in shape.layers if layer.moe}
+    for e in experts:
+        if e % ep:
+            raise PlanError(f"num_moe_experts={e} is not divisible by EP={ep}")
+    vocab_rows = padded_vocab(shape, tp) // tp
+    out = []
+    for stage, layers in enumerate(split_layers(shape, pp, vpp)):
+        dense = expert = bias = 0
+        for index in layers:
+            d, e, b = layer_counts(shape, shape.layers[index], tp, ep, etp)
+            dense, expert, bias = dense + d, expert + e, bias + b
+        # megatron builds the embedding on the first stage and, for the MTP layers' inputs, on
+        # the last one too (GPTModel: pre_process or mtp_process).
+        if stage == 0 or (stage == pp - 1 and shape.mtp_layers):
+            dense += vocab_rows * shape.hidden
+        if stage == pp - 1:
+            heads = 1 + (shape.mtp_layers if shape.mtp_own_heads else 0)
+            dense += shape.hidden * (2 if shape.layer_norm else 1)  # final norm
+            dense += heads * vocab_rows * shape.hidden
+            if shape.tied_embeddings and pp == 1:
+                dense -= vocab_rows * shape.hidden
+        out.append(StageCount(stage, layers, dense, expert, bias))
+    return out
+
+
+def state_bytes(count: StageCount, *, dp: int, edp: int, distributed_optimizer: bool = True
+                ) -> dict:
+    """{what: bytes} of weights, gradients and optimizer state on one rank of the stage; ``dp``:
+    the ranks sharing the dense optimizer state (DP x CP), ``edp``: the experts' (expert-DP)."""
+    params = count.dense + count.expert
+    dense_share = 1 / dp if distributed_optimizer else 1
+    expert_share = 1 / edp if distributed_optimizer else 1
+    sharded = count.dense * dense_share + count.expert * expert_share
+    return {
+        "bf16 weights": 2 * params + 4 * count.expert_bias,
+        "fp32 grads": 4 * params,
+        "fp32 main weights": 4 * sharded,
+        "Adam state": 8 * sharded,
+    }
+
+
+def model_totals(shape: ModelShape) -> dict:
+    """Whole-model element counts at TP = PP = EP = 1 without vocabulary padding: main model,
+    MTP layers (their heads included) and the fp32 router bias."""
+    unpadded = ModelShape(**{**shape.__dict__, "make_vocab_size_divisible_by": 1})
+    (count,) = stage_counts(unpadded)
+    head = shape.vocab * shape.hidden if shape.mtp_own_heads else 0
+    mtp = sum(sum(layer_counts(shape, layer, 1, 1, 1)[:2]) + head
+              for layer in shape.layers[shape.num_layers:])
+    params = count.dense + count.expert
+    return {"parameters": params, "mtp": mtp, "main": params - mtp,
+            "router_bias": count.expert_bias}
