@@ -69,6 +69,9 @@ UPSTREAM = ("opt-in suite: clones Megatron-LM (network) and builds a second envi
 BRIDGE = ("installs Megatron-Bridge into its own .venv-bridge (network) and runs its suite, "
           "tests/bridge (docs/testing.md)")
 
+BENCHMARK = ("a benchmark (minutes of CPU, or a GPU's shapes): its method and measured figures are "
+             "in benchmarks/README.md")
+
 DECISIONS = {
     # README: the two commands and the venv
     "bash scripts/pretrain.sh": Run(
@@ -165,6 +168,10 @@ DECISIONS = {
     "bash scripts/gpu_check.sh prepare": Skip(
         "downloads wheels for the GPU machine (network); its fit under the carry limit: "
         "tests/unit/test_gpu_check.py::test_stages_fit_the_device_calls"),
+    # MoE benchmarks (docs/moe.md)
+    "python benchmarks/bench_moe.py --dtype bf16 --rounds 30": Skip(BENCHMARK),
+    "python benchmarks/bench_moe.py --dtype bf16 --hidden 4096 --expert-ffn 1280 --tokens 4096":
+        Skip(BENCHMARK),
     "bash scripts/gpu_check.sh collect <files_at of the call>": Covered(
         "tests/unit/test_gpu_check.py::test_collect_replaces_a_stage_collected_again"),
 }
