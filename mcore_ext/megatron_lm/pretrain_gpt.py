@@ -10,10 +10,18 @@ it what Megatron-LM's repository-root ``pretrain_gpt.py`` would (not in the whee
 forward step and the dataset provider. ``--mock-data``, ``--data-path`` / ``--*-data-path``,
 ``--split`` and the tokenizer flags mean what they mean in Megatron-LM.
 
+Context parallelism (``--context-parallel-size``): ``get_batch`` gives each CP rank its two
+load-balanced chunks of every sequence, as Megatron-LM's does. On the sdpa backend (which
+all-gathers K/V and makes causal masks from token positions) Megatron-LM's default
+``--cp-comm-type p2p`` runs as ``all_gather`` and a causal-only dataloader mask is not made, each
+said once; what it cannot run (a per-document mask, ``a2a``) is refused in one line before
+training (``context_parallel_flags``).
+
 On a machine without CUDA it runs on gloo with mcore_ext's CPU adaptations (tests, small runs).
 """
 
 import functools
+import os
 import sys
 
 import torch
@@ -38,23 +46,31 @@ from megatron.training.utils import (  # noqa: E402
     print_rank_0,
 )
 
+from mcore_ext.attention.context_parallel import get_batch_on_this_cp_rank  # noqa: E402
 from mcore_ext.megatron_lm.arguments import add_mcore_ext_args  # noqa: E402
 from mcore_ext.megatron_lm.model import gated_gpt_config_from_args  # noqa: E402
+from mcore_ext.specs import AttentionBackend, resolve_backend  # noqa: E402
+
+
+class FlagError(ValueError):
+    """A combination of flags this entry cannot run (the same on every rank: reported once)."""
 
 
 def get_batch(data_iterator) -> dict:
-    """The next micro-batch on this rank's device.
+    """This rank's part of the next micro-batch, on its device.
 
-    Every rank reads its own data loader (the dataset provider is ``is_distributed``): tensor- and
-    pipeline-parallel ranks of one data-parallel rank read the same samples, so nothing is
-    broadcast.
+    Every rank reads its own data loader (the dataset provider is ``is_distributed``): tensor-,
+    context- and pipeline-parallel ranks of one data-parallel rank read the same samples, so
+    nothing is broadcast. Each CP rank then keeps its two chunks of every sequence (megatron's
+    load-balanced split, ``get_batch_on_this_cp_rank``; the whole batch at CP 1).
     """
     batch = next(data_iterator)
     device = mcore_ext.device()
-    return {
+    batch = {
         key: value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
         for key, value in batch.items()
     }
+    return get_batch_on_this_cp_rank(batch)
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -118,6 +134,49 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
 train_valid_test_datasets_provider.is_distributed = True
 
 
+def context_parallel_flags(args) -> list[str]:
+    """Fit Megatron-LM's context-parallel flags to the sdpa backend; returns what it changed (to
+    say once), raises ``FlagError`` for what it cannot run. Other backends: nothing to do."""
+    if args.context_parallel_size == 1:
+        return []
+    if resolve_backend(getattr(args, "mcore_ext_backend", "auto")) is not AttentionBackend.SDPA:
+        return []
+    cp = f"--context-parallel-size {args.context_parallel_size}"
+    notes = []
+    if args.create_attention_mask_in_dataloader:
+        if args.reset_attention_mask:
+            raise FlagError(
+                f"--reset-attention-mask with {cp}: the sdpa backend's context parallelism makes "
+                "causal masks from token positions and cannot take the dataloader's per-document "
+                "attention mask; drop --reset-attention-mask, or use --mcore-ext-backend te"
+            )
+        # GPTDataset's mask without --reset-attention-mask is the causal triangle: no information.
+        args.create_attention_mask_in_dataloader = False
+        notes.append(
+            f"{cp}: the dataloader's attention mask is causal only and is not made (the sdpa "
+            "backend applies causality itself)"
+        )
+    if "p2p" in args.cp_comm_type:
+        notes.append(
+            "--cp-comm-type p2p runs as all_gather: the sdpa backend's context parallelism "
+            "all-gathers K/V (Transformer Engine's p2p ring: --mcore-ext-backend te)"
+        )
+        args.cp_comm_type = ["all_gather" if kind == "p2p" else kind for kind in args.cp_comm_type]
+    unsupported = [kind for kind in args.cp_comm_type if kind != "all_gather"]
+    if unsupported:
+        raise FlagError(
+            f"--cp-comm-type {' '.join(unsupported)} with {cp}: the sdpa backend's context "
+            "parallelism all-gathers K/V; use --cp-comm-type all_gather (or p2p, run as "
+            "all_gather), or --mcore-ext-backend te"
+        )
+    return notes
+
+
+def _on_rank_0() -> bool:
+    """Rank 0 of the job (torch.distributed is not initialised while the flags are checked)."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def main(argv=None) -> None:
     """Parse Megatron-LM's flags and mcore_ext's, build the config, run ``pretrain``."""
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
@@ -131,7 +190,16 @@ def main(argv=None) -> None:
             extra_args_provider=add_mcore_ext_args,
             args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
         )
-        model_config = gated_gpt_config_from_args(args)
+        try:
+            notes = context_parallel_flags(args)
+            model_config = gated_gpt_config_from_args(args)
+        except (ValueError, TypeError) as err:  # every rank finds it: one message is enough
+            if _on_rank_0():
+                print(f"error: {err}", file=sys.stderr, flush=True)
+            sys.exit(2)
+        if _on_rank_0():
+            for note in notes:
+                print(f"mcore_ext: {note}", flush=True)
         container = pretrain_cfg_container_from_args(args, model_config)
         pretrain(
             container,
