@@ -190,3 +190,75 @@ def test_mtp_layers_take_their_kind_from_padded_or_main_only_lists():
     # Step's rule: MTP layers without entries are sliding and unclamped.
     assert [main_only.layer_type(n) for n in (5, 6)] == ["sliding_attention"] * 2
     assert [main_only.swiglu_limit(n) for n in (5, 6)] == [None, None]
+
+
+# ------------------------------------------------------------------ checkpoints across padding
+
+
+def _mtp_heads_across_vocabulary_padding(root):
+    """Save a TP 2 Step-3.5 MTP model whose heads have 64 rows; load it into models of 128 and
+    48 rows (other make_vocab_size_divisible_by, or Megatron-LM's 128 x TP rule). Returns per case
+    the launcher's vocabulary message and whether every depth's head has the saved token rows."""
+    import contextlib
+    import io
+    import os
+
+    import mcore_ext
+    from mcore_ext import checkpoint
+    from mcore_ext.training import checkpointing
+
+    tokens = 40  # the tokenizer's vocabulary: the rows every padding keeps
+    mcore_ext.init_parallel(tensor_model_parallel_size=2)
+    saved = mcore_ext.build_gpt_model(_config(2), vocab_size=VOCAB, max_sequence_length=SEQ,
+                                      backend="sdpa")
+    directory = builders.shared_dir(os.path.join(root, "ckpt"))
+    checkpoint.save(saved.sharded_state_dict(), directory)
+    heads = [layer.output_layer.weight for layer in saved.mtp.layers]
+    full = [gather(w) for w in heads]
+    out = {}
+    for case, rows in (("more padding", 128), ("less padding", 48)):
+        torch.manual_seed(1)  # other weights than the saved model's
+        model = mcore_ext.build_gpt_model(_config(2), vocab_size=rows, max_sequence_length=SEQ,
+                                          backend="sdpa")
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            checkpointing._check_vocabulary(directory, model.sharded_state_dict(), tokens)
+        try:
+            model.load_state_dict(checkpoint.load(model.sharded_state_dict(), directory))
+        except Exception as err:  # noqa: BLE001 (the failure is the result)
+            out[case] = dict(message=printed.getvalue(), error=f"{type(err).__name__}: {err}")
+            continue
+        loaded = [gather(layer.output_layer.weight) for layer in model.mtp.layers]
+        out[case] = dict(
+            message=printed.getvalue(),
+            token_rows_equal=all(torch.equal(a[:tokens], b[:tokens]) for a, b in zip(loaded, full)),
+            rows=[w.size(0) for w in loaded],
+        )
+    return out
+
+
+def gather(weight):
+    """[v / TP, h] rows of every TP rank -> [v, h]."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    return gather_from_tensor_model_parallel_region(weight.detach().t().contiguous()).t()
+
+
+def test_mtp_heads_load_across_vocabulary_padding(run_distributed, tmp_path):
+    """Each depth's output_layer loads like GPTModel's (megatron's allow_shape_mismatch): the
+    token rows exactly, padding rows the checkpoint lacks at zero; the launcher names the change.
+    Before, a changed padding failed with a global shape mismatch on
+    mtp.layers.0.output_layer.weight."""
+    from mcore_ext import _mcore_compat
+
+    if _mcore_compat.megatron_core_version().startswith("0.16"):
+        pytest.skip("Step-3.5 MTP heads need megatron-core >= 0.17")
+    outs = run_distributed(_mtp_heads_across_vocabulary_padding, str(tmp_path), world_size=2)
+    for rank, out in enumerate(outs):
+        for case, rows in (("more padding", 128), ("less padding", 48)):
+            result = out[case]
+            assert "error" not in result, result
+            assert result["token_rows_equal"] and result["rows"] == [rows] * MTP_DEPTHS, result
+            for depth in range(MTP_DEPTHS):  # rank 0 says it
+                change = f"mtp.layers.{depth}.output_layer.weight {VOCAB} -> {rows}"
+                assert (change in result["message"]) == (rank == 0), (rank, result)
