@@ -262,3 +262,73 @@ def test_mtp_heads_load_across_vocabulary_padding(run_distributed, tmp_path):
             for depth in range(MTP_DEPTHS):  # rank 0 says it
                 change = f"mtp.layers.{depth}.output_layer.weight {VOCAB} -> {rows}"
                 assert (change in result["message"]) == (rank == 0), (rank, result)
+
+
+# ------------------------------------------------------------------------ speculative decoding
+
+
+class _SpeculativeDecodingContext:
+    """What megatron's GPTModel reads to tell speculative decoding (dynamic batching drafting
+    tokens): a stand-in for a DynamicInferenceContext, which needs a GPU to build."""
+
+    num_speculative_tokens = 2
+
+    @staticmethod
+    def is_dynamic_batching():
+        return True
+
+
+def _speculative_decoding_refusals():
+    import mcore_ext
+    from mcore_ext import _mcore_compat
+
+    mcore_ext.init_parallel()
+    out = {}
+    for step35 in (True, False):
+        try:
+            model = mcore_ext.build_gpt_model(_config(1, step35), vocab_size=VOCAB,
+                                              max_sequence_length=SEQ, backend="sdpa")
+        except NotImplementedError:  # Step's MTP on megatron-core 0.16
+            continue
+        hidden = torch.randn(SEQ, BATCH, HIDDEN)
+        tokens = torch.randint(0, VOCAB, (BATCH, SEQ))
+        calls = {
+            "postprocess": lambda: model._postprocess(
+                hidden, tokens, None, None, None, None, None, mtp_in_postprocess=True,
+                inference_context=_SpeculativeDecodingContext()),
+        }
+        if hasattr(type(model).__mro__[1], "compute_mtp_single_step"):  # megatron-core 0.19+
+            calls["single_step"] = lambda: model.compute_mtp_single_step(
+                torch.randn(BATCH, 1, HIDDEN), tokens[:1, :BATCH], torch.zeros(1, BATCH).long(),
+                depth=0)
+        for name, call in calls.items():
+            try:
+                call()
+                out[(step35, name)] = None
+            except NotImplementedError as err:
+                out[(step35, name)] = str(err)
+            except Exception as err:  # noqa: BLE001 (megatron's own path, not refused here)
+                out[(step35, name)] = f"other: {type(err).__name__}"
+    out["version"] = _mcore_compat.megatron_core_version()
+    return out
+
+
+def test_speculative_decoding_is_refused_for_step35_heads(run_distributed):
+    """megatron's speculative decoding caches the post-norm decoder output and drafts every depth
+    with the main output layer: wrong inputs and heads for Step's MTP, a silent loss of acceptance.
+    Refused by name for mtp_step35_heads=True; megatron's own MTP is left to megatron."""
+    out = run_distributed(_speculative_decoding_refusals, world_size=1)[0]
+    version = out.pop("version")
+    step35 = {name: message for (is_step35, name), message in out.items() if is_step35}
+    if version.startswith("0.16"):
+        assert not step35, out
+        return
+    assert sorted(step35) == (["postprocess", "single_step"] if version >= "0.19"
+                              else ["postprocess"]), out
+    for message in step35.values():
+        assert message is not None and message.startswith(
+            "megatron's speculative decoding with MTP (num_speculative_tokens > 0"), out
+        assert "mtp_step35_heads=True" in message, out
+    for (is_step35, name), message in out.items():
+        if not is_step35:  # megatron's MTP: not refused by mcore_ext
+            assert message is None or not message.startswith("megatron's speculative"), out
