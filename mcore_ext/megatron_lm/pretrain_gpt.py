@@ -139,9 +139,13 @@ def context_parallel_flags(args) -> list[str]:
     say once), raises ``FlagError`` for what it cannot run. Other backends: nothing to do."""
     if args.context_parallel_size == 1:
         return []
-    if resolve_backend(getattr(args, "mcore_ext_backend", "auto")) is not AttentionBackend.SDPA:
-        return []
     cp = f"--context-parallel-size {args.context_parallel_size}"
+    backend = resolve_backend(getattr(args, "mcore_ext_backend", "auto"))
+    if backend is AttentionBackend.LOCAL:
+        raise FlagError(f"--mcore-ext-backend local with {cp}: megatron's local "
+                        "DotProductAttention has no context parallelism; use sdpa or te")
+    if backend is not AttentionBackend.SDPA:
+        return []
     notes = []
     if args.create_attention_mask_in_dataloader:
         if args.reset_attention_mask:
@@ -193,7 +197,7 @@ def main(argv=None) -> None:
         try:
             notes = context_parallel_flags(args)
             model_config = gated_gpt_config_from_args(args)
-        except (ValueError, TypeError) as err:  # every rank finds it: one message is enough
+        except ValueError as err:  # a config error: every rank finds it, one message is enough
             if _on_rank_0():
                 print(f"error: {err}", file=sys.stderr, flush=True)
             sys.exit(2)

@@ -85,8 +85,9 @@ def test_unsupported_cp_comm_type_is_one_line_before_training():
     assert "lm loss" not in result.stdout
 
 
-def test_per_document_mask_under_cp_is_refused_by_name():
-    """--reset-attention-mask makes a per-document mask the sdpa CP path cannot take."""
+def test_per_document_mask_and_local_backend_under_cp_are_refused_by_name():
+    """--reset-attention-mask makes a per-document mask the sdpa CP path cannot take; the local
+    backend has no CP."""
     import argparse
 
     from mcore_ext.megatron_lm.pretrain_gpt import FlagError, context_parallel_flags
@@ -100,3 +101,6 @@ def test_per_document_mask_under_cp_is_refused_by_name():
     args.reset_attention_mask = False
     assert len(context_parallel_flags(args)) == 2
     assert args.cp_comm_type == ["all_gather"] and not args.create_attention_mask_in_dataloader
+    args.mcore_ext_backend = "local"
+    with pytest.raises(FlagError, match="local DotProductAttention has no context parallelism"):
+        context_parallel_flags(args)
