@@ -28,7 +28,9 @@ device-to-host copies and waits on it, hands its split sizes to ``all_to_all_sin
 arrays only when they were CUDA tensors, and 0.16 / 0.17's aux-loss tracker allocates on a literal
 "cuda" -> the stream is a null stream, CPU split sizes become numpy arrays as on a GPU, and
 ``MoELayer.forward`` runs inside ``cuda_to_cpu()``. At TP > 1 it all-gathers and reduce-scatters
-tensors of unequal sizes, which gloo refuses -> padded / all-reduced equivalents.
+tensors of unequal sizes, which gloo refuses -> padded / all-reduced equivalents. Its metric
+reduction (``MoEMetricsTracker.report``) averages over data-parallel ranks with
+``ReduceOp.AVG``, which gloo lacks -> a sum divided by the group size, on gloo only.
 
 This is the only module that patches megatron-core or torch. ``install()`` and ``cuda_to_cpu()``
 are no-ops when CUDA is available, so GPU runs execute megatron-core unmodified.
@@ -71,6 +73,7 @@ def install() -> bool:
     _install_rope_cp()
     _install_moe()
     _install_uneven_collectives()
+    _install_gloo_average()
     _installed = True
     return True
 
@@ -182,6 +185,29 @@ def _install_uneven_collectives():
     _gather_along_first_dim._mcore_ext_cpu = True
     mappings._gather_along_first_dim = _gather_along_first_dim
     mappings._reduce_scatter_along_first_dim = _reduce_scatter_along_first_dim
+
+
+def _install_gloo_average():
+    """``all_reduce(op=ReduceOp.AVG)`` on gloo (which has no AVG): a sum, then a division by the
+    group size. Other backends and ops go to torch unchanged."""
+    import functools
+
+    import torch.distributed as dist
+
+    all_reduce = dist.all_reduce
+    if getattr(all_reduce, "_mcore_ext_cpu", False):
+        return
+
+    @functools.wraps(all_reduce)
+    def all_reduce_with_gloo_average(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if op != dist.ReduceOp.AVG or async_op or dist.get_backend(group) != "gloo":
+            return all_reduce(tensor, op=op, group=group, async_op=async_op)
+        all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+        tensor.div_(dist.get_world_size(group))
+        return None
+
+    all_reduce_with_gloo_average._mcore_ext_cpu = True
+    dist.all_reduce = all_reduce_with_gloo_average
 
 
 def _cpu_tracker_class(cuda_tracker_class):

@@ -21,7 +21,8 @@ there were one megatron-core; each shim below says which releases need it and wh
    0.19.2's help of ``--moe-paged-stash-buffer-size-factor-cuda`` has an unescaped ``%``, which
    makes ``--help`` raise (``escape_help_percent_signs``).
 8. The MoE aux-loss tracker moved from a dict in ``moe_utils`` (0.16, 0.17) to a
-   ``MoEMetricsTracker`` in ``moe_logging`` (0.18+) (``take_moe_aux_losses``).
+   ``MoEMetricsTracker`` in ``moe_logging`` (0.18+), whose ``report`` replaces the deprecated
+   ``moe_utils.track_moe_metrics`` (``reduce_moe_metrics``, ``take_moe_aux_losses``).
 9. 0.16's fp32 router GEMM reads ``moe_utils.te_general_gemm``, which it defines only when
    Transformer Engine is installed (NameError without it; 0.17+ set it to None)
    (``_define_missing_te_general_gemm``).
@@ -361,10 +362,34 @@ def escape_help_percent_signs(parser) -> None:
 # ------------------------------------------------------------------- 8. MoE aux-loss tracker
 
 
+def reduce_moe_metrics(names: list, moe_layer_pattern: list, loss_scale: float) -> dict:
+    """megatron's reduction of the MoE metrics its routers recorded since the last call, which it
+    then clears: {name: mean over the MoE layers}, on every rank.
+
+    Every rank calls it with the same ``names`` (collectives over the pipeline, the metric's own
+    group and data-parallel ranks); a stage that recorded nothing gets megatron's zeros
+    (``force_initialize``). ``moe_layer_pattern``: 1 / 0 per global layer, MTP layers included,
+    whose length sizes those zeros like the routers' records (``num_layers + mtp_num_layers``)
+    and whose sum is the number of MoE layers averaged over (megatron would add every MTP layer
+    to it; Step-3.5's MTP layers are dense). ``loss_scale``: 1 / micro-batches.
+    """
+    try:
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+        report = get_moe_metrics_tracker().report
+    except ImportError:  # 0.16, 0.17
+        from megatron.core.transformer.moe.moe_utils import track_moe_metrics as report
+    means = {}
+    report(loss_scale=loss_scale, iteration=0, total_loss_dict=means, force_initialize=True,
+           track_names=list(names), num_layers=len(moe_layer_pattern),
+           moe_layer_freq=list(moe_layer_pattern), mtp_num_layers=None)
+    return {name: float(means[name]) for name in names}
+
+
 def take_moe_aux_losses() -> dict:
     """The MoE routers' recorded losses since the last call, and clear them: {name: (per-layer
-    values [num_layers], reduce_group)}; values summed over this rank's micro-batches, not yet
-    reduced over ranks (megatron's own reduction averages with ReduceOp.AVG, which gloo lacks)."""
+    values [num_layers], reduce_group)}; values summed over this rank's micro-batches, not
+    reduced over ranks (the per-layer values, for tests; ``reduce_moe_metrics`` reduces)."""
     try:
         from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
     except ImportError:  # 0.16, 0.17

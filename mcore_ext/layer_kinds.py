@@ -63,9 +63,11 @@ class KindTransformerLayer(TransformerLayer):
             getattr(self.self_attention, "core_attention", None), DotProductAttention
         ):
             _check_local_window_mask(kwargs.get("attention_mask"), self.config.window_size)
-        emb = kwargs.get("rotary_pos_emb")
-        if self.kind_rotary_pos_emb is not None and emb is not None:
-            kwargs["rotary_pos_emb"] = self._kind_rotary_pos_emb(emb, kwargs)
+        if self.kind_rotary_pos_emb is not None:
+            _refuse_model_cos_sin(kwargs, self.layer_number, self.config)
+            emb = kwargs.get("rotary_pos_emb")
+            if emb is not None:
+                kwargs["rotary_pos_emb"] = self._kind_rotary_pos_emb(emb, kwargs)
         return super().forward(*args, **kwargs)
 
     def _kind_rotary_pos_emb(self, model_emb, kwargs):
@@ -79,6 +81,25 @@ class KindTransformerLayer(TransformerLayer):
         if cp > 1 and not packed:  # the model's embedding is this CP rank's slice of seq_len
             seq_len *= cp
         return self.kind_rotary_pos_emb(seq_len, packed_seq=packed)
+
+
+# Precomputed RoPE tables GPTModel hands every layer instead of rotary_pos_emb on its fused-RoPE
+# inference paths (flash_decode; flashinfer's fused RoPE of dynamic batching): the model's kind's.
+_MODEL_COS_SIN_KWARGS = ("rotary_pos_cos", "rotary_pos_sin", "rotary_pos_cos_sin")
+
+
+def _refuse_model_cos_sin(kwargs, layer_number, config) -> None:
+    """A layer with its own RoPE given the model's cos / sin tables would rotate with the other
+    kind's base and fraction, silently: refuse, naming what was passed."""
+    given = [name for name in _MODEL_COS_SIN_KWARGS if kwargs.get(name) is not None]
+    if given:
+        raise NotImplementedError(
+            f"layer {layer_number} has its own RoPE (rotary_base={config.rotary_base}, "
+            f"rotary_percent={config.rotary_percent}) but was given the model's precomputed "
+            f"{' / '.join(given)} (megatron's fused-RoPE inference: flash_decode or flashinfer's "
+            "fused RoPE), which hold the other kind's: run inference without flash_decode and "
+            "use_flashinfer_fused_rope"
+        )
 
 
 # One RotaryEmbedding per kind, shared by its layers: megatron caches RotaryEmbedding.forward in

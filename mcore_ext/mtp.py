@@ -58,6 +58,15 @@ class Step35MultiTokenPredictionLayer(MultiTokenPredictionLayer):
             **_mcore_compat.tp_group_kwargs(getattr(self, "tp_group", None)),
         )
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: Optional[dict] = None):
+        """megatron's, with the head loaded like GPTModel's output layer: ``allow_shape_mismatch``,
+        so a checkpoint of another vocabulary padding (another make_vocab_size_divisible_by,
+        Megatron-LM's 128 x TP rule) loads its rows and leaves the others at zero."""
+        state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        state[f"{prefix}output_layer.weight"].allow_shape_mismatch = True
+        return state
+
     def _postprocess(self, hidden_states):
         # megatron normalises here; Step chains the pre-norm state and normalises in the head.
         return make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)

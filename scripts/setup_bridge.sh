@@ -7,9 +7,11 @@
 #
 # .venv-bridge holds only megatron-bridge (installed --no-deps: its declared dependencies pin
 # transformers <= 5.12.1 and pull CUDA-only packages such as flashinfer, fast-hadamard-transform,
-# nvidia-resiliency-ext) and the pure-Python packages `import megatron.bridge` needs beyond .venv
-# (omegaconf and its antlr4 runtime, einops). Everything else (torch, megatron-core 0.19.2,
-# transformers 5.23, safetensors, pytest) comes from .venv through a .pth file appended after the
+# nvidia-resiliency-ext), the pure-Python packages `import megatron.bridge` needs beyond .venv
+# (omegaconf and its antlr4 runtime, einops), and transformers 5.23.0: .venv may hold 5.24, which
+# removed transformers.modeling_attn_mask_utils, imported by Bridge 0.6.2's model registry (its
+# own pin, 5.12.1, cannot read Step-3.5's config). Everything else (torch, megatron-core 0.19.2,
+# tokenizers, safetensors, pytest) comes from .venv through a .pth file appended after the
 # venv's own site-packages. Bridge imports Transformer Engine from one module,
 # megatron.bridge.peft.lora_layers; the tests stub that module when TE is absent
 # (tests/bridge/bridge_env.py). Rebuilt when .venv or this script's pins change.
@@ -29,7 +31,8 @@ fi
 cd "$ROOT"
 
 BRIDGE_VENV="${MCORE_EXT_BRIDGE_VENV:-$ROOT/.venv-bridge}"
-PINS=(megatron-bridge==0.6.2 omegaconf==2.4.0 antlr4-python3-runtime==4.9.3 einops==0.8.2)
+PINS=(megatron-bridge==0.6.2 omegaconf==2.4.0 antlr4-python3-runtime==4.9.3 einops==0.8.2
+      transformers==5.23.0)
 
 main_site="$("$PY" -c 'import os, torch
 print(os.path.realpath(os.path.dirname(os.path.dirname(torch.__file__))))')"

@@ -121,6 +121,9 @@ def _worker_main(rank, world_size, port, tasks, results, log_dir):
         RANK=str(rank),
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size),
+        # torch's flight recorder keeps the last ~2000 collectives (about 1 KB each, until full)
+        # for hang dumps the pool's timeout makes unneeded; it would read as growing memory.
+        TORCH_FR_BUFFER_SIZE="0",
     )
     import torch
     import torch.distributed as dist

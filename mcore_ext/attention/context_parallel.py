@@ -376,7 +376,9 @@ def _packed_layout(layout, cp_size, cp_rank, device):
 
 
 def get_batch_on_this_cp_rank(batch: dict, cp_group=None) -> dict:
-    """This CP rank's tokens of a batch of [b, s] tensors (megatron's load-balanced split).
+    """This CP rank's tokens of a batch of [b, s] tensors and an optional [b, 1, s, s]
+    ``attention_mask`` (split along its query rows, as megatron does): megatron's load-balanced
+    split; the batch itself at CP 1.
 
     Checks the sequence length first (megatron's own split fails with a reshape error).
     """
@@ -384,10 +386,14 @@ def get_batch_on_this_cp_rank(batch: dict, cp_group=None) -> dict:
 
     group = cp_group or parallel_state.get_context_parallel_group()
     cp_size = group.size()
+    if cp_size == 1:
+        return batch
     for key, value in batch.items():
-        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.size(1) % (2 * cp_size):
+        seq_dim = 2 if key == "attention_mask" else 1  # megatron's sequence dim per key
+        if (isinstance(value, torch.Tensor) and value.dim() > seq_dim
+                and value.size(seq_dim) % (2 * cp_size)):
             raise ValueError(
-                f"batch[{key!r}] has sequence length {value.size(1)}, not divisible by 2 x "
+                f"batch[{key!r}] has sequence length {value.size(seq_dim)}, not divisible by 2 x "
                 f"context_parallel_size = {2 * cp_size}"
             )
     return _mcore_compat.get_batch_on_this_cp_rank(batch, group)

@@ -5,11 +5,15 @@ the last registration for a key, so it replaces Bridge's own Step-3.5 bridge, wh
 megatron-core <= 0.19 widens each scalar gate to head_dim rows and keeps only row 0 on export).
 
 Config and weights go through ``mcore_ext.hf``: ``Step35Config`` reads config.json (refusing what
-the dense model cannot hold, MoE layers included, naming the key) and gives the provider's
-fields; every megatron parameter's mapping is the ``mcore_ext.hf.layout`` table entry's (per-rank
-``[QKV_r ; Gate_r]`` with one scalar gate row per head, ``[gate_r ; up_r]``, zero-centred norms
-as stored), wrapped in Bridge's ``MegatronParamMapping`` for its TP scatter / gather.
+it cannot hold, naming the key) and gives the provider's fields; every megatron parameter's
+mapping is the ``mcore_ext.hf.layout`` table entry's (per-rank ``[QKV_r ; Gate_r]`` with one
+scalar gate row per head, ``[gate_r ; up_r]``, zero-centred norms as stored; the MTP depths'
+layer and ``MTP_TABLE``), wrapped in Bridge's ``MegatronParamMapping`` for its TP scatter /
+gather. MoE layers are refused when the config is read (``provider_bridge``), naming the key:
+their stacked HF experts are not mapped here (``python -m mcore_ext.hf import`` converts them).
 """
+
+from types import SimpleNamespace
 
 import torch
 from megatron.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
@@ -17,9 +21,11 @@ from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
 from megatron.bridge.models.conversion.param_mapping import MegatronParamMapping
 from megatron.core.models.gpt import GPTModel
 
+from mcore_ext import _mcore_compat
 from mcore_ext.bridge.provider import GatedGPTModelProvider
 from mcore_ext.hf import layout
 from mcore_ext.hf.config import ARCHITECTURE, MODEL_TYPE, HFConfigError, Step35Config
+from mcore_ext.hf.convert import resolve_mtp
 
 
 class LayoutMapping(MegatronParamMapping[dict]):
@@ -94,13 +100,18 @@ def _hf_dict(names) -> dict:
     source=ARCHITECTURE, target=GPTModel, provider=GatedGPTModelProvider, model_type=MODEL_TYPE
 )
 class GatedStep35Bridge(MegatronModelBridge):
-    """HF Step-3.5 (dense layers; MoE layers refused) <-> mcore_ext's gated GPTModel."""
+    """HF Step-3.5 (dense and MTP layers; MoE layers refused) <-> mcore_ext's gated GPTModel."""
 
     def provider_bridge(self, hf_pretrained) -> GatedGPTModelProvider:
         """The provider of the HF config (``Step35Config`` -> ``GatedTransformerConfig`` fields,
         as ``mcore_ext.hf.load_pretrained`` builds it)."""
         hf_config = hf_pretrained.config
         spec = step35_spec(hf_config)
+        refuse_moe(spec)
+        try:  # MTP layers the config declares and the weights do not hold: the decoder alone
+            spec = resolve_mtp(SimpleNamespace(names=hf_pretrained.state.keys()), spec)
+        except AttributeError:  # a config-only provider (no weights to look at)
+            pass
         dtype = self.dtype_from_hf(hf_config, default=torch.float32)
         fields = spec.transformer_config_fields()
         provider = GatedGPTModelProvider(
@@ -128,7 +139,8 @@ class GatedStep35Bridge(MegatronModelBridge):
         return provider
 
     def mapping_registry(self) -> MegatronMappingRegistry:
-        """Every parameter of the dense model, from ``mcore_ext.hf.layout``'s table."""
+        """Every parameter of the dense model and its MTP depths, from ``mcore_ext.hf.layout``'s
+        tables."""
         spec = self._spec()
         mappings = []
         for entry in layout.LAYER_TABLE:
@@ -140,6 +152,8 @@ class GatedStep35Bridge(MegatronModelBridge):
 
             for name in (entry.megatron, *entry.aliases):
                 mappings.append(LayoutMapping(f"decoder.layers.*.{name}", hf, make, replicated))
+        for depth in range(spec.num_mtp_layers):
+            mappings.extend(self._mtp_mappings(spec, depth))
 
         def vocab(captures, padded):
             spec = self._spec()
@@ -163,17 +177,54 @@ class GatedStep35Bridge(MegatronModelBridge):
         if missing:
             raise HFConfigError(
                 f"{len(missing)} parameter(s) have no Step-3.5 mapping or no HF tensor, e.g. "
-                f"{missing[:4]} (MoE and MTP layers are not mapped yet; see README)"
+                f"{missing[:4]}"
             )
         return tasks
+
+    def _mtp_mappings(self, spec: Step35Config, depth: int) -> list:
+        """MTP depth ``depth``: its layer (``LAYER_TABLE`` under megatron's inner-layer name)
+        and ``MTP_TABLE``, from HF layer ``num_layers + depth`` (names without wildcards: the
+        HF layer index is not the depth)."""
+        layer = spec.num_layers + depth
+        local, hf_prefix = f"mtp.layers.{depth}.", layout.hf_layer_prefix(layer)
+        inner = f"{local}{_mcore_compat.MTP_INNER_LAYER_FIELD}."
+        mappings = []
+        for entry in layout.LAYER_TABLE:
+            mapping = layout.layer_mapping(entry, spec, layer)
+            hf = _hf_dict(hf_prefix + n for n in entry.hf)
+            for name in (entry.megatron, *entry.aliases):
+                mappings.append(LayoutMapping(
+                    inner + name, hf, lambda captures, padded, mapping=mapping: mapping,
+                    isinstance(mapping, layout.Replicated)))
+        for entry in layout.MTP_TABLE:
+            def make(captures, padded, entry=entry):
+                spec = self._spec()
+                return layout.mtp_mapping(entry, spec, padded or spec.vocab_size)
+
+            mappings.append(LayoutMapping(
+                local + entry.megatron, _hf_dict(hf_prefix + n for n in entry.hf), make,
+                isinstance(make((), None), layout.Replicated)))
+        return mappings
 
     def _spec(self) -> Step35Config:
         return step35_spec(self.hf_config)
 
 
 def step35_spec(hf_config) -> Step35Config:
-    """``Step35Config`` of a transformers config object (or a config.json dict): the dense
-    decoder, as ``mcore_ext.hf`` reads it (``HFConfigError`` for MoE layers and whatever else it
-    cannot hold; MTP layers' entries are read as padding and their weights not loaded)."""
+    """``Step35Config`` of a transformers config object (or a config.json dict), as
+    ``mcore_ext.hf`` reads it (``HFConfigError`` for whatever it cannot hold)."""
     raw = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
     return Step35Config.from_hf_dict(raw)
+
+
+def refuse_moe(spec: Step35Config) -> None:
+    """``HFConfigError`` naming the config keys that make layers MoE: this bridge maps dense and
+    MTP layers only."""
+    sparse = [layer for layer in range(spec.num_layers) if spec.is_sparse(layer)]
+    if sparse:
+        raise HFConfigError(
+            f"config.json makes layers {sparse} MoE (mlp_layer_types / moe_layers_enum, "
+            f"moe_num_experts={spec.num_experts}): mcore_ext's Megatron-Bridge bridge maps dense "
+            "and MTP layers only; convert the checkpoint with `python -m mcore_ext.hf import` "
+            "and load it with --load / checkpoint.load"
+        )

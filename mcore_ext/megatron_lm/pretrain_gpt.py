@@ -10,6 +10,13 @@ it what Megatron-LM's repository-root ``pretrain_gpt.py`` would (not in the whee
 forward step and the dataset provider. ``--mock-data``, ``--data-path`` / ``--*-data-path``,
 ``--split`` and the tokenizer flags mean what they mean in Megatron-LM.
 
+Context parallelism (``--context-parallel-size``): ``get_batch`` gives each CP rank its two
+load-balanced chunks of every sequence, as Megatron-LM's does. On the sdpa backend (which
+all-gathers K/V and makes causal masks from token positions) Megatron-LM's default
+``--cp-comm-type p2p`` runs as ``all_gather`` and a causal-only dataloader mask is not made, each
+said once; what it cannot run (a per-document mask, ``a2a``) is refused in one line before
+training (``context_parallel_flags``).
+
 On a machine without CUDA it runs on gloo with mcore_ext's CPU adaptations (tests, small runs).
 """
 
@@ -21,7 +28,7 @@ import torch
 
 import mcore_ext  # noqa: F401  (refuses a megatron-core with a native gate first)
 from mcore_ext import _cpu_compat, _mcore_compat
-from mcore_ext.cli import quiet_known_noise, report_error
+from mcore_ext.cli import is_first_rank, quiet_known_noise, report_error
 
 if __name__ == "__main__":  # the entry point, not a library import: before megatron.training's
     quiet_known_noise()
@@ -43,23 +50,31 @@ from megatron.training.utils import (  # noqa: E402
     print_rank_0,
 )
 
+from mcore_ext.attention.context_parallel import get_batch_on_this_cp_rank  # noqa: E402
 from mcore_ext.megatron_lm.arguments import add_mcore_ext_args  # noqa: E402
 from mcore_ext.megatron_lm.model import gated_gpt_config_from_args  # noqa: E402
+from mcore_ext.specs import AttentionBackend, resolve_backend  # noqa: E402
+
+
+class FlagError(ValueError):
+    """A combination of flags this entry cannot run (the same on every rank: reported once)."""
 
 
 def get_batch(data_iterator) -> dict:
-    """The next micro-batch on this rank's device.
+    """This rank's part of the next micro-batch, on its device.
 
-    Every rank reads its own data loader (the dataset provider is ``is_distributed``): tensor- and
-    pipeline-parallel ranks of one data-parallel rank read the same samples, so nothing is
-    broadcast.
+    Every rank reads its own data loader (the dataset provider is ``is_distributed``): tensor-,
+    context- and pipeline-parallel ranks of one data-parallel rank read the same samples, so
+    nothing is broadcast. Each CP rank then keeps its two chunks of every sequence (megatron's
+    load-balanced split, ``get_batch_on_this_cp_rank``; the whole batch at CP 1).
     """
     batch = next(data_iterator)
     device = mcore_ext.device()
-    return {
+    batch = {
         key: value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
         for key, value in batch.items()
     }
+    return get_batch_on_this_cp_rank(batch)
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -123,6 +138,48 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
 train_valid_test_datasets_provider.is_distributed = True
 
 
+def context_parallel_flags(args) -> list[str]:
+    """Fit Megatron-LM's context-parallel flags to the sdpa backend; returns what it changed (to
+    say once), raises ``FlagError`` for what it cannot run. Other backends: nothing to do."""
+    if args.context_parallel_size == 1:
+        return []
+    cp = f"--context-parallel-size {args.context_parallel_size}"
+    backend = resolve_backend(getattr(args, "mcore_ext_backend", "auto"))
+    if backend is AttentionBackend.LOCAL:
+        raise FlagError(f"--mcore-ext-backend local with {cp}: megatron's local "
+                        "DotProductAttention has no context parallelism; use sdpa or te")
+    if backend is not AttentionBackend.SDPA:
+        return []
+    notes = []
+    if args.create_attention_mask_in_dataloader:
+        if args.reset_attention_mask:
+            raise FlagError(
+                f"--reset-attention-mask with {cp}: the sdpa backend's context parallelism makes "
+                "causal masks from token positions and cannot take the dataloader's per-document "
+                "attention mask; drop --reset-attention-mask, or use --mcore-ext-backend te"
+            )
+        # GPTDataset's mask without --reset-attention-mask is the causal triangle: no information.
+        args.create_attention_mask_in_dataloader = False
+        notes.append(
+            f"{cp}: the dataloader's attention mask is causal only and is not made (the sdpa "
+            "backend applies causality itself)"
+        )
+    if "p2p" in args.cp_comm_type:
+        notes.append(
+            "--cp-comm-type p2p runs as all_gather: the sdpa backend's context parallelism "
+            "all-gathers K/V (Transformer Engine's p2p ring: --mcore-ext-backend te)"
+        )
+        args.cp_comm_type = ["all_gather" if kind == "p2p" else kind for kind in args.cp_comm_type]
+    unsupported = [kind for kind in args.cp_comm_type if kind != "all_gather"]
+    if unsupported:
+        raise FlagError(
+            f"--cp-comm-type {' '.join(unsupported)} with {cp}: the sdpa backend's context "
+            "parallelism all-gathers K/V; use --cp-comm-type all_gather (or p2p, run as "
+            "all_gather), or --mcore-ext-backend te"
+        )
+    return notes
+
+
 def main(argv=None) -> int:
     """Parse Megatron-LM's flags and mcore_ext's, build the config, run ``pretrain``. A mistake
     in the flags is one ``error:`` line (the first rank) and exit code 2, before any collective."""
@@ -138,10 +195,14 @@ def main(argv=None) -> int:
                 extra_args_provider=add_mcore_ext_args,
                 args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
             )
+            notes = context_parallel_flags(args)
             model_config = gated_gpt_config_from_args(args)
             container = pretrain_cfg_container_from_args(args, model_config)
         except (AssertionError, ValueError) as err:  # megatron's checks of the flags, and ours
             return report_error(_message(err))
+        if is_first_rank():
+            for note in notes:
+                print(f"mcore_ext: {note}", flush=True)
         pretrain(
             container,
             train_valid_test_datasets_provider,

@@ -38,6 +38,8 @@ class MTPGPTModel(GPTModel):
 
     def _postprocess(self, hidden_states, input_ids, position_ids, labels, rotary_pos_emb,
                      rotary_pos_cos, rotary_pos_sin, mtp_in_postprocess=None, **kwargs):
+        if self._step35 and _speculative_decoding(kwargs.get("inference_context")):
+            self._refuse_speculative_decoding()
         pre_norm, self._pre_norm_hidden = self._pre_norm_hidden, None
         sink = self._mtp_logits_sink
         runs_mtp_here = self._step35 or sink is not None
@@ -102,6 +104,23 @@ class MTPGPTModel(GPTModel):
             depth_heads.check_done(labels is not None)
         return self._main_output(hidden_states, labels, runtime_gather_output)
 
+    def compute_mtp_single_step(self, *args, **kwargs):
+        """megatron's speculative-decoding MTP step (>= 0.19), for megatron's MTP only."""
+        if self._step35:
+            self._refuse_speculative_decoding()
+        return super().compute_mtp_single_step(*args, **kwargs)
+
+    def _refuse_speculative_decoding(self):
+        # megatron caches the decoder's post-norm output and runs every depth through the main
+        # output layer: Step's depths take the pre-norm output and have their own heads, so the
+        # drafts would be worse, silently (lower acceptance).
+        raise NotImplementedError(
+            "megatron's speculative decoding with MTP (num_speculative_tokens > 0, "
+            "compute_mtp_single_step) feeds the depths the decoder's post-norm output and the "
+            "main output layer; mtp_step35_heads=True models need the pre-norm output and each "
+            "depth's own head: decode without speculative tokens"
+        )
+
     def _main_output(self, hidden_states, labels, runtime_gather_output):
         """GPTModel's training / eval tail: [b, s, v / TP] logits, or [b, s] losses with labels."""
         logits, _ = self.output_layer(
@@ -140,6 +159,13 @@ class MTPGPTModel(GPTModel):
         except ImportError:  # releases before InferenceMode: an inference context outside training
             return kwargs.get("inference_context") is not None and not self.training
         return InferenceMode.is_active()
+
+
+def _speculative_decoding(inference_context) -> bool:
+    """Whether megatron's dynamic-batching inference drafts speculative tokens (its test)."""
+    return (inference_context is not None
+            and getattr(inference_context, "num_speculative_tokens", 0) > 0
+            and inference_context.is_dynamic_batching())
 
 
 class _DepthHeads:

@@ -321,26 +321,17 @@ class _Trainer:
 
     def _moe_balancing_losses(self) -> dict:
         """This step's MoE load-balancing losses (unscaled by their coefficient), each the mean
-        over MoE layers and micro-batches, averaged over data-parallel ranks: {name: value}."""
+        over MoE layers and micro-batches, averaged over data-parallel ranks: {name: value}
+        (megatron's reduction, on every rank)."""
         config = self.model.config
         types = config.moe_router_load_balancing_type if config.num_moe_experts else []
         types = types if isinstance(types, list) else [types]
         names = [_BALANCING_LOSS_NAMES[t] for t in types if t in _BALANCING_LOSS_NAMES]
         if not names:
             return {}
-        recorded = _mcore_compat.take_moe_aux_losses()
-        moe_layers = sum(is_moe_layer(config, n) for n in range(1, config.num_layers + 1))
-        out = {}
-        for name in names:  # every rank reduces every name, whether its stage recorded it or not
-            values, reduce_group = recorded.get(name, (torch.zeros(config.num_layers), None))
-            values = values.to(device(), torch.float32)
-            if reduce_group is not None:  # partial losses of a token shard (TP / CP)
-                dist.all_reduce(values, group=reduce_group)
-            dist.all_reduce(values, group=parallel_state.get_pipeline_model_parallel_group())
-            dist.all_reduce(values, group=parallel_state.get_data_parallel_group())
-            out[name] = values.sum().item() / (
-                moe_layers * self.cfg.num_microbatches * self.cfg.data_parallel_size)
-        return out
+        layers = config.num_layers + (config.mtp_num_layers or 0)
+        pattern = [int(is_moe_layer(config, n)) for n in range(1, layers + 1)]
+        return _mcore_compat.reduce_moe_metrics(names, pattern, 1 / self.cfg.num_microbatches)
 
     def _evaluate(self):
         """Mean loss over the first eval_iters global batches of the validation split."""

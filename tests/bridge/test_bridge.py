@@ -2,7 +2,8 @@
 bridge (mcore_ext.bridge), on CPU with real gloo ranks.
 
 Needs the test-only environment of ``scripts/setup_bridge.sh`` (.venv-bridge: Bridge installed
-without its dependencies next to the project's venv) and is not in the default run:
+without its dependencies next to the project's venv); scripts/test.sh (CI) runs it after the
+main suite:
 
     PYTHONPATH=$PWD .venv-bridge/bin/python -m pytest tests/bridge -m bridge
 
@@ -23,9 +24,17 @@ Bridge or megatron is patched.
   ``save_hf_pretrained``, which import NVIDIA ModelOpt (``modelopt.torch.quantization``) at call
   time, not installed here; ``save_hf_pretrained`` also copies the source's tokenizer, which the
   tiny checkpoint does not have.
+- docs/bridge.md's snippet, run as written, loads a checkpoint with an MTP layer (mapped through
+  mcore_ext.hf.layout's MTP table) and exports it bit for bit; a MoE checkpoint is refused when
+  its config is read; ``import mcore_ext.bridge`` without TE is one clear ImportError.
 """
 
+import importlib.util
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,6 +49,8 @@ if not bridge_installed():
 pytest.importorskip("transformers")
 
 TOL = 1e-6
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs" / "bridge.md"
 TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
             ffn_hidden_size=128, vocab_size=64, seq_length=16)
 
@@ -174,3 +185,121 @@ def test_hf_step35_loads_like_load_pretrained_and_exports_bit_exact(run_distribu
         for name, tensor in source.items():
             assert exported[name].dtype == tensor.dtype, name
             assert torch.equal(exported[name], tensor), name
+
+
+# ------------------------------------------------------- MTP, the documented snippet, MoE, TE
+
+
+@pytest.fixture(scope="module")
+def hf_mtp_dir(tmp_path_factory):
+    """The dense tiny checkpoint in the released layout with its MTP layer's tensors (global
+    layer num_layers: dense, sliding, its own norm and head), which transformers never saves."""
+    from safetensors.torch import save_file
+
+    model = models.build()
+    directory = models.save_released(model, str(tmp_path_factory.mktemp("hf") / "mtp"))
+    mtp = models.mtp_tensors(model.config)
+    save_file(mtp, os.path.join(directory, "mtp.safetensors"), metadata={"format": "pt"})
+    index_path = os.path.join(directory, "model.safetensors.index.json")
+    with open(index_path) as f:
+        index = json.load(f)
+    index["weight_map"].update({name: "mtp.safetensors" for name in mtp})
+    with open(index_path, "w") as f:
+        json.dump(index, f)
+    config_path = os.path.join(directory, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    n = config["num_hidden_layers"]
+    config["layer_types"][n] = "sliding_attention"  # Step's MTP layers are sliding
+    config["rope_theta"][n] = config["rope_theta"][1]
+    config["partial_rotary_factors"][n] = config["partial_rotary_factors"][1]
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=2)
+    return directory
+
+
+def documented_snippet() -> str:
+    """The python block of docs/bridge.md."""
+    return DOCS.read_text().split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def _gathered(local_logits):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    parts = [torch.empty_like(local_logits) for _ in range(ps.get_tensor_model_parallel_world_size())]
+    dist.all_gather(parts, local_logits.contiguous(), group=ps.get_tensor_model_parallel_group())
+    return torch.cat(parts, dim=-1)[..., : models.VOCAB]
+
+
+def _run_documented_snippet(hf_dir):
+    """docs/bridge.md's block as written (its path replaced), then its model's logits and MTP
+    logits against mcore_ext.hf.load_pretrained's, and what it exported."""
+    from tests.bridge.bridge_env import import_bridge
+
+    import_bridge()  # without TE: the test stub of the one module that imports it
+    from mcore_ext.hf import load_pretrained
+    from mcore_ext.models import mtp_logits
+
+    code = documented_snippet()
+    assert '"path/to/step3p5"' in code
+    namespace = {}
+    exec(compile(code.replace('"path/to/step3p5"', repr(hf_dir)), str(DOCS), "exec"), namespace)
+    model = namespace["model"][0].eval()
+    reference = load_pretrained(hf_dir, backend="sdpa").eval()
+    tokens = models.tokens()
+    positions = torch.arange(tokens.size(1)).expand_as(tokens)
+    diffs = {}
+    with torch.no_grad():
+        diffs["logits"] = (_gathered(model(tokens, positions, None))
+                           - _gathered(reference(tokens, positions, None))).abs().max().item()
+        ours, theirs = mtp_logits(model, tokens, positions), mtp_logits(reference, tokens, positions)
+    assert len(ours) == len(theirs) == 1
+    valid = tokens.size(1) - 1  # depth 0 has a real input token before the last position
+    diffs["mtp"] = (_gathered(ours[0])[:, :valid] - _gathered(theirs[0])[:, :valid]).abs().max()
+    diffs["mtp"] = diffs["mtp"].item()
+    return diffs, {name: t.clone() for name, t in namespace["exported"].items()}
+
+
+def test_documented_snippet_imports_and_exports_mtp_exactly(run_distributed, hf_mtp_dir):
+    """The MTP depth maps through mcore_ext.hf.layout's tables: the snippet of docs/bridge.md
+    (init_parallel, use_cpu_initialization on a CPU) loads a checkpoint with an MTP layer at
+    TP 2, its main and MTP logits equal load_pretrained's (<= 1e-6), and export gives back every
+    tensor, MTP ones included, bit for bit. Before: HFConfigError, 13 unmapped MTP parameters."""
+    results = run_distributed(_run_documented_snippet, hf_mtp_dir, world_size=2, timeout=300)
+    source = _tensors(hf_mtp_dir)
+    assert any(name.startswith("model.layers.4.eh_proj") for name in source)
+    for diffs, exported in results:
+        assert diffs["logits"] <= TOL and diffs["mtp"] <= TOL, diffs
+        assert sorted(exported) == sorted(source)
+        for name, tensor in source.items():
+            assert exported[name].dtype == tensor.dtype, name
+            assert torch.equal(exported[name], tensor), name
+
+
+def test_moe_checkpoint_is_refused_when_its_config_is_read(tmp_path):
+    from tests.bridge.bridge_env import import_bridge
+
+    import_bridge()
+    from megatron.bridge import AutoBridge
+
+    from mcore_ext.hf.config import HFConfigError
+
+    directory, _ = models.save_moe(models.build_moe(), str(tmp_path / "moe"))
+    bridge = AutoBridge.from_hf_pretrained(directory)
+    with pytest.raises(HFConfigError, match=r"config.json makes layers \[1, 2, 3\] MoE "
+                                            r"\(mlp_layer_types / moe_layers_enum, "
+                                            r"moe_num_experts=8\)"):
+        bridge.to_megatron_provider(load_weights=False)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is not None,
+                    reason="Transformer Engine is installed")
+def test_import_without_transformer_engine_is_one_clear_error():
+    result = subprocess.run([sys.executable, "-c", "import mcore_ext.bridge"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "ImportError: mcore_ext.bridge imports Megatron-Bridge 0.6, which needs Transformer "
+        "Engine (imported unconditionally by megatron.bridge.peft.lora_layers)"), result.stderr

@@ -103,3 +103,44 @@ def test_step35_moe_tiny_trains_in_bf16_at_ep2(tmp_path, stdlib_prefix):  # noqa
     assert len(first) == 2
     for before, after in zip(first, last):
         assert after < before - 0.5, (first, last)
+
+
+@pytest.fixture(scope="module")
+def pp_runs(tmp_path_factory, stdlib_prefix):
+    """With moe_layer_freq [0, 0, 1, 1] at PP 2, stage 0 has no MoE layer and stage 1 has two
+    and the MTP depth. ``start``: one PP 2 step, saved; ``pp2`` and ``pp1``: 3 steps each from
+    its weights (checkpoint.finetune: the same weights, a fresh optimizer, the same samples)."""
+    tmp = tmp_path_factory.mktemp("step35_moe_pp")
+    common = ["--config", MOE_TINY, f"data.prefix={stdlib_prefix}", "training.eval_interval=null",
+              "logging.log_interval=1", "optimizer.lr_warmup_iters=1",
+              "model.moe_layer_freq=[0,0,1,1]", "parallelism.expert_model_parallel_size=1"]
+    pp2 = "parallelism.pipeline_model_parallel_size=2"
+    out = {"tmp": tmp}
+    out["start"] = check(torchrun(*common, pp2, "training.train_iters=3",
+                                  "training.exit_interval=1", "checkpoint.save_interval=1",
+                                  f"checkpoint.save={tmp / 'start'}", "checkpoint.load=null",
+                                  f"logging.metrics_file={tmp / 'start'}.jsonl", nproc=2), "start")
+    for name, layout, nproc in (("pp2", [pp2], 2), ("pp1", [], 1)):
+        out[name] = check(torchrun(*common, *layout, "training.train_iters=3",
+                                   f"checkpoint.load={tmp / 'start'}", "checkpoint.finetune=true",
+                                   "checkpoint.save=null",
+                                   f"logging.metrics_file={tmp / name}.jsonl", nproc=nproc), name)
+    return out
+
+
+def test_moe_balancing_loss_logs_with_mtp_and_a_pipeline_stage_without_moe(pp_runs):
+    """Each step's load_balancing_loss (megatron's reduction: a stage that recorded nothing
+    joins with zeros sized num_layers + mtp_num_layers) and the main and MTP losses at PP 2
+    equal PP 1's from the same weights (rel 1e-5, fp32: reduction order). Before, the stage
+    without MoE layers all-reduced a tensor of num_layers entries against megatron's 5 over the
+    pipeline group: SIGABRT on gloo at the first step."""
+    tmp = pp_runs["tmp"]
+    pp2, pp1 = (_train_records(f"{tmp / name}.jsonl") for name in ("pp2", "pp1"))
+    assert sorted(pp2) == sorted(pp1) == [1, 2, 3], (pp2, pp1)
+    assert "PP 2" in pp_runs["pp2"].stdout
+    for step in (1, 2, 3):
+        expected, got = pp1[step], pp2[step]
+        assert 0.5 < expected["load_balancing_loss"] < 4.0, expected
+        assert got["load_balancing_loss"] == pytest.approx(expected["load_balancing_loss"],
+                                                           rel=1e-5), (step, expected, got)
+        assert _losses(got) == pytest.approx(_losses(expected), rel=1e-5), (step, expected, got)

@@ -609,6 +609,14 @@ MEMORY_CASES = {  # name: (cp, mode); mode: train, eval (no backward), recompute
     "cp2_packed_thd": (2, "packed"),
     "cp1_gate_hooks": (1, "train"),  # the gate's own saved-tensor hooks, without CP
 }
+# The control: each step keeps its forward's autograd graph (a grad_fn in a list) and never runs
+# backward. What the graph saved is held by autograd's C++ nodes; the intermediates among it never
+# had a Python object, so gc cannot list them: the allocator still holds them.
+GRAPH_HELD_CONTROL = "cp2_control_graph_held"
+# Steps before the allocator is read (torch's and gloo's lazily grown tables settle), and steps
+# measured: a leak grows with the steps, the residual noise (measured: at most 38 KB over 30
+# steps) does not.
+ALLOCATOR_WARMUP_STEPS, ALLOCATOR_STEPS = 8, 30
 
 
 def _live_tensor_bytes():
@@ -630,6 +638,44 @@ def _live_tensor_bytes():
     return sum(storages.values())
 
 
+def _malloc_bytes_in_use():
+    """Bytes glibc's malloc has handed out and not taken back (``mallinfo2``: arenas of every
+    thread plus mmapped blocks). torch's CPU allocator is malloc, so this counts every tensor
+    storage whoever holds it (a Python object, autograd's C++ nodes, a cache), unlike gc. None
+    without glibc >= 2.33."""
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+            "fordblks", "keepcost")]
+
+    try:
+        mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return None
+    mallinfo2.restype = MallInfo2
+    info = mallinfo2()
+    return info.uordblks + info.hblkhd  # in use in arenas + in mmapped blocks
+
+
+def _allocator_growth(step):
+    """Growth of the bytes malloc holds over ALLOCATOR_STEPS steps, after ALLOCATOR_WARMUP_STEPS;
+    a full collection before each reading, so only what something still references counts (the
+    tensors left in cycles are checked apart). None where malloc cannot be read."""
+    import gc
+
+    for _ in range(ALLOCATOR_WARMUP_STEPS):
+        step()
+    gc.collect()
+    before = _malloc_bytes_in_use()
+    for _ in range(ALLOCATOR_STEPS):
+        step()
+    gc.collect()
+    after = _malloc_bytes_in_use()
+    return None if before is None else after - before
+
+
 def _cycle_garbage_tensors():
     """Tensors reachable only through reference cycles (freed by a full collection alone)."""
     import gc
@@ -647,8 +693,11 @@ def _cycle_garbage_tensors():
 
 
 def _memory_with_collector_off(names, steps=4):
-    """Per case: with gc disabled, the growth of live tensor bytes from step 1 to step ``steps``
-    (each step: forward, backward or not, outputs dropped) and the tensors left in cycles."""
+    """Per case: with gc disabled, the growth of live tensor bytes (gc) and of malloc's bytes from
+    step 1 to step ``steps`` (each step: forward, backward or not, outputs dropped) and the
+    tensors left in cycles; then the growth of malloc's bytes over ALLOCATOR_STEPS more, and the
+    bound it must stay under: one gathered K per step (a step that leaked its K and V would keep
+    4 of them, 2 layers)."""
     import gc
 
     import mcore_ext
@@ -656,8 +705,9 @@ def _memory_with_collector_off(names, steps=4):
     tokens, upstream = _inputs()
     positions = torch.arange(SEQ).expand_as(tokens)
     results = {}
+    held_graphs = []
     for name in names:
-        cp, mode = MEMORY_CASES[name]
+        cp, mode = MEMORY_CASES.get(name, (2, "hold_graph"))
         mcore_ext.init_parallel(context_parallel_size=cp)
         overrides = dict(recompute_granularity="selective") if mode == "recompute" else {}
         model = builders.build_gpt(_config(1, cp, 2, **overrides), VOCAB, SEQ,
@@ -673,21 +723,32 @@ def _memory_with_collector_off(names, steps=4):
             with torch.set_grad_enabled(mode != "eval"):
                 logits = model(local["tokens"], local["positions"], None,
                                packed_seq_params=params)
-                if mode != "eval":
+                if mode == "hold_graph":
+                    held_graphs.append(logits.grad_fn)
+                elif mode != "eval":
                     (logits * local["upstream"]).sum().backward()
 
         gc.collect()
         gc.disable()
         try:
             step()  # the first step allocates gradients and caches masks
-            before = _live_tensor_bytes()
+            before, malloc_before = _live_tensor_bytes(), _malloc_bytes_in_use()
             for _ in range(steps - 1):
                 step()
             growth = _live_tensor_bytes() - before
+            malloc_growth = None if malloc_before is None else (
+                _malloc_bytes_in_use() - malloc_before)
             cycle_tensors, cycle_kinds = _cycle_garbage_tensors()
+            allocator_growth = _allocator_growth(step)
         finally:
             gc.enable()
-        results[name] = dict(growth=growth, cycle_tensors=cycle_tensors, cycle_kinds=cycle_kinds)
+        tokens_gathered = SEQ if mode == "packed" else BATCH * SEQ  # packed: 1 x 32 padded
+        gathered_k_bytes = tokens_gathered * 2 * 8 * 4  # 2 groups, head dim 8, fp32
+        results[name] = dict(growth=growth, malloc_growth=malloc_growth,
+                             allocator_growth=allocator_growth,
+                             allocator_bound=ALLOCATOR_STEPS * gathered_k_bytes,
+                             cycle_tensors=cycle_tensors, cycle_kinds=cycle_kinds)
+        held_graphs.clear()
         del model
         mcore_ext.destroy_parallel()
     return results
@@ -699,9 +760,22 @@ def test_cp_attention_frees_kv_without_the_garbage_collector(run_distributed):
     and memory would grow every step. With gc disabled, nothing tensor-holding is left in a cycle
     after training, evaluation (no backward), core-attention recompute and packed THD steps, and
     live tensor memory does not grow from step 1 to step 4 (bytes, exact; it may shrink when
-    something an earlier test cached is evicted)."""
-    names = list(MEMORY_CASES)
+    something an earlier test cached is evicted).
+
+    gc sees only tensors with a Python object; autograd's C++ nodes hold others. So malloc's
+    bytes in use (every CPU tensor's storage) must not grow either, over 30 steps after 8 of
+    warm-up: by less than one gathered K per step, a quarter of what a step keeping its K and V
+    would leak (measured: at most 38 KB in all, against bounds of 61 and 123 KB). The control, a graph held without backward, grows malloc's bytes
+    past its bound (about 420 KB a step) and, in steps 1 to 4, by more than gc's count (1.26 MB
+    vs 0.90 MB): the gc count alone misses what autograd's nodes alone hold."""
+    names = [*MEMORY_CASES, GRAPH_HELD_CONTROL]
     for rank_results in run_distributed(_memory_with_collector_off, names, world_size=2):
+        control = rank_results.pop(GRAPH_HELD_CONTROL)
+        if control["allocator_growth"] is not None:  # glibc
+            assert control["allocator_growth"] > control["allocator_bound"], control
+            assert control["malloc_growth"] > max(control["growth"], 0), control
         leaks = {name: r for name, r in rank_results.items()
-                 if r["cycle_tensors"] or r["growth"] > 0}
+                 if r["cycle_tensors"] or r["growth"] > 0 or (
+                     r["allocator_growth"] is not None
+                     and r["allocator_growth"] >= r["allocator_bound"])}
         assert not leaks, "\n".join(f"{name}: {r}" for name, r in leaks.items())

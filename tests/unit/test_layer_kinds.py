@@ -441,6 +441,44 @@ def test_kind_configs_and_checkpoint_format():
     assert config.swiglu_limit(3) == 0.05 and config.swiglu_limit(2) is None
 
 
+def _fused_rope_inputs():
+    """Call a sliding layer (its own RoPE) and a full layer with the model's precomputed cos /
+    sin tables, as megatron's fused-RoPE inference passes them; the refusals' messages."""
+    import mcore_ext
+
+    mcore_ext.init_parallel()
+    model = mcore_ext.build_gpt_model(_config("gqa", 1), vocab_size=64, max_sequence_length=16,
+                                      backend="sdpa")
+    full, sliding = model.decoder.layers[0], model.decoder.layers[1]
+    hidden = torch.randn(8, 2, 32)
+    table = torch.randn(8, 1, 1, 4)
+    out = {}
+    for name, kwargs in (("cos_sin", dict(rotary_pos_cos=table, rotary_pos_sin=table)),
+                         ("fused", dict(rotary_pos_cos_sin=table))):
+        try:
+            sliding(hidden_states=hidden, attention_mask=None, rotary_pos_emb=None, **kwargs)
+            out[name] = None
+        except NotImplementedError as err:
+            out[name] = str(err)
+    out["full_layer_has_no_own_rope"] = full.kind_rotary_pos_emb is None
+    return out
+
+
+def test_fused_rope_tables_are_refused_on_a_layer_with_its_own_rope(run_distributed):
+    """megatron's flash_decode / flashinfer fused-RoPE paths hand every layer the model's (full
+    layers') cos / sin instead of rotary_pos_emb: a sliding layer would rotate with the full
+    kind's base and fraction. Refused by name (before, it ran with them)."""
+    out = run_distributed(_fused_rope_inputs, world_size=1)[0]
+    assert out["full_layer_has_no_own_rope"]
+    for name, given in (("cos_sin", "rotary_pos_cos / rotary_pos_sin"),
+                        ("fused", "rotary_pos_cos_sin")):
+        assert out[name] is not None, out
+        assert out[name].startswith(
+            f"layer 2 has its own RoPE (rotary_base=10000.0, rotary_percent=1.0) but was given "
+            f"the model's precomputed {given}"), out
+        assert "flash_decode" in out[name], out
+
+
 # ---------------------------------------------------------------------------------- checkpoints
 # Saved at (TP 2, PP 1), loaded at (TP 1, PP 2) into a model from another seed: logits equal
 # (fp32, <= 1e-5), saving again reproduces every tensor. At PP 2 stage 0 builds layers 1-2 (full,

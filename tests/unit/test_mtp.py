@@ -235,3 +235,144 @@ def test_mtp_sliding_layers_under_cp2_match_cp1(run_distributed):
         pytest.skip("Step's MTP needs megatron-core >= 0.17 (process_mtp_loss)")
     for diffs in run_distributed(_mtp_cp_vs_cp1, 2, world_size=2):
         assert len(diffs) == 1 + MTP_DEPTHS and max(diffs) <= TOL, diffs
+
+# ------------------------------------------------------------------ checkpoints across padding
+
+
+def _mtp_heads_across_vocabulary_padding(root):
+    """Save a TP 2 Step-3.5 MTP model whose heads have 64 rows; load it into models of 128 and
+    48 rows (other make_vocab_size_divisible_by, or Megatron-LM's 128 x TP rule). Returns per case
+    the launcher's vocabulary message and whether every depth's head has the saved token rows."""
+    import contextlib
+    import io
+    import os
+
+    import mcore_ext
+    from mcore_ext import checkpoint
+    from mcore_ext.training import checkpointing
+
+    tokens = 40  # the tokenizer's vocabulary: the rows every padding keeps
+    mcore_ext.init_parallel(tensor_model_parallel_size=2)
+    saved = mcore_ext.build_gpt_model(_config(2), vocab_size=VOCAB, max_sequence_length=SEQ,
+                                      backend="sdpa")
+    directory = builders.shared_dir(os.path.join(root, "ckpt"))
+    checkpoint.save(saved.sharded_state_dict(), directory)
+    heads = [layer.output_layer.weight for layer in saved.mtp.layers]
+    full = [gather(w) for w in heads]
+    out = {}
+    for case, rows in (("more padding", 128), ("less padding", 48)):
+        torch.manual_seed(1)  # other weights than the saved model's
+        model = mcore_ext.build_gpt_model(_config(2), vocab_size=rows, max_sequence_length=SEQ,
+                                          backend="sdpa")
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            checkpointing._check_vocabulary(directory, model.sharded_state_dict(), tokens)
+        try:
+            model.load_state_dict(checkpoint.load(model.sharded_state_dict(), directory))
+        except Exception as err:  # noqa: BLE001 (the failure is the result)
+            out[case] = dict(message=printed.getvalue(), error=f"{type(err).__name__}: {err}")
+            continue
+        loaded = [gather(layer.output_layer.weight) for layer in model.mtp.layers]
+        out[case] = dict(
+            message=printed.getvalue(),
+            token_rows_equal=all(torch.equal(a[:tokens], b[:tokens]) for a, b in zip(loaded, full)),
+            rows=[w.size(0) for w in loaded],
+        )
+    return out
+
+
+def gather(weight):
+    """[v / TP, h] rows of every TP rank -> [v, h]."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    return gather_from_tensor_model_parallel_region(weight.detach().t().contiguous()).t()
+
+
+def test_mtp_heads_load_across_vocabulary_padding(run_distributed, tmp_path):
+    """Each depth's output_layer loads like GPTModel's (megatron's allow_shape_mismatch): the
+    token rows exactly, padding rows the checkpoint lacks at zero; the launcher names the change.
+    Before, a changed padding failed with a global shape mismatch on
+    mtp.layers.0.output_layer.weight."""
+    from mcore_ext import _mcore_compat
+
+    if _mcore_compat.megatron_core_version().startswith("0.16"):
+        pytest.skip("Step-3.5 MTP heads need megatron-core >= 0.17")
+    outs = run_distributed(_mtp_heads_across_vocabulary_padding, str(tmp_path), world_size=2)
+    for rank, out in enumerate(outs):
+        for case, rows in (("more padding", 128), ("less padding", 48)):
+            result = out[case]
+            assert "error" not in result, result
+            assert result["token_rows_equal"] and result["rows"] == [rows] * MTP_DEPTHS, result
+            for depth in range(MTP_DEPTHS):  # rank 0 says it
+                change = f"mtp.layers.{depth}.output_layer.weight {VOCAB} -> {rows}"
+                assert (change in result["message"]) == (rank == 0), (rank, result)
+
+
+# ------------------------------------------------------------------------ speculative decoding
+
+
+class _SpeculativeDecodingContext:
+    """What megatron's GPTModel reads to tell speculative decoding (dynamic batching drafting
+    tokens): a stand-in for a DynamicInferenceContext, which needs a GPU to build."""
+
+    num_speculative_tokens = 2
+
+    @staticmethod
+    def is_dynamic_batching():
+        return True
+
+
+def _speculative_decoding_refusals():
+    import mcore_ext
+    from mcore_ext import _mcore_compat
+
+    mcore_ext.init_parallel()
+    out = {}
+    for step35 in (True, False):
+        try:
+            model = mcore_ext.build_gpt_model(_config(1, step35), vocab_size=VOCAB,
+                                              max_sequence_length=SEQ, backend="sdpa")
+        except NotImplementedError:  # Step's MTP on megatron-core 0.16
+            continue
+        hidden = torch.randn(SEQ, BATCH, HIDDEN)
+        tokens = torch.randint(0, VOCAB, (BATCH, SEQ))
+        calls = {
+            "postprocess": lambda: model._postprocess(
+                hidden, tokens, None, None, None, None, None, mtp_in_postprocess=True,
+                inference_context=_SpeculativeDecodingContext()),
+        }
+        if hasattr(type(model).__mro__[1], "compute_mtp_single_step"):  # megatron-core 0.19+
+            calls["single_step"] = lambda: model.compute_mtp_single_step(
+                torch.randn(BATCH, 1, HIDDEN), tokens[:1, :BATCH], torch.zeros(1, BATCH).long(),
+                depth=0)
+        for name, call in calls.items():
+            try:
+                call()
+                out[(step35, name)] = None
+            except NotImplementedError as err:
+                out[(step35, name)] = str(err)
+            except Exception as err:  # noqa: BLE001 (megatron's own path, not refused here)
+                out[(step35, name)] = f"other: {type(err).__name__}"
+    out["version"] = _mcore_compat.megatron_core_version()
+    return out
+
+
+def test_speculative_decoding_is_refused_for_step35_heads(run_distributed):
+    """megatron's speculative decoding caches the post-norm decoder output and drafts every depth
+    with the main output layer: wrong inputs and heads for Step's MTP, a silent loss of acceptance.
+    Refused by name for mtp_step35_heads=True; megatron's own MTP is left to megatron."""
+    out = run_distributed(_speculative_decoding_refusals, world_size=1)[0]
+    version = out.pop("version")
+    step35 = {name: message for (is_step35, name), message in out.items() if is_step35}
+    if version.startswith("0.16"):
+        assert not step35, out
+        return
+    assert sorted(step35) == (["postprocess", "single_step"] if version >= "0.19"
+                              else ["postprocess"]), out
+    for message in step35.values():
+        assert message is not None and message.startswith(
+            "megatron's speculative decoding with MTP (num_speculative_tokens > 0"), out
+        assert "mtp_step35_heads=True" in message, out
+    for (is_step35, name), message in out.items():
+        if not is_step35:  # megatron's MTP: not refused by mcore_ext
+            assert message is None or not message.startswith("megatron's speculative"), out

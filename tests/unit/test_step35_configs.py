@@ -85,3 +85,36 @@ def test_flops_count_each_kind_and_the_window():
         + 2 * hn * h
     )
     assert kinds - full == pytest.approx(6 * per_token * t.global_batch_size * s)
+
+
+def test_flops_of_moe_and_mtp_follow_the_formula():
+    """flops_per_iteration of configs/step35_moe_tiny_cpu.yaml (MoE layers 2-4, one MTP depth)
+    against the count written out here from the config's numbers, layer by layer, in
+    multiply-adds per token (x 2 FLOPs x 3 for forward + backward x tokens). Megatron's
+    convention: causal attention counts half of the s x s scores; a window of w keys counts
+    min(i + 1, w) keys for query i."""
+    from mcore_ext.training.loop import flops_per_iteration
+    from mcore_ext.training.megatron_configs import transformer_config
+
+    cfg = load_config(str(CONFIGS / "step35_moe_tiny_cpu.yaml"), world_size=4)
+    t = cfg.training
+    h, s, vocab, hn, groups = 64, 64, 256, 16, 2
+    assert (cfg.model.hidden_size, cfg.model.seq_length, cfg.model.kv_channels,
+            cfg.model.num_query_groups) == (h, s, hn, groups)
+
+    def attention(heads, keys):
+        qkv_and_gate = h * (heads * hn + 2 * groups * hn + heads)  # Q, K, V, one gate row a head
+        return qkv_and_gate + 2 * heads * hn * keys + heads * hn * h  # QK^T, PV; linear_proj
+
+    full = attention(heads=4, keys=s / 2)
+    sliding = attention(heads=6, keys=sum(min(i + 1, 16) for i in range(s)) / s)
+    dense_mlp = 3 * h * 128  # SwiGLU: fc1 (gate and up) 2 h ffn, fc2 ffn h
+    moe_mlp = (h * 8  # router over 8 experts
+               + 2 * 3 * h * 32  # top-2 routed experts of width 32
+               + 3 * h * 32)  # the shared expert
+    main = (full + dense_mlp) + 3 * (sliding + moe_mlp)  # layer 1 full/dense, 2-4 sliding/MoE
+    mtp = 2 * h * h + (sliding + dense_mlp) + h * vocab  # eh_proj, its (dense) layer, its head
+    macs_per_token = main + h * vocab + mtp
+    expected = 3 * 2 * macs_per_token * t.global_batch_size * s
+    got = flops_per_iteration(transformer_config(cfg), vocab, s, t.global_batch_size)
+    assert got == pytest.approx(expected, rel=1e-12)

@@ -1,0 +1,106 @@
+"""The Megatron-LM entry (``-m mcore_ext.megatron_lm.pretrain_gpt``) with context parallelism,
+through megatron.training's own ``pretrain()`` on gloo, mock data, fp32, no dropout:
+
+    cp1      1 rank, CP 1
+    cp2      2 ranks, --context-parallel-size 2 and otherwise the same flags (so Megatron-LM's
+             defaults: --cp-comm-type p2p, an attention mask made by the dataloader)
+    tp2      2 ranks, TP 2, CP 1
+    tp2_cp2  4 ranks, TP 2 x CP 2
+
+Every layout reads the same samples (DP 1). Per iteration the loss and the pre-clipping grad norm
+of cp2 must equal cp1's and tp2_cp2's tp2's (megatron initialises each TP shard from its own RNG
+stream, so TP 2 starts from other weights than TP 1); rel 1e-5: reduction order only. Before the entry split the batch over CP
+ranks, every rank fed the whole sequence to a model expecting its two chunks: iteration 1's loss
+was 5.559535 at CP 2 vs 5.558819 at CP 1, grad norm 1.348 vs 1.385.
+"""
+
+import re
+
+import pytest
+
+from tests.functional.test_megatron_lm_pretrain import MODEL
+from tests.functional.test_pretrain import check, torchrun
+
+pytest.importorskip("megatron.training.models.gpt", reason="megatron.training >= 0.19")
+
+TIMEOUT_S = 600
+EXACT_LOG = ("-m", "tests.functional.megatron_lm_exact_log")
+TRAINING = [
+    "--train-iters", "3", "--lr", "1e-3", "--lr-warmup-iters", "1", "--mock-data",
+    "--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--log-interval", "1",
+    "--eval-iters", "0", "--eval-interval", "1000",
+]
+EXACT = re.compile(r"exact iteration=(\d+) lm_loss=(\S+) grad_norm=(\S+)")
+TOL = 1e-5
+
+
+def exact(result) -> dict[int, tuple[float, float]]:
+    return {int(i): (float(loss), float(norm)) for i, loss, norm in EXACT.findall(result.stdout)}
+
+
+def run(*flags, nproc):
+    return torchrun(*MODEL, *TRAINING, *flags, nproc=nproc, program=EXACT_LOG, timeout=TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def cp_runs():
+    return {
+        "cp1": check(run(nproc=1), "cp1"),
+        "cp2": check(run("--context-parallel-size", "2", nproc=2), "cp2"),
+        "tp2": check(run("--tensor-model-parallel-size", "2", nproc=2), "tp2"),
+        "tp2_cp2": check(run("--context-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                             nproc=4), "tp2_cp2"),
+    }
+
+
+@pytest.mark.parametrize("name, cp1_name", [("cp2", "cp1"), ("tp2_cp2", "tp2")])
+def test_cp_losses_and_grad_norms_match_cp1(cp_runs, name, cp1_name):
+    reference, run_ = exact(cp_runs[cp1_name]), exact(cp_runs[name])
+    assert sorted(reference) == sorted(run_) == [1, 2, 3], (reference, run_)
+    for iteration in (1, 2, 3):
+        (loss1, norm1), (loss, norm) = reference[iteration], run_[iteration]
+        assert loss == pytest.approx(loss1, rel=TOL), (iteration, reference, run_)
+        assert norm == pytest.approx(norm1, rel=TOL), (iteration, reference, run_)
+
+
+def test_cp_says_once_what_it_changed(cp_runs):
+    """Megatron-LM's default --cp-comm-type p2p runs as the sdpa backend's all-gather, and the
+    dataloader's causal-only mask is not made: each said once, by rank 0."""
+    out = cp_runs["tp2_cp2"].stdout + cp_runs["tp2_cp2"].stderr
+    assert out.count("--cp-comm-type p2p") == 1, out[-3000:]
+    assert out.count("attention mask") == 1, out[-3000:]
+
+
+def test_unsupported_cp_comm_type_is_one_line_before_training():
+    result = run("--context-parallel-size", "2", "--cp-comm-type", "a2a", nproc=2)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [
+        "error: --cp-comm-type a2a with --context-parallel-size 2: the sdpa backend's context "
+        "parallelism all-gathers K/V; use --cp-comm-type all_gather (or p2p, run as all_gather), "
+        "or --mcore-ext-backend te"
+    ], result.stderr[-3000:]
+    # torchrun's own report of a failed child stays; no rank prints a traceback
+    assert "[rank" not in result.stderr and "FlagError" not in result.stderr, result.stderr[-3000:]
+    assert "lm loss" not in result.stdout
+
+
+def test_per_document_mask_and_local_backend_under_cp_are_refused_by_name():
+    """--reset-attention-mask makes a per-document mask the sdpa CP path cannot take; the local
+    backend has no CP."""
+    import argparse
+
+    from mcore_ext.megatron_lm.pretrain_gpt import FlagError, context_parallel_flags
+
+    args = argparse.Namespace(
+        context_parallel_size=2, mcore_ext_backend="sdpa", cp_comm_type=["p2p"],
+        create_attention_mask_in_dataloader=True, reset_attention_mask=True,
+    )
+    with pytest.raises(FlagError, match="--reset-attention-mask with --context-parallel-size 2"):
+        context_parallel_flags(args)
+    args.reset_attention_mask = False
+    assert len(context_parallel_flags(args)) == 2
+    assert args.cp_comm_type == ["all_gather"] and not args.create_attention_mask_in_dataloader
+    args.mcore_ext_backend = "local"
+    with pytest.raises(FlagError, match="local DotProductAttention has no context parallelism"):
+        context_parallel_flags(args)
