@@ -168,6 +168,11 @@ DECISIONS = {
     "bash scripts/gpu_check.sh prepare": Skip(
         "downloads wheels for the GPU machine (network); its fit under the carry limit: "
         "tests/unit/test_gpu_check.py::test_stages_fit_the_device_calls"),
+    # Megatron-LM under CP (docs/megatron-lm.md): a template of the user's own flags
+    "torchrun --nproc_per_node=8 -m mcore_ext.megatron_lm.pretrain_gpt <your Megatron-LM "
+    "pretrain_gpt.py flags> --head-wise-attn-gate --context-parallel-size 2 "
+    "[--tensor-model-parallel-size 2 ...]": Covered(
+        "tests/functional/test_megatron_lm_cp.py::test_cp_losses_and_grad_norms_match_cp1"),
     # MoE benchmarks (docs/moe.md)
     "python benchmarks/bench_moe.py --dtype bf16 --rounds 30": Skip(BENCHMARK),
     "python benchmarks/bench_moe.py --dtype bf16 --hidden 4096 --expert-ffn 1280 --tokens 4096":
