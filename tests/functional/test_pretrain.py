@@ -18,6 +18,7 @@ test of each megatron-core release (``-m smoke``) makes two short runs of its ow
 import importlib.util
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -259,7 +260,8 @@ def backend_runs(tmp_path_factory, stdlib_prefix):
 
     def run(backend):
         if backend not in done:
-            metrics = tmp / f"{backend}.jsonl"
+            (tmp / backend).mkdir()
+            metrics = tmp / backend / "metrics.jsonl"  # config.yaml goes beside it
             result = check(torchrun(
                 "--config", TINY, f"data.prefix={stdlib_prefix}", f"logging.metrics_file={metrics}",
                 f"model.attention_backend={backend}", "model.num_query_groups=4",
@@ -275,6 +277,13 @@ def backend_runs(tmp_path_factory, stdlib_prefix):
     return run
 
 
+def resolved_config(stdout: str) -> str:
+    """The resolved configuration a run wrote (its path is on the console's [config] line)."""
+    match = re.search(r"resolved configuration in (\S+)", stdout)
+    assert match, stdout[:2000]
+    return Path(match.group(1)).read_text()
+
+
 @pytest.mark.parametrize("backend", ["sdpa", "local", "te"])
 def test_launcher_trains_on_each_attention_backend(backend_runs, backend):
     if backend == "te":
@@ -283,7 +292,7 @@ def test_launcher_trains_on_each_attention_backend(backend_runs, backend):
         if not torch.cuda.is_available():
             pytest.skip("Transformer Engine needs a GPU")
     result, loss = backend_runs(backend)
-    assert f"attention_backend: {backend}" in result.stdout
+    assert f"attention_backend: {backend}" in resolved_config(result.stdout)
     assert sorted(loss) == list(range(1, 11))
     assert loss[10] < loss[1] - 1.0, loss
     if backend != "sdpa":
