@@ -278,6 +278,17 @@ def process_mtp_loss(**kwargs):
         return hidden_states.chunk(1 + kwargs["config"].mtp_num_layers, dim=0)[0]
     if "input_ids" not in parameters:
         kwargs.pop("input_ids", None)  # only used to derive missing labels
+    if "tp_group" not in parameters:
+        # 0.17 / 0.18 take the TP group from parallel_state: the same group, or an error.
+        from megatron.core import parallel_state
+
+        group = kwargs.pop("tp_group", None)
+        if group is not None and group is not parallel_state.get_tensor_model_parallel_group():
+            raise TypeError(
+                f"megatron-core {megatron_core_version()}'s process_mtp_loss uses parallel_state's "
+                "tensor-parallel group; a model built with another tp_group needs megatron-core "
+                ">= 0.19"
+            )
     return _mtp.process_mtp_loss(**supported_kwargs(_mtp.process_mtp_loss, **kwargs))
 
 
