@@ -13,34 +13,11 @@ is a ``ConfigError`` with a message meant for the user, raised before anything i
 
 import os
 
-from mcore_ext.run_config import (
-    CheckpointConfig,
-    ConfigError,
-    DataConfig,
-    LoggingConfig,
-    ModelConfig,
-    OptimizerConfig,
-    ParallelismConfig,
-    PretrainConfig,
-    TrainingConfig,
-    apply_overrides,
-    build,
-    read_yaml,
-)
+from mcore_ext.run_config import ConfigError, PretrainConfig, apply_overrides, build, read_yaml
 from mcore_ext.training.config.validation import validate
 
-__all__ = [
-    "CheckpointConfig",
-    "ConfigError",
-    "DataConfig",
-    "LoggingConfig",
-    "ModelConfig",
-    "OptimizerConfig",
-    "ParallelismConfig",
-    "PretrainConfig",
-    "TrainingConfig",
-    "load_config",
-]
+# The sections (ModelConfig, ...) are mcore_ext.run_config's.
+__all__ = ["ConfigError", "PretrainConfig", "load_config", "validate"]
 
 
 def load_config(path: str | None, overrides=(), world_size: int | None = None) -> PretrainConfig:
