@@ -1,6 +1,6 @@
 """Pretraining launcher: torchrun --nproc_per_node=N launch/pretrain.py --config FILE [k=v ...]
 
-See mcore_ext/training/config/schema.py for the config sections and keys.
+See mcore_ext/run_config/schema.py for the config sections and keys.
 """
 
 import sys

@@ -101,7 +101,7 @@ class _GroupedLinear(torch.autograd.Function):
 def _activation(expert, x):
     """``MLP.forward``'s activation of ``expert`` (not fused) on fc1's output [N, 2f] (no bias)."""
     config = expert.config
-    if config.use_te_activation_func:  # e.g. HF's clamped SwiGLU (layer_kinds.clamp_swiglu_mlp)
+    if config.use_te_activation_func:  # e.g. HF's clamped SwiGLU (swiglu_clamp.clamp_swiglu_mlp)
         return expert.activation_func(x)
     if not config.gated_linear_unit:
         return expert.activation_func(x)

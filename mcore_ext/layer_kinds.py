@@ -8,20 +8,16 @@ cannot express:
 - RoPE of its kind: GPTModel computes one rotary embedding (the full layers' base and fraction)
   for all layers; a layer whose kind has another base or fraction uses its kind's (one
   embedding per kind, shared by its layers).
-- HF's SwiGLU clamp, ``silu(gate).clamp(max=L) * up.clamp(-L, L)`` (megatron's
-  ``activation_func_clamp_value`` clamps the gate before the SiLU, a different function): on a
-  dense layer its MLP's, on a MoE layer its routed experts' and its shared expert's (mcore_ext.moe).
+- HF's SwiGLU clamp (mcore_ext.swiglu_clamp): on a dense layer its MLP's, on a MoE layer its
+  routed experts' and its shared expert's (mcore_ext.moe).
 
 Neither adds parameters, so checkpoint keys are megatron's.
 """
 
-import copy
 import dataclasses
-import functools
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -30,6 +26,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from mcore_ext import moe
+from mcore_ext.swiglu_clamp import clamp_swiglu_mlp
 
 
 class KindTransformerLayer(TransformerLayer):
@@ -147,39 +144,6 @@ def _check_local_window_mask(attention_mask, window_size):
             "the 'local' backend applies a sliding window by replacing the attention mask, so "
             "a padding mask inside the window would be ignored: use the 'sdpa' backend"
         )
-
-
-def clamped_swiglu(x: torch.Tensor, limit: float) -> torch.Tensor:
-    """[..., 2 f] (gate then up, megatron's fc1 layout) -> silu(gate).clamp(max=L) * up.clamp(-L, L)."""
-    gate, up = torch.chunk(x, 2, dim=-1)
-    return F.silu(gate).clamp(max=limit) * up.clamp(min=-limit, max=limit)
-
-
-def clamp_swiglu_mlp(mlp, limit: float, field: str = "swiglu_limits") -> None:
-    """Make megatron's MLP (a dense MLP, a routed expert or a shared expert) apply
-    ``clamped_swiglu`` to the whole fc1 output.
-
-    megatron's MLP calls ``self.activation_func`` on the whole fc1 output (bias added; an expert's
-    routing weights applied after it) when its config has ``use_te_activation_func``, before any
-    fused path (``bias_activation_fusion``, whose SwiGLU would drop a clamp); this MLP reads a
-    private copy of the config with that flag on, as HeadWiseGatedSelfAttention does for its gate,
-    and every other module (other layers, other experts) keeps its own config.
-    """
-    config = mlp.config
-    if getattr(config, "use_transformer_engine_op_fuser", False):
-        raise NotImplementedError(
-            f"{field}: Transformer Engine's op-fused MLP (use_transformer_engine_op_fuser=True) "
-            "has no SwiGLU clamp; turn it off"
-        )
-    if not config.gated_linear_unit or config.activation_func is not F.silu:
-        raise ValueError(
-            f"{field} clamps a SwiGLU MLP (gated_linear_unit=True, activation_func=silu), "
-            f"got gated_linear_unit={config.gated_linear_unit}, "
-            f"activation_func={getattr(config.activation_func, '__name__', config.activation_func)}"
-        )
-    mlp.config = copy.copy(config)
-    mlp.config.use_te_activation_func = True
-    mlp.activation_func = functools.partial(clamped_swiglu, limit=float(limit))
 
 
 def kind_layer_spec(layer_spec: ModuleSpec, model_config, layer_number: int) -> ModuleSpec:

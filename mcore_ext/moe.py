@@ -21,6 +21,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from mcore_ext.swiglu_clamp import clamp_swiglu_mlp
+
 TOKEN_DISPATCHERS = ("allgather", "alltoall", "flex")
 ROUTER_DTYPES = (None, "fp32", "fp64")
 SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
@@ -178,8 +180,6 @@ def clamp_moe_layer(moe_layer, routed_limit: Optional[float], shared_limit: Opti
     from megatron.core.transformer.mlp import MLP
     from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
     from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
-
-    from mcore_ext.layer_kinds import clamp_swiglu_mlp
 
     where = f" (layer {layer_number})" if layer_number is not None else ""
     if routed_limit:

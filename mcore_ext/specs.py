@@ -29,7 +29,7 @@ from mcore_ext.attention.sdpa import SDPAttention
 from mcore_ext.grouped_experts import GroupedGemmSequentialMLP
 from mcore_ext.layer_kinds import kind_layer_spec
 from mcore_ext.moe import is_moe_layer
-from mcore_ext.mtp import get_mtp_block_spec
+from mcore_ext.mtp_layers import get_mtp_block_spec
 from mcore_ext.norm import TorchNorm
 
 logger = logging.getLogger(__name__)

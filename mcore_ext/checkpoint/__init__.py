@@ -9,7 +9,8 @@ has none (QKV rows load as usual).
 What every entry point shares about checkpoint directories lives beside it: ``directory`` (the
 layout, trackers, which checkpoint a path names, where a launcher run starts), ``saving`` (how
 every rank writes one directory: ``.saving.``, manifest, rename, tracker), ``manifest`` (sizes
-and checksums of what a save wrote, and their verification) and ``errors``.
+and checksums of what a save wrote, and their verification), ``content`` (megatron.training's
+checkpoint content, which the launcher writes and reads too) and ``errors``.
 """
 
 import dataclasses

@@ -17,6 +17,10 @@ class CheckpointSaveError(RuntimeError):
     """A checkpoint could not be written; the previous checkpoint is still the latest."""
 
 
+class CheckpointFormatError(ValueError):
+    """A checkpoint the launcher cannot continue exactly: the message names the field."""
+
+
 def one_line(err: BaseException) -> str:
     """The error's message on one line; torch's checkpoint errors (which hold every failing
     rank's traceback), raised or as the cause, as each failing rank's error alone."""

@@ -139,7 +139,7 @@ def _seen_by_every_rank(err: BaseException) -> bool:
 
     from mcore_ext.checkpoint import GateLayoutMismatch
     from mcore_ext.hf.config import HFConfigError
-    from mcore_ext.training.config import ConfigError
+    from mcore_ext.run_config import ConfigError
 
     return getattr(err, "on_every_rank", False) or isinstance(err, (
         HFConfigError, ConfigError, GateLayoutMismatch, yaml.YAMLError, CheckpointingException,

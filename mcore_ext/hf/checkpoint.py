@@ -48,7 +48,7 @@ from mcore_ext.runtime import device
 
 
 def launcher_model_section(spec: Step35Config, seq_length: int, multiple: int) -> dict:
-    """The launcher's ``model:`` keys for ``spec`` (see training/config/schema.py)."""
+    """The launcher's ``model:`` keys for ``spec`` (see mcore_ext/run_config/schema.py)."""
     fields = spec.transformer_config_fields()
     section = dict(
         seq_length=seq_length,
@@ -60,7 +60,7 @@ def launcher_model_section(spec: Step35Config, seq_length: int, multiple: int) -
     # launcher's schema lacks is dropped only where the value is megatron's default (the launcher
     # builds the same model).
     from mcore_ext.config import GatedTransformerConfig
-    from mcore_ext.training.config import ModelConfig
+    from mcore_ext.run_config import ModelConfig
 
     schema = {f.name for f in dataclasses.fields(ModelConfig)}
     defaults = {f.name: f.default for f in dataclasses.fields(GatedTransformerConfig)}
@@ -108,8 +108,7 @@ def import_checkpoint(hf_dir: str, ckpt_dir: str, *, dtype: torch.dtype | None =
                               "directory")
     dtype = dtype or file_dtype
     seq_length = seq_length or min(spec.max_position_embeddings, 4096)
-    from mcore_ext.training.config import PretrainConfig
-    from mcore_ext.training.config.overrides import build
+    from mcore_ext.run_config import PretrainConfig, build
 
     cfg = build(PretrainConfig, {
         "model": launcher_model_section(spec, seq_length, make_vocab_size_divisible_by),
@@ -168,8 +167,7 @@ def find_provenance(directory: str, cfg) -> dict | None:
 
 
 def _read_launcher_config(directory: str):
-    from mcore_ext.training.config import PretrainConfig
-    from mcore_ext.training.config.overrides import build
+    from mcore_ext.run_config import PretrainConfig, build
 
     with open(os.path.join(directory, "config.yaml")) as f:
         return build(PretrainConfig, yaml.safe_load(f))
@@ -190,8 +188,8 @@ def export_checkpoint(ckpt_dir: str, hf_dir: str, *, vocab_size: int | None = No
     _check_target(hf_dir, overwrite)
     from mcore_ext import checkpoint
     from mcore_ext.models import build_gpt_model
-    from mcore_ext.training.config import ParallelismConfig
-    from mcore_ext.training.megatron_configs import transformer_config
+    from mcore_ext.run_config import ParallelismConfig
+    from mcore_ext.run_config.megatron_configs import transformer_config
 
     directory = resolve_iteration_dir(ckpt_dir)
     problems = manifest.verify_checkpoint(directory)

@@ -7,14 +7,15 @@
 - ``GatedGPTModelConfig`` / ``GatedGPTModelBuilder``: megatron.training's model config and builder
   for mcore_ext's GPT; ``gated_gpt_config_from_args`` builds the config from parsed flags.
 - ``pretrain_gpt``: the entry point (forward step, dataset provider, main).
-- ``checkpoint_format``: megatron.training's checkpoint content, for the launcher's checkpoints.
+
+The checkpoint content both this entry and the YAML launcher write is megatron.training's own;
+the launcher's reading and writing of it is ``mcore_ext.checkpoint.content``.
 """
 
 import importlib
 
 # The names below load lazily, each refusing a megatron-core < 0.19 on first use (it has no
-# GPTModelConfig); checkpoint_format needs only megatron.core, so the launcher (0.16 to 0.19)
-# imports it on every release.
+# GPTModelConfig).
 _EXPORTS = {
     "add_mcore_ext_args": "arguments",
     "mcore_ext_fields": "arguments",

@@ -1,6 +1,6 @@
 """Whole models built from megatron-core's parts with mcore_ext's layers."""
 
 from mcore_ext.models.gpt import build_gpt_model, padded_vocab_size
-from mcore_ext.models.mtp import MTPGPTModel, mtp_logits
+from mcore_ext.models.mtp_model import MTPGPTModel, mtp_logits
 
 __all__ = ["MTPGPTModel", "build_gpt_model", "mtp_logits", "padded_vocab_size"]

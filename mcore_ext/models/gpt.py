@@ -9,7 +9,7 @@ from megatron.core.models.gpt import GPTModel
 from mcore_ext import _mcore_compat
 from mcore_ext.attention import layout as attention_layout
 from mcore_ext.config import GatedTransformerConfig
-from mcore_ext.models.mtp import MTPGPTModel
+from mcore_ext.models.mtp_model import MTPGPTModel
 from mcore_ext.specs import get_gpt_block_spec, get_gpt_mtp_block_spec
 
 
@@ -30,7 +30,7 @@ def build_gpt_model(
     kind with other values computes its own), every layer is built with its kind's config, and
     parameter names are megatron's. With ``config.mtp_num_layers`` the model is an ``MTPGPTModel``
     with MTP layers on the last pipeline stage (Step-3.5's with ``mtp_step35_heads``, see
-    mcore_ext/mtp.py; ``vocab_size`` also sizes their heads). ``pre_process`` /
+    mcore_ext/mtp_layers.py; ``vocab_size`` also sizes their heads). ``pre_process`` /
     ``post_process`` (embedding / output layer on this rank) default to whether this is the
     first / last pipeline stage. Each forward first makes the batch's attention layout
     (``mcore_ext.attention.layout``), shared by every layer.

@@ -51,9 +51,8 @@ def _load(args):
     launcher would build (at the config's own parallel sizes; nothing is validated against a
     world size)."""
     from mcore_ext.plan.shape import ModelShape
-    from mcore_ext.training.config import PretrainConfig
-    from mcore_ext.training.config.overrides import apply_overrides, build, read_yaml
-    from mcore_ext.training.megatron_configs import transformer_config
+    from mcore_ext.run_config import PretrainConfig, apply_overrides, build, read_yaml
+    from mcore_ext.run_config.megatron_configs import transformer_config
 
     cfg = build(PretrainConfig, apply_overrides(read_yaml(args.config), args.overrides))
     vocab = args.vocab_size

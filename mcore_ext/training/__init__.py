@@ -35,13 +35,13 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     from mcore_ext.checkpoint import GateLayoutMismatch
     from mcore_ext.checkpoint.errors import (
+        CheckpointFormatError,
         CheckpointLoadError,
         CheckpointNotFoundError,
         CheckpointSaveError,
         one_line,
     )
     from mcore_ext.cli import is_first_rank, quiet_known_noise, report_error
-    from mcore_ext.megatron_lm.checkpoint_format import CheckpointFormatError
     from mcore_ext.training.faults import die_with_torchrun
 
     die_with_torchrun()  # a SIGKILL of torchrun ends its ranks too

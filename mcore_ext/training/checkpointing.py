@@ -26,7 +26,7 @@ every tensor by its global shape), the optimizer's (keyed by model parameter, th
 optimizer's in its ``fully_reshardable`` form, so it reshards too), the LR scheduler, iteration
 and consumed samples, and each rank's RNG state. RNG states are per rank, so they are restored
 only when the layout is unchanged; everything else loads at any layout. Next to this, what
-megatron.training reads (mcore_ext.megatron_lm.checkpoint_format: ``args``, ``opt_param_scheduler``,
+megatron.training reads (mcore_ext.checkpoint.content: ``args``, ``opt_param_scheduler``,
 its ``rng_state``; the launcher's RNG is ``mcore_ext_rng_state``), so Megatron-LM resumes these
 checkpoints and the launcher resumes Megatron-LM's.
 """
@@ -43,7 +43,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTenso
 from torch.distributed.checkpoint.api import CheckpointException
 
 from mcore_ext import checkpoint
-from mcore_ext.checkpoint import manifest, saving
+from mcore_ext.checkpoint import content, manifest, saving
 from mcore_ext.checkpoint.directory import (  # noqa: F401  (tests import them here)
     TRACKER,
     Checkpoint,
@@ -51,8 +51,11 @@ from mcore_ext.checkpoint.directory import (  # noqa: F401  (tests import them h
     iteration_dir,
     latest_iteration,
 )
-from mcore_ext.checkpoint.errors import CheckpointCorruptError, CheckpointSaveError  # noqa: F401
-from mcore_ext.megatron_lm import checkpoint_format
+from mcore_ext.checkpoint.errors import (  # noqa: F401  (tests import them here)
+    CheckpointCorruptError,
+    CheckpointFormatError,
+    CheckpointSaveError,
+)
 from mcore_ext.training.faults import fault_point
 
 # Marks the line that says where a run starts, so that it stands out among the others.
@@ -71,7 +74,7 @@ def _layout() -> dict:
     return layout
 
 
-def _rng_state(key: str = checkpoint_format.LAUNCHER_RNG_KEY) -> ShardedObject:
+def _rng_state(key: str = content.LAUNCHER_RNG_KEY) -> ShardedObject:
     """This rank's RNG streams, one entry of a (pp, tp, dp) grid of ranks ((pp, tp, cp, dp)
     with context parallelism: CP ranks are data-parallel replicas of the model, not of the RNG)."""
     state = {
@@ -121,7 +124,7 @@ def save_checkpoint(
     partial = saving.begin(directory)
 
     model_state = model.module.sharded_state_dict()
-    metadata = checkpoint_format.content_metadata(cfg.optimizer.use_distributed_optimizer)
+    metadata = content.content_metadata(cfg.optimizer.use_distributed_optimizer)
     state = {
         "model": model_state,
         "optimizer": checkpoint.optimizer_sharded_state_dict(
@@ -132,10 +135,10 @@ def save_checkpoint(
         "consumed_samples": consumed_samples,
         "layout": _layout(),
         "distributed_optimizer": cfg.optimizer.use_distributed_optimizer,
-        checkpoint_format.LAUNCHER_RNG_KEY: _rng_state(),
+        content.LAUNCHER_RNG_KEY: _rng_state(),
     }
     # What megatron.training's load reads too (args, scheduler in samples, its RNG shape).
-    state.update(checkpoint_format.megatron_lm_content(
+    state.update(content.megatron_lm_content(
         cfg, iteration, consumed_samples, scheduler.state_dict()
     ))
 
@@ -205,13 +208,13 @@ def load_checkpoint(cfg, model, optimizer, scheduler, vocab_size: int | None = N
     found, instead = _verified(start.checkpoint, c.on_corrupt)
     directory = found.directory
     common = dist_checkpointing.load_common_state_dict(directory)
-    by_megatron_lm = checkpoint_format.written_by_megatron_lm(common)
+    by_megatron_lm = content.written_by_megatron_lm(common)
     # Weights only: with finetune (before the run has a checkpoint of its own), and for an
     # imported Hugging Face model (python -m mcore_ext.hf import), which holds nothing else.
     finetune = (c.finetune and not start.own) or common.get("weights_only", False)
     if not finetune:
         # A Megatron-LM checkpoint's launcher content derives from its own (args, scheduler).
-        common = checkpoint_format.launcher_common(common, cfg)
+        common = content.launcher_common(common, cfg)
         _check_resumable(common, directory, cfg, by_megatron_lm)
 
     model_state = model.module.sharded_state_dict()
@@ -223,10 +226,10 @@ def load_checkpoint(cfg, model, optimizer, scheduler, vocab_size: int | None = N
             optimizer, model_state, is_loading=True, metadata=common.get("content_metadata")
         )
     same_layout = common.get("layout") == _layout() and not common.get("no_rng")
-    rng_key = checkpoint_format.launcher_rng_key(common)
+    rng_key = content.launcher_rng_key(common)
     if same_layout and not finetune:
         state[rng_key] = (
-            checkpoint_format.megatron_lm_rng_state() if by_megatron_lm else _rng_state(rng_key)
+            content.megatron_lm_rng_state() if by_megatron_lm else _rng_state(rng_key)
         )
     loaded = checkpoint.load(
         state, directory, init_missing_gates=c.init_missing_gates
@@ -240,7 +243,7 @@ def load_checkpoint(cfg, model, optimizer, scheduler, vocab_size: int | None = N
     scheduler.load_state_dict(common["scheduler"])
     if same_layout:
         rng = loaded[rng_key]
-        _set_rng_state(checkpoint_format.launcher_rng_from_megatron_lm(rng) if by_megatron_lm
+        _set_rng_state(content.launcher_rng_from_megatron_lm(rng) if by_megatron_lm
                        else rng)
     iteration = common["iteration"]
     change = f", layout {common.get('layout')} -> {_layout()}, RNG not restored"
@@ -254,13 +257,13 @@ def _check_resumable(common: dict, directory: str, cfg, by_megatron_lm: bool) ->
     distributed = cfg.optimizer.use_distributed_optimizer
     saved_distributed = common.get("distributed_optimizer", distributed)
     if saved_distributed != distributed:
-        raise checkpoint_format.CheckpointFormatError(
+        raise CheckpointFormatError(
             f"{directory} was saved with optimizer.use_distributed_optimizer="
             f"{str(saved_distributed).lower()}: resume with the same setting (the two optimizers' "
             "states are not interchangeable), or set checkpoint.finetune=true for weights only"
         )
     if by_megatron_lm and common["no_optimizer"]:
-        raise checkpoint_format.CheckpointFormatError(
+        raise CheckpointFormatError(
             f"{directory} was saved by Megatron-LM with --no-save-optim: set "
             "checkpoint.finetune=true to load its weights only"
         )

@@ -33,7 +33,7 @@ from mcore_ext.training.data import (
     cp_shard,
     prepare_tokenizer_and_data,
 )
-from mcore_ext.training.megatron_configs import (
+from mcore_ext.run_config.megatron_configs import (
     compute_dtype,
     ddp_config,
     optimizer_config,

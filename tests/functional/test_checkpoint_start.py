@@ -162,13 +162,13 @@ def _megatron_lm_copies(base, tmp):
     import torch
     from megatron.core import dist_checkpointing
 
-    from mcore_ext.megatron_lm import checkpoint_format
+    from mcore_ext.checkpoint import content as checkpoint_content
 
     variants = {}
     common = dist_checkpointing.load_common_state_dict(str(base / "iter_0000002"))
     megatron_lm = {k: v for k, v in common.items()
                    if k not in ("scheduler", "consumed_samples", "layout", "distributed_optimizer")}
-    assert checkpoint_format.written_by_megatron_lm(megatron_lm)
+    assert checkpoint_content.written_by_megatron_lm(megatron_lm)
     variants["other_batch"] = megatron_lm
     variants["no_args"] = {k: v for k, v in megatron_lm.items() if k != "args"}
     partial = dict(megatron_lm, opt_param_scheduler=dict(megatron_lm["opt_param_scheduler"]))

@@ -32,9 +32,6 @@ ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHELL = {"bash", "sh", "shell", "console"}
 NOT_COMMANDS = {"python", "yaml", "text", "json", "toml"}
-# Pages other branches are writing (linked from the README before they land): a link to one of
-# them is accepted while the file is absent, and checked like any other once it exists.
-PENDING_PAGES = {"docs/checkpoints.md", "docs/bridge.md", "docs/memory-plan.md", "docs/moe.md"}
 
 
 @dataclass(frozen=True)
@@ -179,52 +176,35 @@ DECISIONS = {
         Skip(BENCHMARK),
     "bash scripts/gpu_check.sh collect <files_at of the call>": Covered(
         "tests/unit/test_gpu_check.py::test_collect_replaces_a_stage_collected_again"),
+    # Checkpoints (docs/checkpoints.md)
+    "RUN_DIR=runs/tiny_cpu-<date> bash scripts/pretrain.sh": Covered(
+        "tests/functional/test_pretrain.py::test_resume_reaches_the_same_losses"),
+    "RUN_DIR=runs/tiny_cpu-<date> bash scripts/pretrain.sh training.train_iters=200": Check(),
+    "python -m mcore_ext.hf import HF_DIR runs/step35_ckpt": Covered(HF_ROUND_TRIP),
+    "torchrun --nproc_per_node=2 launch/pretrain.py --config "
+    "runs/step35_ckpt/iter_0000000/config.yaml data.prefix=... checkpoint.save=runs/step35_ft":
+        Covered(HF_ROUND_TRIP),
+    "python -m mcore_ext.checkpoint inspect runs/a/checkpoints/iter_0000020 --verify": Covered(
+        "tests/functional/test_checkpoint_verify.py::"
+        "test_damaged_checkpoint_is_named_and_previous_resumes_exactly"),
+    "python -m mcore_ext.hf export runs/a/checkpoints OUT": Covered(
+        "tests/hf/test_hf_checkpoint.py::"
+        "test_export_refuses_a_folder_with_files_and_overwrite_keeps_the_others"),
+    "python -m mcore_ext.hf export runs/a/checkpoints OUT --overwrite": Covered(
+        "tests/hf/test_hf_checkpoint.py::"
+        "test_export_refuses_a_folder_with_files_and_overwrite_keeps_the_others"),
+    # the memory plan (docs/memory-plan.md)
+    "python -m mcore_ext.plan --config configs/step35_flash.yaml --vocab-size 128896 --dp 8":
+        Run(expect="GiB"),
+    "python -m mcore_ext.plan --config configs/step35_flash.yaml --vocab-size 128896 --seq "
+    "32768 --cp 8 --dp 1 --recompute full --breakdown": Run(expect="GiB"),
+    "python -m mcore_ext.plan --config configs/step35_flash.yaml --vocab-size 128896 --seq "
+    "262144 --search": Covered(
+        "tests/unit/test_memory_plan.py::test_search_lists_the_fewest_gpus_that_fit_first"),
+    "python -m mcore_ext.hf plan HF_DIR --tp 2 --pp 9 --ep 16 --etp 1 --dp 8 --seq 4096 "
+    "--recompute selective": Covered(
+        "tests/unit/test_memory_plan.py::test_the_launcher_config_and_the_hf_config_plan_alike"),
 }
-
-
-# Decisions for the commands of pages other branches are writing (PENDING_PAGES), as those pages
-# stand on their branches: each counts only once its page exists here.
-AFTER_MERGE = {
-    "docs/checkpoints.md": {
-        "RUN_DIR=runs/tiny_cpu-<date> bash scripts/pretrain.sh": Covered(
-            "tests/functional/test_pretrain.py::test_resume_reaches_the_same_losses"),
-        "RUN_DIR=runs/tiny_cpu-<date> bash scripts/pretrain.sh training.train_iters=200": Check(),
-        "python -m mcore_ext.hf import HF_DIR runs/step35_ckpt": Covered(HF_ROUND_TRIP),
-        "torchrun --nproc_per_node=2 launch/pretrain.py --config "
-        "runs/step35_ckpt/iter_0000000/config.yaml data.prefix=... checkpoint.save=runs/step35_ft":
-            Covered(HF_ROUND_TRIP),
-        "python -m mcore_ext.checkpoint inspect runs/a/checkpoints/iter_0000020 --verify": Covered(
-            "tests/functional/test_checkpoint_verify.py::"
-            "test_damaged_checkpoint_is_named_and_previous_resumes_exactly"),
-        "python -m mcore_ext.hf export runs/a/checkpoints OUT": Covered(
-            "tests/hf/test_hf_checkpoint.py::"
-            "test_export_refuses_a_folder_with_files_and_overwrite_keeps_the_others"),
-        "python -m mcore_ext.hf export runs/a/checkpoints OUT --overwrite": Covered(
-            "tests/hf/test_hf_checkpoint.py::"
-            "test_export_refuses_a_folder_with_files_and_overwrite_keeps_the_others"),
-    },
-    "docs/memory-plan.md": {
-        "python -m mcore_ext.plan --config configs/step35_flash.yaml --vocab-size 128896 --dp 8":
-            Run(expect="GiB"),
-        "python -m mcore_ext.plan --config configs/step35_flash.yaml --vocab-size 128896 --seq "
-        "32768 --cp 8 --dp 1 --recompute full --breakdown": Run(expect="GiB"),
-        "python -m mcore_ext.plan --config configs/step35_flash.yaml --vocab-size 128896 --seq "
-        "262144 --search": Covered(
-            "tests/unit/test_memory_plan.py::test_search_lists_the_fewest_gpus_that_fit_first"),
-        "python -m mcore_ext.hf plan HF_DIR --tp 2 --pp 9 --ep 16 --etp 1 --dp 8 --seq 4096 "
-        "--recompute selective": Covered(
-            "tests/unit/test_memory_plan.py::test_the_launcher_config_and_the_hf_config_plan_alike"),
-    },
-}
-
-
-def decisions() -> dict:
-    """DECISIONS, and those of AFTER_MERGE whose page exists."""
-    merged = dict(DECISIONS)
-    for page, table in AFTER_MERGE.items():
-        if (ROOT / page).exists():
-            merged.update({key: d for key, d in table.items() if key not in merged})
-    return merged
 
 
 # ----------------------------------------------------------------------------- reading markdown
@@ -301,21 +281,20 @@ def test_every_code_block_declares_its_language():
 
 
 def test_every_command_has_a_decision():
-    known = decisions()
-    missing = [_label(item) for item in commands() if item[2] not in known]
+    missing = [_label(item) for item in commands() if item[2] not in DECISIONS]
     assert not missing, ("commands without a decision in DECISIONS of tests/unit/test_docs.py "
                          "(Run, Check, Covered or Skip):\n" + "\n".join(missing))
 
 
 def test_no_decision_is_left_without_its_command():
     used = {key for _, _, key, _ in commands()}
-    stale = sorted(set(decisions()) - used)
+    stale = sorted(set(DECISIONS) - used)
     assert not stale, f"decisions for commands no page has any more: {stale}"
 
 
 def test_covering_tests_exist():
     absent = []
-    for decision in {d for d in decisions().values() if isinstance(d, Covered)}:
+    for decision in {d for d in DECISIONS.values() if isinstance(d, Covered)}:
         path, name = decision.test.split("::")
         source = (ROOT / path).read_text() if (ROOT / path).exists() else ""
         if not re.search(rf"^def {re.escape(name)}\(", source, re.MULTILINE):
@@ -325,9 +304,9 @@ def test_covering_tests_exist():
 
 def _runs():
     """The Run commands, each once (the first page that gives it)."""
-    runs, known = {}, decisions()
+    runs = {}
     for item in commands():
-        if isinstance(known.get(item[2]), Run):
+        if isinstance(DECISIONS.get(item[2]), Run):
             runs.setdefault(item[2], item)
     return list(runs.values())
 
@@ -342,7 +321,7 @@ def _venv_env():
 @pytest.mark.parametrize("item", _runs(), ids=lambda item: item[2][:60])
 def test_run_commands_run(item, tmp_path):
     page, line, key, command = item
-    decision = decisions()[key]
+    decision = DECISIONS[key]
     script = decision.tiny.format(tmp=tmp_path) if decision.tiny else command
     if ".venv/bin/activate" in script and not (ROOT / ".venv" / "bin" / "activate").exists():
         pytest.skip("this checkout's venv is not .venv (MCORE_EXT_VENV)")
@@ -388,13 +367,12 @@ print(json.dumps(results))
 def test_launcher_commands_pass_check():
     """Each launcher command's config, overrides and layout at its world size, as ``--check``
     resolves them (no training)."""
-    known = decisions()
-    items = [item for item in commands() if isinstance(known.get(item[2]), Check)]
+    items = [item for item in commands() if isinstance(DECISIONS.get(item[2]), Check)]
     items = list({item[2]: item for item in items}.values())  # each command once
     calls = []
     for _, _, key, _ in items:
         args, world_size = _launcher_arguments(key)
-        calls.append(([*args, *known[key].on_cpu], world_size))
+        calls.append(([*args, *DECISIONS[key].on_cpu], world_size))
     result = subprocess.run([sys.executable, "-c", CHECK_DRIVER, json.dumps(calls)], cwd=ROOT,
                             env=_venv_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -439,10 +417,8 @@ def test_links_resolve():
                 continue
             file, _, anchor = target.partition("#")
             path = (page.parent / file).resolve() if file else page
-            relative = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else file
             if not path.exists():
-                if relative not in PENDING_PAGES:
-                    broken.append(f"{page.relative_to(ROOT)}: {target} (no such file)")
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such file)")
                 continue
             if anchor and path.suffix == ".md" and anchor not in _anchors(path):
                 broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")

@@ -184,12 +184,13 @@ def test_optimizer_workarounds_apply_to_torch_adam_only(run_distributed):
 @pytest.mark.smoke
 def test_megatron_lm_entry_refuses_releases_before_0_19():
     """mcore_ext.megatron_lm's entry (its config, flags, pretrain_gpt) imports on 0.19; on 0.16 to
-    0.18 it refuses, naming the release (checkpoint_format, which the launcher uses, imports)."""
+    0.18 it refuses, naming the release (mcore_ext.checkpoint.content, which the launcher uses,
+    imports)."""
     from mcore_ext import _mcore_compat
 
     version = _mcore_compat.megatron_core_version()
     result = subprocess.run(
-        [sys.executable, "-c", "import mcore_ext.megatron_lm.checkpoint_format\n"
+        [sys.executable, "-c", "import mcore_ext.checkpoint.content\n"
          "from mcore_ext.megatron_lm import GatedGPTModelConfig"],
         capture_output=True, text=True, cwd=ROOT, timeout=300,
     )

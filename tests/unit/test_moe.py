@@ -396,7 +396,7 @@ def _te_grouped_mlp_with_clamp():
 
     import mcore_ext
     from mcore_ext import moe
-    from mcore_ext.layer_kinds import clamped_swiglu
+    from mcore_ext.swiglu_clamp import clamped_swiglu
 
     mcore_ext.init_parallel()
     config = moe_config(moe_grouped_gemm=True)

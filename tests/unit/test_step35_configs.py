@@ -13,7 +13,7 @@ FLASH = str(CONFIGS / "step35_flash_dense.yaml")
 
 
 def test_step35_fields_are_opt_in():
-    from mcore_ext.training.megatron_configs import transformer_config
+    from mcore_ext.run_config.megatron_configs import transformer_config
 
     config = transformer_config(load_config(str(CONFIGS / "tiny_cpu.yaml"), world_size=2))
     assert config.layer_types is None and config.swiglu_limits is None
@@ -22,7 +22,7 @@ def test_step35_fields_are_opt_in():
 
 
 def test_flash_dense_config_has_step35_flash_attention():
-    from mcore_ext.training.megatron_configs import transformer_config
+    from mcore_ext.run_config.megatron_configs import transformer_config
 
     # Validated as on 8 GPUs at TP 8 (flex trains on a GPU only; sdpa validates here too).
     cfg = load_config(FLASH, ["parallelism.tensor_model_parallel_size=8",
@@ -68,7 +68,7 @@ def test_bad_step35_fields_are_clear_errors(overrides, message):
 
 def test_flops_count_each_kind_and_the_window():
     from mcore_ext.training.loop import flops_per_iteration
-    from mcore_ext.training.megatron_configs import transformer_config
+    from mcore_ext.run_config.megatron_configs import transformer_config
 
     cfg = load_config(TINY, world_size=2)
     m, t = cfg.model, cfg.training
@@ -94,7 +94,7 @@ def test_flops_of_moe_and_mtp_follow_the_formula():
     convention: causal attention counts half of the s x s scores; a window of w keys counts
     min(i + 1, w) keys for query i."""
     from mcore_ext.training.loop import flops_per_iteration
-    from mcore_ext.training.megatron_configs import transformer_config
+    from mcore_ext.run_config.megatron_configs import transformer_config
 
     cfg = load_config(str(CONFIGS / "step35_moe_tiny_cpu.yaml"), world_size=4)
     t = cfg.training

@@ -166,7 +166,7 @@ def test_saved_yaml_round_trips(tmp_path):
 @pytest.mark.parametrize("precision", ["bf16", "fp16", "fp32"])
 def test_explicit_precision_is_kept_on_any_device(tmp_path, precision):
     """bf16 / fp16 run on a CPU too (megatron's Float16Module and mixed-precision optimizer)."""
-    from mcore_ext.training.megatron_configs import optimizer_config, transformer_config
+    from mcore_ext.run_config.megatron_configs import optimizer_config, transformer_config
 
     cfg = load_config(write(tmp_path, MOCK), [f"training.precision={precision}"], world_size=1)
     assert cfg.training.precision == precision
@@ -220,7 +220,7 @@ def test_tiny_config_is_the_readme_job():
 
 def test_flops_count_the_gate_rows():
     from mcore_ext.training.loop import flops_per_iteration
-    from mcore_ext.training.megatron_configs import transformer_config
+    from mcore_ext.run_config.megatron_configs import transformer_config
 
     cfg = load_config(str(CONFIGS / "tiny_cpu.yaml"), world_size=2)
     m, t = cfg.model, cfg.training
@@ -235,7 +235,7 @@ def test_flops_count_the_gate_rows():
 def test_gate_init_bias_without_qkv_bias_is_kept_not_rewritten(tmp_path):
     """The launcher leaves the policy to GatedTransformerConfig: the value stays as configured
     (the saved config says what the user asked for) and is effectively 0 without a QKV bias."""
-    from mcore_ext.training.megatron_configs import transformer_config
+    from mcore_ext.run_config.megatron_configs import transformer_config
 
     cfg = load_config(write(tmp_path, MOCK),
                       ["model.head_wise_attn_gate=true", "model.add_qkv_bias=false"], world_size=1)
@@ -253,8 +253,8 @@ def test_shipped_configs_start_their_gates_as_configured(name):
     """No shipped config asks for a gate init bias its model has no bias rows for (which would
     warn on every rank): the configured value is the effective one."""
     from mcore_ext.training.config import PretrainConfig
-    from mcore_ext.training.config.overrides import apply_overrides, build, read_yaml
-    from mcore_ext.training.megatron_configs import transformer_config
+    from mcore_ext.run_config.overrides import apply_overrides, build, read_yaml
+    from mcore_ext.run_config.megatron_configs import transformer_config
 
     raw = apply_overrides(read_yaml(str(CONFIGS / name)), ["training.precision=fp32"])
     config = transformer_config(build(PretrainConfig, raw))

@@ -5,39 +5,19 @@ A run is configured by one YAML file with the sections of ``PretrainConfig``, pl
 defaults < YAML < overrides. ``load_config`` merges once and validates once; every problem it finds
 is a ``ConfigError`` with a message meant for the user, raised before anything is built or written.
 
-    schema.py      the sections and keys, each documented (what a YAML file may say)
-    overrides.py   YAML file + overrides -> typed dataclasses (generic; "did you mean")
-    validation.py  what a runnable combination is, and the values derived from it
+    mcore_ext/run_config/   the schema (sections and keys), YAML + overrides -> typed
+                            dataclasses, the megatron config objects (shared with hf and plan,
+                            which read checkpoints' and users' configs without the launcher)
+    validation.py           what a runnable combination is, and the values derived from it
 """
 
 import os
 
-from mcore_ext.training.config.overrides import apply_overrides, build, read_yaml
-from mcore_ext.training.config.schema import (
-    CheckpointConfig,
-    ConfigError,
-    DataConfig,
-    LoggingConfig,
-    ModelConfig,
-    OptimizerConfig,
-    ParallelismConfig,
-    PretrainConfig,
-    TrainingConfig,
-)
+from mcore_ext.run_config import ConfigError, PretrainConfig, apply_overrides, build, read_yaml
 from mcore_ext.training.config.validation import validate
 
-__all__ = [
-    "CheckpointConfig",
-    "ConfigError",
-    "DataConfig",
-    "LoggingConfig",
-    "ModelConfig",
-    "OptimizerConfig",
-    "ParallelismConfig",
-    "PretrainConfig",
-    "TrainingConfig",
-    "load_config",
-]
+# The sections (ModelConfig, ...) are mcore_ext.run_config's.
+__all__ = ["ConfigError", "PretrainConfig", "load_config", "validate"]
 
 
 def load_config(path: str | None, overrides=(), world_size: int | None = None) -> PretrainConfig:

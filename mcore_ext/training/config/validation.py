@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from mcore_ext.training.config.schema import ConfigError, DataConfig, PretrainConfig, TrainingConfig
+from mcore_ext.run_config.schema import ConfigError, DataConfig, PretrainConfig, TrainingConfig
 
 
 def validate(cfg: PretrainConfig, world_size: int) -> None:
@@ -161,7 +161,7 @@ def validate(cfg: PretrainConfig, world_size: int) -> None:
         raise ConfigError("model.swiglu_limits clamps a SwiGLU MLP: it needs model.swiglu=true")
 
     # Last, let megatron's own config reject what it does not support (gate x TP, GQA, ...).
-    from mcore_ext.training.megatron_configs import transformer_config
+    from mcore_ext.run_config.megatron_configs import transformer_config
 
     try:
         transformer_config(cfg)

@@ -12,8 +12,8 @@ from mcore_ext import _mcore_compat
 class MTPGPTModel(GPTModel):
     """megatron's ``GPTModel`` whose MTP depths follow ``config.mtp_step35_heads``.
 
-    Step-3.5 (see mcore_ext/mtp.py): the MTP block gets the decoder's output BEFORE its final norm
-    (``decoder.final_layernorm``'s input, kept by a forward pre-hook: the checkpoint keys stay
+    Step-3.5 (see mcore_ext/mtp_layers.py): the MTP block gets the decoder's output BEFORE its final
+    norm (``decoder.final_layernorm``'s input, kept by a forward pre-hook: the checkpoint keys stay
     megatron's), and megatron's MTP loss (``process_mtp_loss``: rolled labels and masks, scaling,
     logging) takes depth k's logits from depth k's own head. megatron's MTP: GPTModel unchanged.
     Both kinds serve ``mtp_logits``.

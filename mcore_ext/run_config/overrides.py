@@ -15,7 +15,7 @@ from typing import Literal
 
 import yaml
 
-from mcore_ext.training.config.schema import ConfigError, section_fields
+from mcore_ext.run_config.schema import ConfigError, section_fields
 
 
 def read_yaml(path: str) -> dict:

@@ -1,4 +1,5 @@
-"""Where the launcher's YAML fields become megatron-core's config objects (and nowhere else)."""
+"""Where the launcher's YAML fields become megatron-core's config objects (and nowhere else):
+the model's for every reader of a launcher config, DDP's and the optimizer's for the launcher."""
 
 import torch
 import torch.nn.functional as F

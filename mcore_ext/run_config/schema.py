@@ -3,7 +3,7 @@
 A run's YAML file has the sections of ``PretrainConfig`` (``model``, ``parallelism``,
 ``training``, ``optimizer``, ``data``, ``checkpoint``, ``logging``); each key is a field below,
 with its default and a docstring. How a file and command-line overrides become these objects is
-``overrides.py``; what a valid combination is, ``validation.py``.
+``overrides.py``; what a runnable combination is, the launcher's ``training/config/validation.py``.
 """
 
 import dataclasses

@@ -1,4 +1,8 @@
-"""megatron.training's checkpoint content, written and read by mcore_ext's launcher.
+"""The checkpoint content both entry points write and read: megatron.training's.
+
+Megatron-LM (``mcore_ext.megatron_lm``) writes it itself; the YAML launcher (``mcore_ext.training``)
+writes it next to its own and reads it back, so each resumes the other's checkpoints. Both sit
+above this module, which needs megatron.core only (every release the launcher supports).
 
 What megatron.training (checkpointing.py of megatron-core 0.19: ``generate_state_dict``,
 ``get_rng_state``, ``_build_sharded_state_dict_metadata``, ``load_checkpoint``) keeps in a
@@ -37,16 +41,31 @@ import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+from mcore_ext.checkpoint.errors import CheckpointFormatError
+
+__all__ = [
+    "CHECKPOINT_VERSION",
+    "CheckpointFormatError",
+    "LAUNCHER_RNG_KEY",
+    "MEGATRON_RNG_KEY",
+    "content_metadata",
+    "launcher_common",
+    "launcher_rng_from_megatron_lm",
+    "launcher_rng_key",
+    "megatron_lm_args",
+    "megatron_lm_content",
+    "megatron_lm_rng_state",
+    "scheduler_from_megatron_lm",
+    "scheduler_to_megatron_lm",
+    "written_by_megatron_lm",
+]
+
 CHECKPOINT_VERSION = 3.0
 LAUNCHER_RNG_KEY = "mcore_ext_rng_state"
 MEGATRON_RNG_KEY = "rng_state"
 # OptimizerParamScheduler.state_dict() entries counted in steps (launcher: iterations,
 # Megatron-LM: samples).
 _STEP_FIELDS = ("num_steps", "lr_warmup_steps", "lr_decay_steps", "wd_incr_steps")
-
-
-class CheckpointFormatError(ValueError):
-    """A checkpoint the launcher cannot continue exactly: the message names the field."""
 
 
 def content_metadata(distributed_optimizer: bool) -> dict:

@@ -18,7 +18,7 @@ checkpoint, vLLM's ``step3p5_mtp.py``) differs in three ways, all kept here:
 Everything else is megatron's: enorm / hnorm / eh_proj, the rolled tokens, the MTP loss and its
 logging. Each depth's layer is a ``KindTransformerLayer`` of global layer ``num_layers + k + 1``
 (Step: dense, sliding window, the sliding kind's heads and RoPE, its own clamp). The model side
-(the pre-norm input, per-depth heads in the loss) is ``mcore_ext.models.mtp.MTPGPTModel``.
+(the pre-norm input, per-depth heads in the loss) is ``mcore_ext.models.mtp_model.MTPGPTModel``.
 """
 
 from typing import Optional
