@@ -41,6 +41,10 @@ def _copy_of(source, step, target):
 
 @pytest.fixture(scope="module")
 def mtp_runs(tmp_path_factory, stdlib_prefix):
+    from mcore_ext import _mcore_compat
+
+    if _mcore_compat.megatron_core_version().startswith("0.16"):
+        pytest.skip("Step's MTP needs megatron-core >= 0.17 (process_mtp_loss); refused on 0.16")
     tmp = tmp_path_factory.mktemp("step35_mtp")
     common = ["--config", MTP_TINY, f"data.prefix={stdlib_prefix}",
               f"training.train_iters={STEPS}", "training.eval_interval=null",
@@ -71,6 +75,7 @@ def _losses(record):
 
 
 @pytest.mark.slow
+@pytest.mark.smoke  # 0.17 / 0.18 pass the TP group differently (_mcore_compat.process_mtp_loss)
 def test_mtp_trains_and_logs_main_and_mtp_losses_apart(mtp_runs):
     full = mtp_runs["records"]["full"]
     assert sorted(full) == list(range(1, STEPS + 1))
