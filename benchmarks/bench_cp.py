@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import torch
 
@@ -121,6 +120,8 @@ def _measure(args, cp, dtype, on_gpu, recompute):
     import mcore_ext
     from megatron.core.transformer.transformer_block import TransformerBlock
 
+    from bench_gate import step_time_and_peak
+
     from mcore_ext.attention import context_parallel
 
     config = mcore_ext.GatedTransformerConfig(
@@ -147,28 +148,12 @@ def _measure(args, cp, dtype, on_gpu, recompute):
 
     step()  # allocates the weight gradients, which the measured step accumulates into
     saved = _saved_bytes(block, x)
+    seconds, peak = step_time_and_peak(step, on_gpu)
     if on_gpu:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        t0 = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        seconds = time.perf_counter() - t0
-        peak = torch.cuda.max_memory_allocated() - before
         from bench_attention import attention_kernels
 
         print(f"[bench_cp] rank {torch.distributed.get_rank()} CP {cp} recompute {recompute}: "
               f"attention ops {attention_kernels(step)}", flush=True)
-    else:
-        from bench_gate import _proc_status_bytes, _reset_resident_peak
-
-        before = _proc_status_bytes("VmRSS")
-        _reset_resident_peak()
-        t0 = time.perf_counter()
-        step()
-        seconds = time.perf_counter() - t0
-        peak = _proc_status_bytes("VmHWM") - before
     with _CountReceived() as received:
         step()
     return dict(peak=peak, saved=saved, seconds=seconds, local_seq=x.size(0),

@@ -510,6 +510,25 @@ def _reset_resident_peak():
         f.write("5")  # resets VmHWM to the current VmRSS (Linux >= 4.0)
 
 
+def step_time_and_peak(step, on_gpu):
+    """(seconds, activation peak bytes) of one ``step()``: GPU max_memory_allocated minus what was
+    allocated before; CPU the resident high-water mark minus VmRSS before (with the mmap threshold
+    fixed by ``fix_malloc_threshold``)."""
+    if on_gpu:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0, torch.cuda.max_memory_allocated() - before
+    before = _proc_status_bytes("VmRSS")
+    _reset_resident_peak()
+    t0 = time.perf_counter()
+    step()
+    return time.perf_counter() - t0, _proc_status_bytes("VmHWM") - before
+
+
 def _proc_status_bytes(key):
     with open("/proc/self/status") as f:
         for line in f:

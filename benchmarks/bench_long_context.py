@@ -27,12 +27,12 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from bench_gate import fix_malloc_threshold, step_time_and_peak  # noqa: E402
 
 DOUBLING_TARGET = 2.3
 SLIDING_VS_FULL_TARGET = 1 / 8
@@ -64,8 +64,6 @@ def main(argv=None):
     warnings.simplefilter("ignore")
     on_gpu = torch.cuda.is_available()
     if not on_gpu:
-        from bench_gate import fix_malloc_threshold
-
         fix_malloc_threshold()
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[
         args.dtype or ("bf16" if on_gpu else "fp32")]
@@ -78,7 +76,7 @@ def main(argv=None):
     runs = {cell: [] for cell in cells}
     for _ in range(args.rounds):
         for cell in cells:
-            runs[cell].append(_measure(steps[cell], on_gpu))
+            runs[cell].append(step_time_and_peak(steps[cell], on_gpu))
     figures = {}
     for (seq, name), rs in runs.items():
         figures.setdefault(seq, {})[name] = dict(seconds=statistics.median(r[0] for r in rs),
@@ -131,24 +129,6 @@ def _step(args, variant, seq, dtype):
 
     step()  # warm-up
     return step
-
-
-def _measure(step, on_gpu):
-    if on_gpu:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        t0 = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        return time.perf_counter() - t0, torch.cuda.max_memory_allocated() - before
-    from bench_gate import _proc_status_bytes, _reset_resident_peak
-
-    before = _proc_status_bytes("VmRSS")
-    _reset_resident_peak()
-    t0 = time.perf_counter()
-    step()
-    return time.perf_counter() - t0, _proc_status_bytes("VmHWM") - before
 
 
 def _report(args, figures, dtype, on_gpu):
