@@ -8,6 +8,7 @@ It observes megatron.training's ``training_log`` (the values it is handed), chan
 """
 
 import functools
+import sys
 
 import torch
 
@@ -31,4 +32,4 @@ def _exact_training_log(loss_dict, total_loss_dict, learning_rate, iteration, lo
 training.training_log = _exact_training_log
 
 if __name__ == "__main__":
-    pretrain_gpt.main()
+    sys.exit(pretrain_gpt.main())
