@@ -33,6 +33,8 @@ there were one megatron-core; each shim below says which releases need it and wh
 This module adapts megatron-core to other releases; ``_cpu_compat`` adapts it to a CPU.
 """
 
+import contextlib
+import copy
 import dataclasses
 import importlib.metadata
 import inspect
@@ -131,6 +133,22 @@ TENorm = getattr(gpt_layer_specs, "TENorm", None)
 #   c. load_state_dict gives all parameters one shared step tensor, which torch's Adam then
 #      increments once per parameter per iteration: wrong bias correction after a resume.
 # The functions below work around them for exactly that case and otherwise leave megatron alone.
+#
+# A chained optimizer can hold an entry with no parameters on a rank: megatron builds the expert
+# optimizer on every rank of a MoE model, and a pipeline stage without MoE layers has no experts.
+# Global rank 0 alone writes a checkpoint's common (non-tensor) state, so when rank 0 is such a
+# stage, what its empty entry writes is what every layout loads. Three bugs (0.16 - 0.19):
+#   d. FP32Optimizer / Float16Optimizer keep the step as one 'common_step' per entry, and an
+#      entry without parameters has none: loading where it has parameters gives them Adam state
+#      without a step (KeyError: 'step' in torch's Adam).
+#   e. The distributed optimizer over torch's Adam reads the step from its parameters' state and
+#      asserts there is exactly one: an entry without parameters cannot be saved at all.
+#   f. Float16Optimizer's empty list of fp32 master weights ([[]]) lands in the common state and
+#      contradicts the loading layout's list ("Cannot merge two lists with different lengths").
+# The chain's entries share one step (megatron's ChainedOptimizer._synchronize_steps), so the
+# empty entry takes its siblings' (d, e); the empty master-weight lists are not saved and are
+# restored on load (f). Checkpoints written before the fix of f load only where rank 0 again has
+# no experts.
 
 
 def torch_adam_distributed_optimizers(optimizer) -> list:
@@ -171,7 +189,8 @@ def load_optimizer_state_dict(optimizer, state_dict) -> None:
     first, then the parameter state with the steps set aside, and each parameter gets its own
     copy of the step. Other optimizers load as megatron loads them.
     """
-    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    chained = _chain(optimizer)
+    complete_chained_state_dict(optimizer, state_dict, saving=False)
     if not torch_adam_distributed_optimizers(optimizer):
         optimizer.load_state_dict(state_dict)  # megatron's own path (e.g. Apex / TE fused Adam)
         return
@@ -189,6 +208,71 @@ def load_optimizer_state_dict(optimizer, state_dict) -> None:
         optimizer._synchronize_steps()
 
 
+def _chain(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _has_parameters(inner) -> bool:
+    return any(group["params"] for group in inner.optimizer.param_groups)
+
+
+def _chain_step(optimizer):
+    """The step the chain's entries share: Adam's per-parameter step of any entry that has one."""
+    for inner in _chain(optimizer):
+        for state in inner.optimizer.state.values():
+            if "step" in state:
+                return state["step"]
+    return None
+
+
+@contextlib.contextmanager
+def steps_for_empty_optimizers(optimizer):
+    """Let a torch-Adam distributed optimizer without parameters report the chain's step to
+    megatron's ``state_dict`` (bug e) while the block runs."""
+    empty = [inner for inner in torch_adam_distributed_optimizers(optimizer)
+             if not _has_parameters(inner)]
+    step = _chain_step(optimizer) if empty else None
+    if step is None:
+        yield
+        return
+    for inner in empty:
+        inner_state_dict = inner.optimizer.state_dict
+
+        def with_step(inner_state_dict=inner_state_dict):
+            state_dict = inner_state_dict()
+            state_dict["state"] = {0: {"step": step}}  # read for the step only
+            return state_dict
+
+        inner.optimizer.state_dict = with_step
+    try:
+        yield
+    finally:
+        for inner in empty:
+            del inner.optimizer.state_dict
+
+
+def complete_chained_state_dict(optimizer, state_dict, *, saving: bool) -> None:
+    """Fix a chained optimizer's state dict in place for its entries without parameters on this
+    rank (bugs d and f): the sharded one about to be saved (``saving``), or a loaded one."""
+    chain = _chain(optimizer)
+    if len(chain) < 2 or not isinstance(state_dict, dict) or len(state_dict) != len(chain):
+        return
+    entries = [entry for _, entry in sorted(state_dict.items())]
+    states = [entry.get("optimizer", entry).get("state") for entry in entries]
+    steps = [state["common_step"] for state in states
+             if isinstance(state, dict) and "common_step" in state]
+    for inner, entry, state in zip(chain, entries, states):
+        if isinstance(state, dict) and steps:
+            state.setdefault("common_step", copy.deepcopy(steps[0]))
+        groups = getattr(inner, "fp32_from_float16_groups", None)
+        if groups is None or _has_parameters(inner):
+            continue
+        if saving:
+            entry.pop("fp32_from_fp16_params", None)  # saved, it would be rank 0's list shape
+        else:
+            entry.setdefault("fp32_from_fp16_params", [[] for _ in groups])
+
+
 def _load_one_optimizer(inner, state_dict) -> None:
     if not (
         torch_adam_distributed_optimizers(inner)
@@ -197,8 +281,13 @@ def _load_one_optimizer(inner, state_dict) -> None:
         inner.load_state_dict(state_dict)
         return
     state_dict = dict(state_dict)
-    param_state = state_dict.pop("param_state")
+    param_state = state_dict.pop("param_state", None)
     state_dict.pop("param_state_sharding_type")
+    if param_state is None:  # nothing loads into an entry without parameters on this rank
+        if _has_parameters(inner):
+            raise RuntimeError("the distributed optimizer's checkpoint has no parameter state")
+        inner.load_state_dict(state_dict)
+        return
     inner.load_state_dict(state_dict)
     steps = {p: state.pop("step") for p, state in inner.optimizer.state.items() if "step" in state}
     try:

@@ -162,9 +162,14 @@ def optimizer_sharded_state_dict(
     megatron's content metadata, ``OPTIMIZER_METADATA`` by default)."""
     if is_loading:
         _mcore_compat.prepare_optimizer_for_loading(optimizer)
-    return optimizer.sharded_state_dict(
-        model_sharded_state_dict, is_loading=is_loading, metadata=metadata or OPTIMIZER_METADATA
-    )
+    with _mcore_compat.steps_for_empty_optimizers(optimizer):
+        state_dict = optimizer.sharded_state_dict(
+            model_sharded_state_dict, is_loading=is_loading,
+            metadata=metadata or OPTIMIZER_METADATA,
+        )
+    if not is_loading:
+        _mcore_compat.complete_chained_state_dict(optimizer, state_dict, saving=True)
+    return state_dict
 
 
 def load_optimizer_state_dict(optimizer, state_dict) -> None:

@@ -108,8 +108,10 @@ def test_step35_moe_tiny_trains_in_bf16_at_ep2(tmp_path, stdlib_prefix):  # noqa
 @pytest.fixture(scope="module")
 def pp_runs(tmp_path_factory, stdlib_prefix):
     """With moe_layer_freq [0, 0, 1, 1] at PP 2, stage 0 has no MoE layer and stage 1 has two
-    and the MTP depth. ``start``: one PP 2 step, saved; ``pp2`` and ``pp1``: 3 steps each from
-    its weights (checkpoint.finetune: the same weights, a fresh optimizer, the same samples)."""
+    and the MTP depth. ``start``: 3 PP 2 steps, saved after each; ``pp2`` and ``pp1``: 3 steps
+    each from its step-1 weights (checkpoint.finetune: the same weights, a fresh optimizer, the
+    same samples); ``pp1_resume``: resumes its step-1 checkpoint (optimizer state included) at
+    PP 1."""
     tmp = tmp_path_factory.mktemp("step35_moe_pp")
     common = ["--config", MOE_TINY, f"data.prefix={stdlib_prefix}", "training.eval_interval=null",
               "logging.log_interval=1", "optimizer.lr_warmup_iters=1",
@@ -117,14 +119,16 @@ def pp_runs(tmp_path_factory, stdlib_prefix):
     pp2 = "parallelism.pipeline_model_parallel_size=2"
     out = {"tmp": tmp}
     out["start"] = check(torchrun(*common, pp2, "training.train_iters=3",
-                                  "training.exit_interval=1", "checkpoint.save_interval=1",
+                                  "checkpoint.save_interval=1",
                                   f"checkpoint.save={tmp / 'start'}", "checkpoint.load=null",
                                   f"logging.metrics_file={tmp / 'start'}.jsonl", nproc=2), "start")
-    for name, layout, nproc in (("pp2", [pp2], 2), ("pp1", [], 1)):
-        out[name] = check(torchrun(*common, *layout, "training.train_iters=3",
-                                   f"checkpoint.load={tmp / 'start'}", "checkpoint.finetune=true",
-                                   "checkpoint.save=null",
-                                   f"logging.metrics_file={tmp / name}.jsonl", nproc=nproc), name)
+    step1 = tmp / "start" / "iter_0000001"
+    for name, layout, nproc, start in (("pp2", [pp2], 2, ["checkpoint.finetune=true"]),
+                                       ("pp1", [], 1, ["checkpoint.finetune=true"]),
+                                       ("pp1_resume", [], 1, [])):
+        out[name] = torchrun(*common, *layout, *start, "training.train_iters=3",
+                             f"checkpoint.load={step1}", "checkpoint.save=null",
+                             f"logging.metrics_file={tmp / name}.jsonl", nproc=nproc)
     return out
 
 
@@ -135,6 +139,7 @@ def test_moe_balancing_loss_logs_with_mtp_and_a_pipeline_stage_without_moe(pp_ru
     without MoE layers all-reduced a tensor of num_layers entries against megatron's 5 over the
     pipeline group: SIGABRT on gloo at the first step."""
     tmp = pp_runs["tmp"]
+    check(pp_runs["pp2"], "pp2"), check(pp_runs["pp1"], "pp1")
     pp2, pp1 = (_train_records(f"{tmp / name}.jsonl") for name in ("pp2", "pp1"))
     assert sorted(pp2) == sorted(pp1) == [1, 2, 3], (pp2, pp1)
     assert "PP 2" in pp_runs["pp2"].stdout
@@ -144,3 +149,56 @@ def test_moe_balancing_loss_logs_with_mtp_and_a_pipeline_stage_without_moe(pp_ru
         assert got["load_balancing_loss"] == pytest.approx(expected["load_balancing_loss"],
                                                            rel=1e-5), (step, expected, got)
         assert _losses(got) == pytest.approx(_losses(expected), rel=1e-5), (step, expected, got)
+
+
+def test_moe_checkpoint_of_a_pipeline_stage_without_moe_resumes_at_pp1(pp_runs):
+    """The PP 2 checkpoint, saved where stage 0 (global rank 0, which writes the optimizer's
+    common state) has no expert parameters, resumes at PP 1 with its Adam state: steps 2 and 3
+    equal the uninterrupted PP 2 run's (rel 1e-5, fp32: reduction order). Before, megatron's
+    optimizer saved the expert optimizer's step only from a rank that has experts, so the
+    resume failed in torch Adam's load_state_dict with KeyError: 'step'."""
+    tmp = pp_runs["tmp"]
+    check(pp_runs["pp1_resume"], "pp1_resume")
+    full, resumed = (_train_records(f"{tmp / name}.jsonl") for name in ("start", "pp1_resume"))
+    assert "resumed from" in pp_runs["pp1_resume"].stdout
+    assert sorted(resumed) == [2, 3], resumed
+    for step in (2, 3):
+        expected, got = full[step], resumed[step]
+        assert _losses(got) == pytest.approx(_losses(expected), rel=1e-5), (step, expected, got)
+        assert got["load_balancing_loss"] == pytest.approx(expected["load_balancing_loss"],
+                                                           rel=1e-5), (step, expected, got)
+
+
+@pytest.mark.parametrize("optimizer, tolerance", [
+    (["training.precision=bf16"], 1e-3),  # Float16Optimizer: fp32 master weights, bf16 model
+    (["optimizer.use_distributed_optimizer=true"], 1e-5),
+], ids=["bf16", "distributed_optimizer"])
+def test_other_optimizers_of_a_pipeline_stage_without_moe_reshard_both_ways(
+        tmp_path, stdlib_prefix, optimizer, tolerance):  # noqa: F811
+    """As above for the two other optimizers megatron builds: 3 PP 2 steps saved after each; its
+    step-1 checkpoint resumed at PP 1 (saving after each step), and that run's step-2 checkpoint
+    resumed at PP 2 again (where rank 0's expert optimizer is empty and loads nothing). Every
+    resumed step equals the PP 2 run's (bf16: rel 1e-3, reduction order in bf16; fp32: 1e-5).
+    Before, with bf16 the PP 1 load failed in megatron's merge of the common state (rank 0's
+    empty list of fp32 master weights: "Cannot merge two lists with different lengths"); the
+    distributed optimizer over torch's Adam failed its first save on the stage without experts
+    (an assert on the number of Adam steps) and its load there (no parameter state)."""
+    common = ["--config", MOE_TINY, f"data.prefix={stdlib_prefix}", "training.eval_interval=null",
+              "logging.log_interval=1", "optimizer.lr_warmup_iters=1", "training.train_iters=3",
+              "checkpoint.save_interval=1", "model.moe_layer_freq=[0,0,1,1]",
+              "parallelism.expert_model_parallel_size=1", *optimizer]
+    pp2 = "parallelism.pipeline_model_parallel_size=2"
+    runs = (("pp2", [pp2], "null", 2),
+            ("pp1", [], tmp_path / "pp2" / "iter_0000001", 1),
+            ("pp2_again", [pp2], tmp_path / "pp1" / "iter_0000002", 2))
+    for name, layout, load, nproc in runs:
+        result = check(torchrun(*common, *layout, f"checkpoint.load={load}",
+                                f"checkpoint.save={tmp_path / name}",
+                                f"logging.metrics_file={tmp_path / name}.jsonl", nproc=nproc),
+                       name)
+        assert name == "pp2" or "resumed from" in result.stdout, result.stdout
+    full, pp1, again = (_train_records(f"{tmp_path / name}.jsonl") for name, *_ in runs)
+    assert sorted(pp1) == [2, 3] and sorted(again) == [3], (pp1, again)
+    for step, got in ((2, pp1[2]), (3, pp1[3]), (3, again[3])):
+        assert _losses(got) == pytest.approx(_losses(full[step]), rel=tolerance), (
+            step, full[step], got)
