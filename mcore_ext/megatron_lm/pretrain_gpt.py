@@ -23,6 +23,7 @@ On a machine without CUDA it runs on gloo with mcore_ext's CPU adaptations (test
 import functools
 import sys
 import traceback
+import types
 
 import torch
 
@@ -180,6 +181,23 @@ def context_parallel_flags(args) -> list[str]:
     return notes
 
 
+def check_learning_rate_schedule(args) -> None:
+    """Build megatron's own LR scheduler from the flags on an optimizer without parameters, so
+    its checks run here, before any process group (megatron builds it after the model, where a
+    failed assert is a traceback on every rank). The usual mistake, a warm-up as long as the
+    decay, is named with its flags; megatron's other asserts say which check failed."""
+    from megatron.training.training import get_optimizer_param_scheduler
+
+    if args.train_iters and args.lr_warmup_fraction is None:
+        decay = args.lr_decay_iters or args.train_iters
+        if args.lr_warmup_iters >= decay:
+            decay_flag = (f"--lr-decay-iters {decay}" if args.lr_decay_iters
+                          else f"--train-iters {decay} (--lr-decay-iters not given)")
+            raise FlagError(f"--lr-warmup-iters {args.lr_warmup_iters} must be below "
+                            f"{decay_flag}: megatron's learning rate would never decay")
+    get_optimizer_param_scheduler(types.SimpleNamespace(param_groups=[]))
+
+
 def main(argv=None) -> int:
     """Parse Megatron-LM's flags and mcore_ext's, build the config, run ``pretrain``. A mistake
     in the flags is one ``error:`` line (the first rank) and exit code 2, before any collective."""
@@ -193,9 +211,10 @@ def main(argv=None) -> int:
         try:
             args = parse_and_validate_args(
                 extra_args_provider=add_mcore_ext_args,
-                args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
+                args_defaults=_default_tokenizer(sys.argv[1:]),
             )
             notes = context_parallel_flags(args)
+            check_learning_rate_schedule(args)
             model_config = gated_gpt_config_from_args(args)
             container = pretrain_cfg_container_from_args(args, model_config)
         except (AssertionError, ValueError) as err:  # megatron's checks of the flags, and ours
@@ -210,6 +229,13 @@ def main(argv=None) -> int:
             forward_step,
         )
     return 0
+
+
+def _default_tokenizer(argv) -> dict:
+    """Megatron-LM's GPT default tokenizer unless the flags name one (megatron warns on every
+    rank when a flag overrides a default given here)."""
+    named = any(arg.split("=")[0] == "--tokenizer-type" for arg in argv)
+    return {} if named else {"tokenizer_type": "GPT2BPETokenizer"}
 
 
 def _message(err: BaseException) -> str:
