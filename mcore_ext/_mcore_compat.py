@@ -9,7 +9,10 @@ there were one megatron-core; each shim below says which releases need it and wh
    (``self_attention_init_kwargs``).
 3. ``gpt_layer_specs.TENorm`` exists without Transformer Engine only from 0.17 (``TENorm``).
 4. The distributed optimizer over torch's Adam cannot load its own ``fully_reshardable``
-   checkpoints correctly (``prepare_optimizer_for_loading``, ``load_optimizer_state_dict``).
+   checkpoints correctly (``prepare_optimizer_for_loading``, ``load_optimizer_state_dict``); a
+   chained optimizer's entry without parameters on global rank 0 (the expert optimizer of a
+   pipeline stage without MoE layers) writes a common state other layouts cannot load
+   (``complete_chained_state_dict``, ``steps_for_empty_optimizers``). All releases.
 5. ``utils.get_batch_on_this_cp_rank`` gained a required ``is_hybrid_cp`` argument in 0.18
    (``get_batch_on_this_cp_rank``).
 6. MTP: the layer inside an MTP depth is ``transformer_layer`` in 0.16 and ``mtp_model_layer``
@@ -116,7 +119,7 @@ def self_attention_init_kwargs(**kwargs) -> dict:
 TENorm = getattr(gpt_layer_specs, "TENorm", None)
 
 
-# ------------------------------------------------- 4. distributed optimizer over torch Adam
+# ------------------------- 4. optimizer checkpoints: torch's Adam, chain entries without parameters
 #
 # Without Apex and Transformer Engine, megatron's DistributedOptimizer wraps torch.optim.Adam(W),
 # which keeps a per-parameter 'step' tensor in its state (the fused Adams of Apex and TE keep the
@@ -182,12 +185,14 @@ def prepare_optimizer_for_loading(optimizer) -> None:
 
 
 def load_optimizer_state_dict(optimizer, state_dict) -> None:
-    """``optimizer.load_state_dict(state_dict)``, with bugs b and c worked around where they apply.
+    """``optimizer.load_state_dict(state_dict)``, with bugs b, c, d and f worked around where
+    they apply.
 
-    For each torch-Adam distributed optimizer (a MoE model's optimizer chains one for the dense
-    and one for the expert parameters) and a fully_reshardable state dict: the param groups load
-    first, then the parameter state with the steps set aside, and each parameter gets its own
-    copy of the step. Other optimizers load as megatron loads them.
+    A chain's entries without parameters are completed first (d, f). For each torch-Adam
+    distributed optimizer (a MoE model's optimizer chains one for the dense and one for the
+    expert parameters) and a fully_reshardable state dict: the param groups load first, then the
+    parameter state with the steps set aside, and each parameter gets its own copy of the step.
+    Other optimizers load as megatron loads them.
     """
     chained = _chain(optimizer)
     complete_chained_state_dict(optimizer, state_dict, saving=False)
