@@ -20,6 +20,7 @@ training (``context_parallel_flags``).
 On a machine without CUDA it runs on gloo with mcore_ext's CPU adaptations (tests, small runs).
 """
 
+import copy
 import functools
 import sys
 import traceback
@@ -195,7 +196,16 @@ def check_learning_rate_schedule(args) -> None:
                           else f"--train-iters {decay} (--lr-decay-iters not given)")
             raise FlagError(f"--lr-warmup-iters {args.lr_warmup_iters} must be below "
                             f"{decay_flag}: megatron's learning rate would never decay")
-    get_optimizer_param_scheduler(types.SimpleNamespace(param_groups=[]))
+    # It reads megatron's global args and fills in derived values (--train-iters of a sample-based
+    # run, which the config container would then carry too): give it a copy.
+    from megatron.training import global_vars
+
+    previous = global_vars._GLOBAL_ARGS
+    global_vars.set_args(copy.copy(args))
+    try:
+        get_optimizer_param_scheduler(types.SimpleNamespace(param_groups=[]))
+    finally:
+        global_vars.set_args(previous)
 
 
 def main(argv=None) -> int:

@@ -93,6 +93,39 @@ def test_unknown_backend_is_refused():
         _megatron_parser().parse_args(["--mcore-ext-backend", "flash"])
 
 
+def _sample_based(*flags):
+    swapped = [f for f in FLAGS]
+    at = swapped.index("--train-iters")
+    swapped[at:at + 2] = ["--train-samples", "8"]
+    return _parse([*swapped, *flags], world_size=2)
+
+
+def test_learning_rate_schedule_is_checked_without_changing_the_flags():
+    """The entry builds megatron's own scheduler from the flags before any process group; a
+    sample-based run keeps its flags as given (megatron's builder derives --train-iters on the
+    args it reads: before, that landed in the run's config next to --train-samples)."""
+    from megatron.training import global_vars
+
+    from mcore_ext.megatron_lm.pretrain_gpt import FlagError, check_learning_rate_schedule
+
+    args = _sample_based("--lr-warmup-samples", "2")
+    before = dict(vars(args))
+    global_vars.set_args(args)
+    try:
+        check_learning_rate_schedule(args)
+        assert vars(args) == before and args.train_iters is None
+        assert global_vars.get_args() is args
+        with pytest.raises(AssertionError):  # megatron's: warm-up samples below decay samples
+            check_learning_rate_schedule(_sample_based("--lr-warmup-samples", "8"))
+        at = FLAGS.index("--train-iters")
+        iteration_based = _parse([*FLAGS[:at], "--train-iters", "3", *FLAGS[at + 2:],
+                                  "--lr-warmup-iters", "3"], world_size=2)
+        with pytest.raises(FlagError, match="--lr-warmup-iters 3 must be below --train-iters 3"):
+            check_learning_rate_schedule(iteration_based)
+    finally:
+        global_vars.set_args(None)
+
+
 def test_spec_flag_is_refused():
     from mcore_ext.megatron_lm import gated_gpt_config_from_args
 
