@@ -10,9 +10,15 @@ code 1; ``python -m mcore_ext.torchrun`` (same flags) exits 2 quietly instead.
 import logging
 import os
 import sys
+import time
 import warnings
 
 USAGE_ERROR = 2
+
+# The first rank to exit makes torchrun's agent stop the others: had another rank left first, the
+# agent could stop the first rank before it printed the message (seen under load: no line at
+# all). So under torchrun the other ranks wait, at most this long, for the agent to stop them.
+AGENT_STOPS_THE_OTHERS_S = 30.0
 
 
 def is_first_rank() -> bool:
@@ -24,6 +30,8 @@ def report_error(message: str, seen_by_every_rank: bool = True) -> int:
     """Print ``error: message`` (on the first rank only when every rank saw the same mistake,
     else on this rank, naming it) and return USAGE_ERROR."""
     if seen_by_every_rank and not is_first_rank():
+        if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun's agent
+            time.sleep(AGENT_STOPS_THE_OTHERS_S)
         return USAGE_ERROR
     where = "" if seen_by_every_rank or os.environ.get("WORLD_SIZE", "1") == "1" else \
         f"[rank {os.environ.get('RANK')}] "

@@ -106,3 +106,25 @@ def test_hf_plan_help_does_not_mention_torchrun():
     result = _run(*HF, "plan", "--help")
     assert result.returncode == 0 and "--tp TP" in result.stdout
     assert "torchrun" not in result.stdout, result.stdout
+
+
+_SLOW_FIRST_RANK = """
+import os, sys, time
+from mcore_ext.cli import report_error
+if os.environ["RANK"] == "0":
+    time.sleep(3)  # the first rank reaches the mistake last (imports, a loaded machine)
+sys.exit(report_error("the same mistake on every rank"))
+"""
+
+
+@pytest.mark.parametrize("wrapper", [True, False], ids=["mcore_ext.torchrun", "torchrun"])
+def test_the_message_survives_a_first_rank_that_finds_it_last(tmp_path, wrapper):
+    """Before, the other ranks exited at once; torchrun's agent then stopped the first rank
+    before it printed: exit 2 and no line at all (seen in CI under load)."""
+    script = tmp_path / "slow_first_rank.py"
+    script.write_text(_SLOW_FIRST_RANK)
+    result = _torchrun([str(script)], wrapper=wrapper)
+    assert result.returncode == (2 if wrapper else 1), result.stderr[-3000:]
+    errors = _lines(result.stderr)
+    assert errors and errors[0] == "error: the same mistake on every rank", result.stderr[-3000:]
+    assert result.stderr.count("error: the same mistake") == 1, result.stderr[-3000:]
