@@ -162,7 +162,7 @@ def torch_adam_distributed_optimizers(optimizer) -> list:
     """
     return [
         inner
-        for inner in getattr(optimizer, "chained_optimizers", [optimizer])
+        for inner in _chain(optimizer)
         if isinstance(inner, DistributedOptimizer)
         and isinstance(inner.optimizer, (torch.optim.Adam, torch.optim.AdamW))
     ]
@@ -288,12 +288,11 @@ def _load_one_optimizer(inner, state_dict) -> None:
     state_dict = dict(state_dict)
     param_state = state_dict.pop("param_state", None)
     state_dict.pop("param_state_sharding_type")
-    if param_state is None:  # nothing loads into an entry without parameters on this rank
-        if _has_parameters(inner):
-            raise RuntimeError("the distributed optimizer's checkpoint has no parameter state")
-        inner.load_state_dict(state_dict)
-        return
+    if param_state is None and _has_parameters(inner):
+        raise RuntimeError("the distributed optimizer's checkpoint has no parameter state")
     inner.load_state_dict(state_dict)
+    if param_state is None:  # an entry without parameters on this rank: nothing more to load
+        return
     steps = {p: state.pop("step") for p, state in inner.optimizer.state.items() if "step" in state}
     try:
         inner.load_parameter_state_from_fully_reshardable(param_state)
