@@ -111,3 +111,78 @@ def test_recover_drops_a_replaced_directory_once_the_new_one_is_in_place(tmp_pat
         TRACKER: "4", "iter_0000002": "/", "iter_0000002/common.pt": "older",
         "iter_0000004": "/", "iter_0000004/common.pt": "new",
     }
+
+
+def _publish_with_a_failing_read_back(root):
+    """Rank r's saves of iterations 4 and 8, each a tensor row of its own; in the save of 8
+    rank 1 cannot read its file back to checksum it (EIO). Returns each save's error or None."""
+    import errno
+    from unittest import mock
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from mcore_ext import _cpu_compat
+    from mcore_ext.checkpoint import manifest, saving
+    from mcore_ext.checkpoint.directory import iteration_dir
+    from mcore_ext.checkpoint.errors import CheckpointSaveError
+
+    _cpu_compat.install()  # megatron's writer synchronizes CUDA
+    rank, world = dist.get_rank(), dist.get_world_size()
+    describe = manifest.describe
+
+    def failing_on_rank_1(directory, names):
+        if rank == 1:
+            raise OSError(errno.EIO, os.strerror(errno.EIO), os.path.join(directory, names[0]))
+        return describe(directory, names)
+
+    errors = []
+    for iteration, read_back in [(4, describe), (8, failing_on_rank_1)]:
+        directory = iteration_dir(root, iteration)
+        partial = saving.begin(directory)
+        row = torch.full((1, 4), float(iteration + rank))
+        dist_checkpointing.save(
+            {"w": ShardedTensor.from_rank_offsets("w", row, (0, rank, world))}, partial)
+        try:
+            with mock.patch.object(manifest, "describe", read_back):
+                saving.publish(partial, directory, root=root, iteration=iteration)
+            errors.append(None)
+        except CheckpointSaveError as err:
+            errors.append(str(err))
+    return errors
+
+
+def test_a_save_whose_read_back_fails_on_one_rank_never_goes_live(run_distributed, tmp_path):
+    """Checksumming its own files fails on rank 1 only: every rank raises, and nothing of the
+    failed save is published (before: rank 0 renamed it into place and moved the tracker, with
+    a manifest that lacked rank 1's file)."""
+    from mcore_ext.checkpoint import manifest
+    from mcore_ext.checkpoint.directory import TRACKER
+
+    results = run_distributed(_publish_with_a_failing_read_back, str(tmp_path), world_size=2)
+    for errors in results:
+        assert errors[0] is None, errors
+        assert errors[1].startswith(f"publishing {tmp_path / 'iter_0000008'} failed on rank 1 "
+                                    "(OSError: [Errno 5] Input/output error"), errors
+        assert "rank 0" not in errors[1], errors
+    assert (tmp_path / TRACKER).read_text() == "4"
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000004", TRACKER]
+    assert sorted(manifest.read(str(tmp_path / "iter_0000004"))) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp", "metadata.json"]
+    assert manifest.verify_checkpoint(str(tmp_path / "iter_0000004"), collective=False) == []
+
+
+def test_a_rank_file_the_manifest_does_not_list_fails_verification(tmp_path):
+    """A checkpoint whose manifest misses a rank's data file in its folder (as a save published
+    without that rank's entries left it) does not verify (before: it did, unread)."""
+    from mcore_ext.checkpoint import manifest
+
+    for name in [".metadata", "__0_0.distcp", "__1_0.distcp", "config.yaml"]:
+        (tmp_path / name).write_text(f"bytes of {name}")
+    manifest.write(str(tmp_path), manifest.describe(str(tmp_path), [".metadata", "__0_0.distcp"]))
+    problems = manifest.verify_checkpoint(str(tmp_path), collective=False)
+    assert problems == [("__1_0.distcp", "not in the manifest (the save did not record it)")]
+    (tmp_path / "__1_0.distcp").unlink()
+    assert manifest.verify_checkpoint(str(tmp_path), collective=False) == []
