@@ -202,13 +202,14 @@ def replaced_dir(directory: str) -> str:
 
 def replace_dir(new: str, directory: str) -> None:
     """Rename ``new`` to ``directory``; an existing ``directory`` is moved aside first and
-    deleted once the new one is in place."""
+    deleted once the new one is in place. ``directory`` is a real folder, not a symbolic link
+    (the link would be replaced, its target never written): callers resolve links first."""
     aside = replaced_dir(directory)
     if os.path.exists(directory):
-        shutil.rmtree(aside, ignore_errors=True)
+        _remove(aside, ignore_errors=True)
         os.rename(directory, aside)
     os.rename(new, directory)
-    shutil.rmtree(aside, ignore_errors=True)
+    _remove(aside, ignore_errors=True)
 
 
 def write_tracker(root: str, value) -> None:
@@ -225,9 +226,9 @@ def recover_dir(directory: str) -> list[str]:
     deleted otherwise; a ``.saving.`` directory is deleted. Returns what it did, one line each."""
     done = []
     aside, partial = replaced_dir(directory), partial_dir(directory)
-    if os.path.exists(aside):
+    if os.path.lexists(aside):
         if os.path.exists(directory):
-            shutil.rmtree(aside)
+            _remove(aside)  # a link (moved aside before writers resolved links): only the link
         else:
             os.rename(aside, directory)
             done.append(f"restored {directory} (a write was killed replacing it)")
@@ -235,6 +236,14 @@ def recover_dir(directory: str) -> list[str]:
         shutil.rmtree(partial)
         done.append(f"removed {partial}, left by a write that did not finish")
     return done
+
+
+def _remove(path: str, ignore_errors: bool = False) -> None:
+    """Delete the directory ``path``; a symbolic link is unlinked (its target stays)."""
+    if os.path.islink(path):
+        os.unlink(path)
+    else:
+        shutil.rmtree(path, ignore_errors=ignore_errors)
 
 
 def recover_root(root: str) -> list[str]:

@@ -186,3 +186,19 @@ def test_a_rank_file_the_manifest_does_not_list_fails_verification(tmp_path):
     assert problems == [("__1_0.distcp", "not in the manifest (the save did not record it)")]
     (tmp_path / "__1_0.distcp").unlink()
     assert manifest.verify_checkpoint(str(tmp_path), collective=False) == []
+
+
+def test_recover_unlinks_a_symbolic_link_moved_aside_and_keeps_its_target(tmp_path):
+    """What an export into a link left before writers resolved links (the link moved aside as
+    .replaced.out, a real out in its place): the link goes, its target and out stay (before:
+    OSError 'Cannot call rmtree on a symbolic link', at every later export)."""
+    from mcore_ext.checkpoint.directory import recover_dir
+
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text("earlier export")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "config.json").write_text("new export")
+    (tmp_path / ".replaced.out").symlink_to(tmp_path / "target", target_is_directory=True)
+    recover_dir(str(tmp_path / "out"))
+    assert _tree(tmp_path) == {"out": "/", "out/config.json": "new export",
+                               "target": "/", "target/config.json": "earlier export"}
