@@ -202,3 +202,22 @@ def test_recover_unlinks_a_symbolic_link_moved_aside_and_keeps_its_target(tmp_pa
     recover_dir(str(tmp_path / "out"))
     assert _tree(tmp_path) == {"out": "/", "out/config.json": "new export",
                                "target": "/", "target/config.json": "earlier export"}
+
+
+def test_the_start_is_the_same_before_and_after_the_repair_of_a_killed_resave(tmp_path):
+    """The tracked iteration only as .replaced.iter_0000004 (a re-save killed between its two
+    renames): every rank finds iteration 4 whether it looks before or after rank 0 put it back
+    (before: CheckpointNotFoundError '... names iteration 4 but .../iter_0000004 does not
+    exist', so the run exited before the repair)."""
+    from mcore_ext.checkpoint.directory import TRACKER, find_start, recover_root
+
+    (tmp_path / TRACKER).write_text("4")
+    (tmp_path / ".replaced.iter_0000004").mkdir()
+    (tmp_path / ".saving.iter_0000004").mkdir()
+    before = find_start(str(tmp_path), str(tmp_path))
+    recover_root(str(tmp_path))
+    after = find_start(str(tmp_path), str(tmp_path))
+    assert before == after
+    assert after.own and after.checkpoint.iteration == 4
+    assert after.checkpoint.directory == str(tmp_path / "iter_0000004")
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000004", TRACKER]
