@@ -237,7 +237,7 @@ def recover_dir(directory: str) -> list[str]:
     aside, partial = replaced_dir(directory), partial_dir(directory)
     if os.path.lexists(aside):
         if os.path.exists(directory):
-            _remove(aside)  # a link (moved aside before writers resolved links): only the link
+            _remove(aside)  # a link (an export into a link, before they were resolved): unlinked
         else:
             os.rename(aside, directory)
             done.append(f"restored {directory} (a write was killed replacing it)")
