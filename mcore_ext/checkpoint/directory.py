@@ -88,16 +88,22 @@ def is_checkpoint_dir(path: str) -> bool:
     return os.path.isdir(path) and check_is_distributed_checkpoint(path)
 
 
-def find_checkpoint(path: str) -> Checkpoint | None:
+def find_checkpoint(path: str, as_recovered: bool = False) -> Checkpoint | None:
     """The checkpoint ``path`` names: the tracked one of a save directory (Megatron-LM's
     ``release`` too), or ``path`` itself when it is a checkpoint directory (``iter_0000010``, as
     ``hf import`` prints it). None when it is neither; CheckpointNotFoundError when its tracker
-    is unreadable or names a directory that does not exist."""
+    is unreadable or names a directory that does not exist.
+
+    ``as_recovered``: ``path`` as ``recover_root`` leaves it. A tracked directory that a save
+    killed between its two renames left as ``.replaced.<name>`` counts: the repair puts it back
+    before anything is loaded, and whether a rank looks before or after rank 0 repaired, it
+    finds the same checkpoint."""
     tracker = os.path.join(path, TRACKER)
     if os.path.isfile(tracker):
         iteration, release = read_tracker(tracker)
         directory = os.path.join(path, RELEASE) if release else iteration_dir(path, iteration)
-        if not os.path.isdir(directory):
+        put_back = as_recovered and os.path.isdir(replaced_dir(directory))
+        if not (os.path.isdir(directory) or put_back):
             named = RELEASE if release else f"iteration {iteration}"
             raise CheckpointNotFoundError(f"{TRACKER} names {named} but {directory} does not exist")
         return Checkpoint(directory, iteration, root=path)
@@ -148,10 +154,13 @@ def find_start(save: str | None, load: str | None) -> Start:
     """The launcher's rule: a complete checkpoint in ``save`` is the run's own and wins (a
     relaunch or a restart continues the run); otherwise ``load``'s checkpoint. Only the run's own
     ``save`` may be empty (its first start): a ``load`` that holds no checkpoint raises
-    CheckpointNotFoundError naming it, so a typo never trains from scratch."""
+    CheckpointNotFoundError naming it, so a typo never trains from scratch. ``save`` is judged
+    as ``recover_root`` leaves it (the launcher repairs it before loading), so a save killed
+    half way never blocks the restart that repairs it."""
     if save:
         try:
-            own = find_checkpoint(save) if os.path.isfile(os.path.join(save, TRACKER)) else None
+            tracked = os.path.isfile(os.path.join(save, TRACKER))
+            own = find_checkpoint(save, as_recovered=True) if tracked else None
         except CheckpointNotFoundError as err:
             raise CheckpointNotFoundError(
                 f"checkpoint.save={save} holds this run's checkpoints, but {err}") from None
@@ -202,13 +211,14 @@ def replaced_dir(directory: str) -> str:
 
 def replace_dir(new: str, directory: str) -> None:
     """Rename ``new`` to ``directory``; an existing ``directory`` is moved aside first and
-    deleted once the new one is in place."""
+    deleted once the new one is in place. ``directory`` is a real folder, not a symbolic link
+    (the link would be replaced, its target never written): callers resolve links first."""
     aside = replaced_dir(directory)
     if os.path.exists(directory):
-        shutil.rmtree(aside, ignore_errors=True)
+        _remove(aside, ignore_errors=True)
         os.rename(directory, aside)
     os.rename(new, directory)
-    shutil.rmtree(aside, ignore_errors=True)
+    _remove(aside, ignore_errors=True)
 
 
 def write_tracker(root: str, value) -> None:
@@ -225,9 +235,9 @@ def recover_dir(directory: str) -> list[str]:
     deleted otherwise; a ``.saving.`` directory is deleted. Returns what it did, one line each."""
     done = []
     aside, partial = replaced_dir(directory), partial_dir(directory)
-    if os.path.exists(aside):
+    if os.path.lexists(aside):
         if os.path.exists(directory):
-            shutil.rmtree(aside)
+            _remove(aside)  # a link (an export into a link, before they were resolved): unlinked
         else:
             os.rename(aside, directory)
             done.append(f"restored {directory} (a write was killed replacing it)")
@@ -235,6 +245,14 @@ def recover_dir(directory: str) -> list[str]:
         shutil.rmtree(partial)
         done.append(f"removed {partial}, left by a write that did not finish")
     return done
+
+
+def _remove(path: str, ignore_errors: bool = False) -> None:
+    """Delete the directory ``path``; a symbolic link is unlinked (its target stays)."""
+    if os.path.islink(path):
+        os.unlink(path)
+    else:
+        shutil.rmtree(path, ignore_errors=ignore_errors)
 
 
 def recover_root(root: str) -> list[str]:

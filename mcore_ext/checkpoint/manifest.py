@@ -11,7 +11,8 @@ is renamed into place (``saving.publish``), so no published checkpoint lacks it 
 another rank's files. What megatron wrote is covered; the launcher's ``config.yaml`` and
 ``hf_config.json`` beside it are not: they are for people to read, and edit. Verification splits
 the files over the ranks (round robin) and gathers the findings, so every file is read once
-whatever the world size.
+whatever the world size; a rank's data file in the folder that the manifest does not list fails
+it too (a save published without that rank's entries).
 
 CRC32 (zlib, about 3 GB/s per core) catches every single-bit flip and every burst of up to 32
 bits, other random damage but for a 2^-32 chance; sizes catch truncation first. It is no defence
@@ -110,13 +111,22 @@ def verify_checkpoint(directory: str, collective: bool = True) -> list[tuple[str
         return [(MANIFEST, f"unreadable ({type(err).__name__}: {err})")]
     if entries is None:
         return None
+    unlisted = unlisted_rank_files(directory, entries)
     if not (collective and dist.is_initialized()):
-        return verify(directory, entries)
+        return sorted(verify(directory, entries) + unlisted)
     rank, world = dist.get_rank(), dist.get_world_size()
     names = sorted(entries)[rank::world]
     found = [None] * world
     dist.all_gather_object(found, verify(directory, {n: entries[n] for n in names}))
-    return sorted(problem for problems in found for problem in problems)
+    return sorted([problem for problems in found for problem in problems] + unlisted)
+
+
+def unlisted_rank_files(directory: str, entries: dict) -> list[tuple[str, str]]:
+    """The ranks' data files (``__<rank>_<n>.distcp``) in ``directory`` that ``entries`` does
+    not list, as problems: a save published without a rank's entries is not intact."""
+    return [(name, "not in the manifest (the save did not record it)")
+            for name in sorted(os.listdir(directory))
+            if _RANK_FILE.fullmatch(name) and name not in entries]
 
 
 def newest_verified(root: str, before: int):

@@ -50,7 +50,8 @@ def publish(partial: str, directory: str, *, files: dict | None = None, root: st
     files; rank 0 writes the manifest and ``files`` ({name: text}: config.yaml and the like,
     meant to be read and edited by people, so not in the manifest), renames ``partial`` to
     ``directory`` and, with ``root``, writes ``iteration`` to its tracker.
-    CheckpointSaveError on every rank if any step fails on any rank."""
+    CheckpointSaveError on every rank if any step fails on any rank: the ranks agree on it
+    before anything is renamed, so a manifest never lacks a rank's files."""
     failure, entries = None, {}
     try:
         entries = manifest.describe(partial, manifest.files_of_rank(partial, _rank()))
@@ -60,11 +61,12 @@ def publish(partial: str, directory: str, *, files: dict | None = None, root: st
                     f.write(text)
     except OSError as err:
         failure = err
+    raise_unless_saved(failure, partial, f"publishing {directory} failed")
     everyone = [entries]
     if dist.is_initialized():
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, entries)
-    if _rank() == 0 and failure is None:
+    if _rank() == 0:
         try:
             manifest.write(partial, {k: v for entries in everyone for k, v in entries.items()})
             layout.replace_dir(partial, directory)

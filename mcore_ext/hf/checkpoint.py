@@ -19,6 +19,7 @@ import json
 import os
 
 import torch
+import torch.distributed as dist
 import yaml
 from megatron.core import dist_checkpointing, parallel_state
 from torch.distributed.checkpoint.api import CheckpointException
@@ -103,9 +104,9 @@ def import_checkpoint(hf_dir: str, ckpt_dir: str, *, dtype: torch.dtype | None =
     file_dtype = check_weights(reader, spec)
     reader.close()
     check_parallel(spec, parallel_state.get_tensor_model_parallel_world_size())
-    if os.path.exists(os.path.join(ckpt_dir, TRACKER)):
-        raise FileExistsError(f"{ckpt_dir} already holds a checkpoint ({TRACKER}); choose a new "
-                              "directory")
+    _refuse_on_every_rank(
+        f"{ckpt_dir} already holds a checkpoint ({TRACKER}); choose a new directory"
+        if os.path.exists(os.path.join(ckpt_dir, TRACKER)) else None)
     dtype = dtype or file_dtype
     seq_length = seq_length or min(spec.max_position_embeddings, 4096)
     from mcore_ext.run_config import PretrainConfig, build
@@ -185,7 +186,7 @@ def export_checkpoint(ckpt_dir: str, hf_dir: str, *, vocab_size: int | None = No
     export in it is replaced and its other files stay. A checkpoint whose files differ from its
     manifest is refused (CheckpointCorruptError).
     """
-    _check_target(hf_dir, overwrite)
+    _refuse_on_every_rank(_target_problem(hf_dir, overwrite))
     from mcore_ext import checkpoint
     from mcore_ext.models import build_gpt_model
     from mcore_ext.run_config import ParallelismConfig
@@ -251,17 +252,34 @@ def export_checkpoint(ckpt_dir: str, hf_dir: str, *, vocab_size: int | None = No
                     extra_config=extra)
 
 
-def _check_target(hf_dir: str, overwrite: bool) -> None:
-    """Refuse a target that is a file, or a folder with files in it unless ``overwrite``."""
+def _target_problem(hf_dir: str, overwrite: bool) -> str | None:
+    """Why the export may not go to ``hf_dir``: a file, or a folder with files in it unless
+    ``overwrite``; None when it may."""
     if os.path.exists(hf_dir) and not os.path.isdir(hf_dir):
-        raise FileExistsError(f"{hf_dir} is a file, not a folder for the export")
+        return f"{hf_dir} is a file, not a folder for the export"
     held = sorted(os.listdir(hf_dir)) if os.path.isdir(hf_dir) else []
     if held and not overwrite:
         more = f", ... {len(held)} entries" if len(held) > 3 else ""
-        raise FileExistsError(
-            f"{hf_dir} is not empty ({', '.join(held[:3])}{more}): pass --overwrite "
-            "(overwrite=True) to replace the export in it (its other files stay), or choose "
-            "another folder")
+        return (f"{hf_dir} is not empty ({', '.join(held[:3])}{more}): pass --overwrite "
+                "(overwrite=True) to replace the export in it (its other files stay), or choose "
+                "another folder")
+    return None
+
+
+def _refuse_on_every_rank(problem: str | None) -> None:
+    """Collective: FileExistsError on every rank when any rank found ``problem`` (the first
+    rank's that did), before anything is written. Every rank then raises the same message, so
+    the entry point says it once (``on_every_rank``); a folder that only some ranks see (node
+    local) is refused on all of them."""
+    problems = [problem]
+    if dist.is_initialized():
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+    found = next((p for p in problems if p is not None), None)
+    if found is not None:
+        error = FileExistsError(found)
+        error.on_every_rank = True  # one rank reporting it is enough (mcore_ext.cli)
+        raise error
 
 
 def _tokenizer_vocab(cfg) -> int:

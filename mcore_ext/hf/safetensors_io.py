@@ -163,12 +163,14 @@ class ShardedSafetensorsWriter:
     (config.json, model.safetensors, the index and the shards it lists) is replaced, every other
     file in it is kept. ``abort()`` (or an exception inside ``with``) removes everything written.
     Whether ``directory`` may hold files at all is the caller's decision (``hf export``
-    refuses a folder with files unless ``--overwrite``).
+    refuses a folder with files unless ``--overwrite``). A ``directory`` that is a symbolic link
+    is written where it points (the folder there is replaced; the link stays).
     """
 
     def __init__(self, directory: str, plan: list, max_shard_bytes: int = 2 * 1024**3,
                  extra_files: dict | None = None):
-        self.directory = os.path.normpath(directory)
+        # The link's target: renaming the link itself would put a folder in its place.
+        self.directory = os.path.realpath(directory)
         self.plan = list(plan)
         self.extra_files = dict(extra_files or {})
         os.makedirs(os.path.dirname(os.path.abspath(self.directory)), exist_ok=True)

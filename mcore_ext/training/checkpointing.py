@@ -183,7 +183,9 @@ def recover_save_dir(root: str) -> None:
 
 def start_point(cfg):
     """Where this run starts (``directory.find_start`` for cfg.checkpoint); raises
-    CheckpointNotFoundError when checkpoint.load holds no checkpoint."""
+    CheckpointNotFoundError when checkpoint.load holds no checkpoint. checkpoint.save is judged
+    as ``recover_save_dir`` leaves it, so every rank finds the same start before and after rank
+    0 repaired what a killed save left (``main`` asks before any process group exists)."""
     return find_start(cfg.checkpoint.save, cfg.checkpoint.load)
 
 

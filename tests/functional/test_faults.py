@@ -371,6 +371,36 @@ def test_kill_inside_the_writer_while_resaving_the_tracked_iteration(faults_tmp,
     assert sorted(os.listdir(ckpt)) == ["iter_0000004", "iter_0000008", TRACKER]
 
 
+def test_a_resave_killed_between_its_two_renames_is_put_back_by_the_relaunch(faults_tmp,
+                                                                            reference):
+    """The tracked iteration (4) saved again and rank 0 killed between the two renames
+    (``resave_tracked.py``, RESAVE_KILL=renames): only ``.replaced.iter_0000004`` holds it, with
+    every byte. The relaunch puts it back and resumes from step 4 with the uninterrupted run's
+    losses (before: exit 2, 'latest_checkpointed_iteration.txt names iteration 4 but
+    .../iter_0000004 does not exist', decided before the repair ran)."""
+    tmp = faults_tmp / "between_renames"
+    tmp.mkdir()
+    ckpt = tmp / "ckpt"
+    shutil.copytree(reference["ckpt"] / "iter_0000004", ckpt / "iter_0000004")
+    (ckpt / TRACKER).write_text("4")
+    before = _tree_digest(ckpt / "iter_0000004")
+    args = (f"checkpoint.save={ckpt}", f"checkpoint.load={ckpt}", "training.exit_interval=8")
+    killed = Run(tmp, "killed", *args, data=reference["data"], script=RESAVE,
+                 env={"RESAVE_KILL": "renames"}).check(returncode=1)
+    assert "[resave] rank 0: SIGKILL between the two renames" in killed.stderr
+    assert sorted(os.listdir(ckpt)) == [".replaced.iter_0000004", ".saving.iter_0000004", TRACKER]
+    assert _tree_digest(ckpt / ".replaced.iter_0000004") == before
+    assert tracker(ckpt) == "4"
+
+    again = Run(tmp, "again", *args, data=reference["data"]).check()
+    assert f"restored {ckpt / 'iter_0000004'} (a write was killed replacing it)" in again.stdout
+    assert f"resumed from {ckpt / 'iter_0000004'} (iteration 4)" in again.stdout
+    (losses,) = attempts(again.metrics)
+    assert sorted(losses) == list(range(5, 9))
+    assert_exact(losses, reference["losses"])
+    assert sorted(os.listdir(ckpt)) == ["iter_0000004", "iter_0000008", TRACKER]
+
+
 def test_sigkill_of_torchrun_takes_its_ranks_along(faults_tmp, reference):
     tmp = faults_tmp / "torchrun_killed"
     tmp.mkdir()

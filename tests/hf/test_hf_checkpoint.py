@@ -34,12 +34,12 @@ def _import(hf, ckpt, tp):
     return import_checkpoint(hf, ckpt)
 
 
-def _export(ckpt, out, tp, pp):
+def _export(ckpt, out, tp, pp, overwrite=False):
     import mcore_ext
     from mcore_ext.hf import export_checkpoint
 
     mcore_ext.init_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    export_checkpoint(ckpt, out, max_shard_bytes=40_000)
+    export_checkpoint(ckpt, out, max_shard_bytes=40_000, overwrite=overwrite)
 
 
 def test_import_at_tp2_export_at_pp2_is_bit_identical(run_distributed, hf_dir, tmp_path):
@@ -443,3 +443,49 @@ def test_export_refuses_a_folder_with_files_and_overwrite_keeps_the_others(run_d
     assert (out / "tokenizer.json").read_text() == '{"kept": true}'
     assert_same_tensors(hf_dir, str(out))
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]  # no staging left
+
+
+def test_export_into_a_symlinked_folder_writes_where_the_link_points(run_distributed, hf_dir,
+                                                                     tmp_path):
+    """An export into a link to a folder, twice (the second with overwrite): the export lands
+    in the link's target each time and the link stays a link (before: the link was replaced by
+    a real folder and moved aside as .replaced.<name>, where the next export crashed on it:
+    'Cannot call rmtree on a symbolic link')."""
+    ckpt, target, link = tmp_path / "ckpt", tmp_path / "models" / "tiny", tmp_path / "out"
+    run_distributed(_import, hf_dir, str(ckpt), 1, world_size=1)
+    target.mkdir(parents=True)
+    link.symlink_to(target, target_is_directory=True)
+    run_distributed(_export, str(ckpt), str(link), 1, 1, world_size=1)
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    assert_same_tensors(hf_dir, str(target))
+    (target / "tokenizer.json").write_text('{"kept": true}')
+    run_distributed(_export, str(ckpt), str(link), 1, 1, overwrite=True, world_size=1)
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    assert (target / "tokenizer.json").read_text() == '{"kept": true}'
+    assert_same_tensors(hf_dir, str(target))
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "models", "out"]  # nothing left beside
+    assert os.listdir(target.parent) == ["tiny"]
+
+
+def test_a_target_that_holds_files_is_said_once_under_torchrun(tmp_path):
+    """Every rank finds the same existing target: one error line (the first rank's), exit 2, for
+    an export into a folder with files and an import into a folder with a tracker (before: one
+    line per rank, each naming its rank)."""
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    ckpt.mkdir()
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("0")
+    out.mkdir()
+    (out / "README.md").write_text("mine")
+    cases = {
+        "export": (["export", str(ckpt), str(out)], f"error: {out} is not empty (README.md): "),
+        "import": (["import", str(ckpt), str(ckpt)], f"error: {ckpt} already holds a checkpoint"),
+    }
+    for name, (args, start) in cases.items():
+        if name == "import":
+            args[1] = models.write_released(str(tmp_path / "hf"))
+        result = torchrun(*args, program=("-m", "mcore_ext.hf"))
+        assert result.returncode != 0, (name, result.stderr[-3000:])
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and errors[0].startswith(start), (name, errors)
+    assert os.listdir(out) == ["README.md"] and (out / "README.md").read_text() == "mine"
+    assert sorted(os.listdir(ckpt)) == ["latest_checkpointed_iteration.txt"]

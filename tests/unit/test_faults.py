@@ -111,3 +111,113 @@ def test_recover_drops_a_replaced_directory_once_the_new_one_is_in_place(tmp_pat
         TRACKER: "4", "iter_0000002": "/", "iter_0000002/common.pt": "older",
         "iter_0000004": "/", "iter_0000004/common.pt": "new",
     }
+
+
+def _publish_with_a_failing_read_back(root):
+    """Rank r's saves of iterations 4 and 8, each a tensor row of its own; in the save of 8
+    rank 1 cannot read its file back to checksum it (EIO). Returns each save's error or None."""
+    import errno
+    from unittest import mock
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from mcore_ext import _cpu_compat
+    from mcore_ext.checkpoint import manifest, saving
+    from mcore_ext.checkpoint.directory import iteration_dir
+    from mcore_ext.checkpoint.errors import CheckpointSaveError
+
+    _cpu_compat.install()  # megatron's writer synchronizes CUDA
+    rank, world = dist.get_rank(), dist.get_world_size()
+    describe = manifest.describe
+
+    def failing_on_rank_1(directory, names):
+        if rank == 1:
+            raise OSError(errno.EIO, os.strerror(errno.EIO), os.path.join(directory, names[0]))
+        return describe(directory, names)
+
+    errors = []
+    for iteration, read_back in [(4, describe), (8, failing_on_rank_1)]:
+        directory = iteration_dir(root, iteration)
+        partial = saving.begin(directory)
+        row = torch.full((1, 4), float(iteration + rank))
+        dist_checkpointing.save(
+            {"w": ShardedTensor.from_rank_offsets("w", row, (0, rank, world))}, partial)
+        try:
+            with mock.patch.object(manifest, "describe", read_back):
+                saving.publish(partial, directory, root=root, iteration=iteration)
+            errors.append(None)
+        except CheckpointSaveError as err:
+            errors.append(str(err))
+    return errors
+
+
+def test_a_save_whose_read_back_fails_on_one_rank_never_goes_live(run_distributed, tmp_path):
+    """Checksumming its own files fails on rank 1 only: every rank raises, and nothing of the
+    failed save is published (before: rank 0 renamed it into place and moved the tracker, with
+    a manifest that lacked rank 1's file)."""
+    from mcore_ext.checkpoint import manifest
+    from mcore_ext.checkpoint.directory import TRACKER
+
+    results = run_distributed(_publish_with_a_failing_read_back, str(tmp_path), world_size=2)
+    for errors in results:
+        assert errors[0] is None, errors
+        assert errors[1].startswith(f"publishing {tmp_path / 'iter_0000008'} failed on rank 1 "
+                                    "(OSError: [Errno 5] Input/output error"), errors
+        assert "rank 0" not in errors[1], errors
+    assert (tmp_path / TRACKER).read_text() == "4"
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000004", TRACKER]
+    assert sorted(manifest.read(str(tmp_path / "iter_0000004"))) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp", "metadata.json"]
+    assert manifest.verify_checkpoint(str(tmp_path / "iter_0000004"), collective=False) == []
+
+
+def test_a_rank_file_the_manifest_does_not_list_fails_verification(tmp_path):
+    """A checkpoint whose manifest misses a rank's data file in its folder (as a save published
+    without that rank's entries left it) does not verify (before: it did, unread)."""
+    from mcore_ext.checkpoint import manifest
+
+    for name in [".metadata", "__0_0.distcp", "__1_0.distcp", "config.yaml"]:
+        (tmp_path / name).write_text(f"bytes of {name}")
+    manifest.write(str(tmp_path), manifest.describe(str(tmp_path), [".metadata", "__0_0.distcp"]))
+    problems = manifest.verify_checkpoint(str(tmp_path), collective=False)
+    assert problems == [("__1_0.distcp", "not in the manifest (the save did not record it)")]
+    (tmp_path / "__1_0.distcp").unlink()
+    assert manifest.verify_checkpoint(str(tmp_path), collective=False) == []
+
+
+def test_recover_unlinks_a_symbolic_link_moved_aside_and_keeps_its_target(tmp_path):
+    """What an export into a link left before writers resolved links (the link moved aside as
+    .replaced.out, a real out in its place): the link goes, its target and out stay (before:
+    OSError 'Cannot call rmtree on a symbolic link', at every later export)."""
+    from mcore_ext.checkpoint.directory import recover_dir
+
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text("earlier export")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "config.json").write_text("new export")
+    (tmp_path / ".replaced.out").symlink_to(tmp_path / "target", target_is_directory=True)
+    recover_dir(str(tmp_path / "out"))
+    assert _tree(tmp_path) == {"out": "/", "out/config.json": "new export",
+                               "target": "/", "target/config.json": "earlier export"}
+
+
+def test_the_start_is_the_same_before_and_after_the_repair_of_a_killed_resave(tmp_path):
+    """The tracked iteration only as .replaced.iter_0000004 (a re-save killed between its two
+    renames): every rank finds iteration 4 whether it looks before or after rank 0 put it back
+    (before: CheckpointNotFoundError '... names iteration 4 but .../iter_0000004 does not
+    exist', so the run exited before the repair)."""
+    from mcore_ext.checkpoint.directory import TRACKER, find_start, recover_root
+
+    (tmp_path / TRACKER).write_text("4")
+    (tmp_path / ".replaced.iter_0000004").mkdir()
+    (tmp_path / ".saving.iter_0000004").mkdir()
+    before = find_start(str(tmp_path), str(tmp_path))
+    recover_root(str(tmp_path))
+    after = find_start(str(tmp_path), str(tmp_path))
+    assert before == after
+    assert after.own and after.checkpoint.iteration == 4
+    assert after.checkpoint.directory == str(tmp_path / "iter_0000004")
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000004", TRACKER]
