@@ -1,0 +1,195 @@
+"""Loading a checkpoint never runs code from it (issue 37), tried as an attacker would.
+
+One tiny launcher run (2 ranks, a checkpoint at steps 1 and 2) is copied and each copy crafted:
+a pickle whose ``__reduce__`` runs ``touch MARKER`` (``os.system`` through ``eval``) and still
+returns the real value, put into ``.metadata``, into the common state's Megatron-LM ``args``, or
+into a sharded object (a layer's extra state), with the file's entry in the offset table and the
+manifest updated (a CRC32 is no signature). Each is refused by ``inspect --verify``, the launcher's
+resume and fine-tune (at 1 and 2 ranks), the ``on_corrupt=previous`` fallback and ``hf export``: one
+``error:`` line naming the file and the type, exit code 2, and the marker is never created.
+The opt-in ``MCORE_EXT_TRUST_CHECKPOINT`` shows the payload is real: there it runs.
+"""
+
+import contextlib
+import dataclasses
+import io
+import os
+import pickle
+import shutil
+
+import pytest
+import torch
+
+from tests.functional.inprocess import TINY_MOCK, launch
+
+PAYLOAD_TYPE = "builtins.eval"
+SHARDED_OBJECT = "decoder.layers.self_attention.linear_qkv._extra_state/shard_1_2"
+
+
+class Payload:
+    """Unpickled, runs ``touch marker`` and returns ``value`` (what an attacker writes)."""
+
+    def __init__(self, marker, value):
+        self.marker, self.value = str(marker), value
+
+    def __reduce__(self):
+        code = (f"__import__('os').system('touch {self.marker}') or "
+                f"__import__('pickle').loads({pickle.dumps(self.value)!r})")
+        return eval, (code,)
+
+
+def _rewrite_manifest(directory):
+    """Record the crafted files' new sizes and CRC32s, as an attacker can."""
+    from mcore_ext.checkpoint import manifest
+
+    manifest.write(str(directory), manifest.describe(str(directory), manifest.read(str(directory))))
+
+
+def craft_metadata(directory, marker):
+    path = os.path.join(directory, ".metadata")
+    real = pickle.load(open(path, "rb"))  # our own file: plain pickle is fine here
+    with open(path, "wb") as f:
+        pickle.dump(Payload(marker, real), f)
+    _rewrite_manifest(directory)
+
+
+def craft_object(directory, fqn, marker, wrap):
+    """Replace the byte object ``fqn`` by ``wrap(its value, marker)``: appended to its file, the
+    offset table in ``.metadata`` pointed at it."""
+    path = os.path.join(directory, ".metadata")
+    metadata = pickle.load(open(path, "rb"))
+    (index,) = [i for i in metadata.storage_data if i.fqn == fqn]
+    info = metadata.storage_data[index]
+    data_file = os.path.join(directory, info.relative_path)
+    with open(data_file, "rb") as f:
+        f.seek(info.offset)
+        value = torch.load(io.BytesIO(f.read(info.length)), weights_only=False)
+    buffer = io.BytesIO()
+    torch.save(wrap(value, marker), buffer)
+    offset = os.path.getsize(data_file)
+    with open(data_file, "ab") as f:
+        f.write(buffer.getvalue())
+    metadata.storage_data[index] = dataclasses.replace(info, offset=offset,
+                                                       length=len(buffer.getvalue()))
+    with open(path, "wb") as f:
+        pickle.dump(metadata, f)
+    _rewrite_manifest(directory)
+
+
+def _in_args(value, marker):  # the common state (a one-item list): its Megatron-LM args
+    value[0]["args"] = Payload(marker, value[0]["args"])
+    return value
+
+
+CRAFTS = {
+    "metadata": lambda d, m: craft_metadata(d, m),
+    "common_args": lambda d, m: craft_object(d, "common_state/shard_0_1", m, _in_args),
+    "sharded_object": lambda d, m: craft_object(d, SHARDED_OBJECT, m, Payload),
+}
+
+
+def _train(base):
+    return launch(*TINY_MOCK, "training.train_iters=2", "checkpoint.save_interval=1",
+                  f"checkpoint.save={base}", "checkpoint.load=null")
+
+
+@pytest.fixture(scope="module")
+def crafted(run_distributed_shared, tmp_path_factory):
+    """{name: (save directory, marker)}: copies of one run, iteration 2 crafted."""
+    tmp = tmp_path_factory.mktemp("safe_load")
+    base = tmp / "base"
+    results = run_distributed_shared(_train, base, world_size=2)
+    assert [r["code"] for r in results] == [0, 0], results
+    out = {"base": (base, None)}
+    for name, craft in CRAFTS.items():
+        shutil.copytree(base, tmp / name)
+        craft(tmp / name / "iter_0000002", tmp / f"marker_{name}")
+        out[name] = (tmp / name, tmp / f"marker_{name}")
+    # The fallback: iteration 2 damaged, iteration 1 (what on_corrupt=previous probes) crafted.
+    shutil.copytree(base, tmp / "previous")
+    with open(tmp / "previous" / "iter_0000002" / "__0_0.distcp", "r+b") as f:
+        f.truncate(100)
+    craft_metadata(tmp / "previous" / "iter_0000001", tmp / "marker_previous")
+    out["previous"] = (tmp / "previous", tmp / "marker_previous")
+    return out
+
+
+def _inspect(directory) -> tuple[int, str, str]:
+    from mcore_ext.checkpoint.__main__ import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["inspect", str(directory), "--verify"])
+    return code, out.getvalue(), err.getvalue()
+
+
+def _check_refused(results, directory, marker, name):
+    codes = [r["code"] for r in results]
+    assert codes == [2] * len(results), (name, results)
+    *warnings, line = results[0]["stderr"].splitlines()  # on_corrupt=previous warns first
+    assert all(w.startswith("warning: checkpoint ") for w in warnings), (name, warnings)
+    assert line.startswith(f"error: checkpoint file {directory}"), (name, line)
+    assert f"holds a pickled {PAYLOAD_TYPE}" in line and "nothing of it was run" in line, line
+    assert all(r["stderr"] == "" for r in results[1:]), (name, results)  # said once, by rank 0
+    assert not os.path.exists(marker), name
+
+
+@pytest.mark.parametrize("name", list(CRAFTS))
+def test_inspect_verify_refuses_a_crafted_checkpoint(crafted, name):
+    save, marker = crafted[name]
+    code, out, err = _inspect(save)
+    (line,) = err.splitlines()
+    assert code == 2 and line.startswith(f"error: checkpoint file {save}/iter_0000002/"), err
+    assert f"holds a pickled {PAYLOAD_TYPE}" in line, line
+    assert "verified: all" in out  # the CRC32 manifest matches: it is no defence against this
+    assert not os.path.exists(marker)
+
+
+def test_inspect_verify_reads_every_pickle_of_an_intact_checkpoint(crafted):
+    code, out, err = _inspect(crafted["base"][0])
+    assert code == 0 and err == "", err
+    assert "verified: the metadata and all 13 pickled objects hold only checkpoint types" in out
+
+
+def test_the_explicit_opt_in_runs_the_payload_of_that_checkpoint_only(crafted, monkeypatch):
+    """The payload is real: with MCORE_EXT_TRUST_CHECKPOINT naming it, it runs (and says so)."""
+    save, marker = crafted["metadata"]
+    other, other_marker = crafted["sharded_object"]
+    monkeypatch.setenv("MCORE_EXT_TRUST_CHECKPOINT", str(save))
+    code, _, err = _inspect(other)
+    assert code == 2 and not os.path.exists(other_marker), err  # another path: still refused
+    code, _, err = _inspect(save)
+    assert code == 0 and os.path.exists(marker), err
+    assert f"warning: reading {save}/iter_0000002/.metadata with plain pickle" in err
+    os.remove(marker)
+
+
+def _launch_crafted(world_dirs, ft_root):
+    """Per crafted save directory: the fine-tune and the resume launch, on this rank."""
+    import torch.distributed as dist
+
+    out = {}
+    for name, save in world_dirs.items():  # saved at TP 2: at 1 rank the load reshards
+        common = [*TINY_MOCK, "training.train_iters=3",
+                  f"parallelism.tensor_model_parallel_size={dist.get_world_size()}"]
+        if name == "previous":
+            common.append("checkpoint.on_corrupt=previous")
+        out[name, "finetune"] = launch(*common, f"checkpoint.load={save}",
+                                       "checkpoint.finetune=true",
+                                       f"checkpoint.save={ft_root}/{name}")
+        out[name, "resume"] = launch(*common, f"checkpoint.load={save}",
+                                     f"checkpoint.save={save}")
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_launcher_resume_and_finetune_refuse_a_crafted_checkpoint(run_distributed, crafted,
+                                                                  tmp_path, world):
+    dirs = {name: str(save) for name, (save, _) in crafted.items() if name != "base"}
+    results = run_distributed(_launch_crafted, dirs, str(tmp_path), world_size=world)
+    for (name, how) in results[0]:
+        save, marker = crafted[name]
+        iteration = "iter_0000001" if name == "previous" else "iter_0000002"
+        _check_refused([r[name, how] for r in results], save / iteration, marker, (name, how))
+        assert (save / "latest_checkpointed_iteration.txt").read_text() == "2"
+        assert not (tmp_path / name / "iter_0000003").exists()
