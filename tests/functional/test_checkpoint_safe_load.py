@@ -193,3 +193,76 @@ def test_launcher_resume_and_finetune_refuse_a_crafted_checkpoint(run_distribute
         _check_refused([r[name, how] for r in results], save / iteration, marker, (name, how))
         assert (save / "latest_checkpointed_iteration.txt").read_text() == "2"
         assert not (tmp_path / name / "iter_0000003").exists()
+
+
+def _import_hf(hf, ckpt):
+    import mcore_ext
+    from mcore_ext.hf import import_checkpoint
+
+    mcore_ext.init_parallel()
+    try:
+        return import_checkpoint(hf, ckpt)
+    finally:
+        mcore_ext.destroy_parallel()
+
+
+def _hf_export(ckpt, out) -> dict:
+    """``python -m mcore_ext.hf export CKPT OUT`` on this rank, its output captured."""
+    from mcore_ext.hf.__main__ import main
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = main(["export", str(ckpt), str(out)])
+    return {"code": code, "stdout": stdout.getvalue(), "stderr": stderr.getvalue()}
+
+
+@pytest.fixture(scope="module")
+def crafted_imports(run_distributed_shared, tmp_path_factory):
+    """An ``hf import`` of the tiny Step-3.5 model, crafted: {name: (directory, marker)}."""
+    from tests.hf import models
+
+    tmp = tmp_path_factory.mktemp("safe_export")
+    hf = models.write_released(str(tmp / "hf"))
+    run_distributed_shared(_import_hf, hf, str(tmp / "base"), world_size=1)
+    directory = tmp / "base" / "iter_0000000"
+    objects = [index.fqn for index in pickle.load(open(directory / ".metadata", "rb")).storage_data
+               if "_extra_state" in index.fqn]
+    out = {}
+    for name, craft in {"metadata": craft_metadata,
+                        "sharded_object": lambda d, m: craft_object(d, objects[-1], m,
+                                                                    Payload)}.items():
+        shutil.copytree(tmp / "base", tmp / name)
+        craft(tmp / name / "iter_0000000", tmp / f"marker_{name}")
+        out[name] = (tmp / name, tmp / f"marker_{name}")
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("name", ["metadata", "sharded_object"])
+def test_hf_export_refuses_a_crafted_checkpoint(run_distributed, crafted_imports, tmp_path,
+                                                name, world):
+    ckpt, marker = crafted_imports[name]
+    results = run_distributed(_hf_export, ckpt, tmp_path / "out", world_size=world)
+    _check_refused(results, ckpt / "iter_0000000", marker, name)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_megatron_lm_entry_refuses_a_crafted_checkpoint(crafted, tmp_path, name="common_args"):
+    """The payload in the Megatron-LM ``args`` of the common state (its .metadata is read the
+    same way as by the other paths; one torchrun of Megatron-LM costs minutes here)."""
+    pytest.importorskip("megatron.training.models.gpt", reason="megatron.training >= 0.19")
+    from tests.functional.test_megatron_lm_checkpoints import MLM
+    from tests.functional.test_megatron_lm_pretrain import MEGATRON_LM
+    from tests.functional.test_pretrain import torchrun
+
+    save, marker = crafted[name]
+    result = torchrun(*MLM, "--train-iters", "3", "--load", str(save), "--save",
+                      str(tmp_path / "mlm"), "--save-interval", "1000", program=MEGATRON_LM)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode != 0 and len(errors) == 1, result.stderr[-3000:]
+    assert errors[0].startswith(f"error: checkpoint file {save / 'iter_0000002'}"), errors
+    assert f"holds a pickled {PAYLOAD_TYPE}" in errors[0], errors
+    # No rank's traceback (torchrun's agent prints its own report after the ranks' line).
+    assert "PickleRefused" not in result.stderr and "CheckpointException" not in result.stderr
+    assert not marker.exists() and not (tmp_path / "mlm").exists()
