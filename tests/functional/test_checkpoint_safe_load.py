@@ -266,3 +266,105 @@ def test_megatron_lm_entry_refuses_a_crafted_checkpoint(crafted, tmp_path, name=
     # No rank's traceback (torchrun's agent prints its own report after the ranks' line).
     assert "PickleRefused" not in result.stderr and "CheckpointException" not in result.stderr
     assert not marker.exists() and not (tmp_path / "mlm").exists()
+
+
+KEY = "MCORE_EXT_CHECKPOINT_KEY"
+
+
+def _with_key(key, fn, *args):
+    """``fn(*args)`` on this rank with the signing key set (None: unset)."""
+    previous = os.environ.pop(KEY, None)
+    if key is not None:
+        os.environ[KEY] = key
+    try:
+        return fn(*args)
+    finally:
+        os.environ.pop(KEY, None)
+        if previous is not None:
+            os.environ[KEY] = previous
+
+
+def _resume(save, iters):
+    return launch(*TINY_MOCK, f"training.train_iters={iters}", "checkpoint.save_interval=1",
+                  f"checkpoint.save={save}", f"checkpoint.load={save}")
+
+
+def _flip(path):
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0x01
+    open(path, "wb").write(data)
+
+
+def _tamper(directory, how):
+    """``flip``: a byte flipped; ``recrc``: and the manifest's CRC32 re-computed, the old
+    signature kept; ``unsigned``: re-computed and written without a signature (no key)."""
+    import json
+
+    from mcore_ext.checkpoint import manifest
+
+    _flip(directory / "__1_0.distcp")
+    path = directory / manifest.MANIFEST
+    document = json.loads(path.read_text())
+    if how == "recrc":
+        size, crc, _ = manifest._checksum(str(directory / "__1_0.distcp"))
+        document["files"]["__1_0.distcp"]["crc32"] = f"{crc:08x}"
+        path.write_text(json.dumps(document))
+    elif how == "unsigned":
+        _with_key(None, _rewrite_manifest, directory)
+
+
+@pytest.fixture(scope="module")
+def signed(run_distributed_shared, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("signed")
+    results = run_distributed_shared(_with_key, "k3y", _train, tmp / "base", world_size=2)
+    assert [r["code"] for r in results] == [0, 0], results
+    out = {"base": tmp / "base"}
+    for how in ("flip", "recrc", "unsigned"):
+        shutil.copytree(tmp / "base", tmp / how)
+        _tamper(tmp / how / "iter_0000002", how)
+        out[how] = tmp / how
+    return out
+
+
+def test_signed_manifest_verifies_only_with_its_key(signed, monkeypatch):
+    import json
+
+    document = json.loads((signed["base"] / "iter_0000002" / "mcore_ext_manifest.json").read_text())
+    assert len(document["hmac_sha256"]) == 64
+    assert all(len(entry["sha256"]) == 64 for entry in document["files"].values())
+    code, out, _ = _inspect(signed["base"])  # no key: the CRC32s, as before
+    assert code == 0 and "verified: all" in out
+    monkeypatch.setenv(KEY, "k3y")
+    code, out, _ = _inspect(signed["base"])
+    assert code == 0 and "verified: all" in out
+    monkeypatch.setenv(KEY, "another")
+    code, out, _ = _inspect(signed["base"])
+    assert code == 1 and "mcore_ext_manifest.json: signature does not verify" in out, out
+
+
+@pytest.mark.parametrize("how, problem", [
+    ("flip", "__1_0.distcp: checksum mismatch"),
+    ("recrc", "mcore_ext_manifest.json: signature does not verify"),
+    ("unsigned", "mcore_ext_manifest.json: not signed"),
+])
+def test_signed_checkpoint_tampered_is_refused_with_the_key(signed, monkeypatch, how, problem):
+    monkeypatch.setenv(KEY, "k3y")
+    code, out, _ = _inspect(signed[how])
+    assert code == 1 and f"CORRUPT: {signed[how] / 'iter_0000002'}/{problem}" in out, out
+    if how == "unsigned":  # without the key, a manifest re-computed in full hides the flip
+        monkeypatch.delenv(KEY)
+        code, out, _ = _inspect(signed[how])
+        assert code == 0, out
+
+
+def test_launcher_with_the_key_resumes_a_signed_checkpoint_and_refuses_a_re_crc_ed_one(
+        run_distributed, signed, tmp_path):
+    shutil.copytree(signed["base"], tmp_path / "good")
+    results = run_distributed(_with_key, "k3y", _resume, tmp_path / "good", 3, world_size=2)
+    assert [r["code"] for r in results] == [0, 0], results
+    results = run_distributed(_with_key, "k3y", _resume, signed["recrc"], 3, world_size=2)
+    assert [r["code"] for r in results] == [2, 2], results
+    (line,) = results[0]["stderr"].splitlines()
+    assert line.startswith(f"error: checkpoint {signed['recrc'] / 'iter_0000002'} is corrupt: "
+                           "mcore_ext_manifest.json signature does not verify"), line
+    assert not (signed["recrc"] / "iter_0000003").exists()

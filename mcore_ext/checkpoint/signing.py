@@ -1,0 +1,54 @@
+"""Signed manifests: tampering, beyond damage, when a key is set.
+
+The manifest's CRC32s say a checkpoint is intact, not that it is the one that was saved: anyone
+who can write the files can write a matching manifest. With a key in ``MCORE_EXT_CHECKPOINT_KEY``
+(in the environment of every rank, at save and at load):
+
+- each rank records the SHA-256 of its files beside their CRC32 (``manifest.describe``), and
+  rank 0 signs the manifest: ``"hmac_sha256"``, HMAC-SHA256 with the key over the manifest's
+  file entries in canonical JSON;
+- verification (every load, ``inspect --verify``) refuses a checkpoint whose manifest is missing,
+  unsigned, or signed with another key, or whose files' SHA-256 differ.
+
+Without a key nothing changes: no SHA-256, no signature, and signed checkpoints load as before
+(their CRC32s are checked).
+"""
+
+import hashlib
+import hmac
+import json
+import os
+
+KEY_ENV = "MCORE_EXT_CHECKPOINT_KEY"
+FIELD = "hmac_sha256"
+
+
+def key() -> bytes | None:
+    """The signing key (``MCORE_EXT_CHECKPOINT_KEY``, UTF-8), or None."""
+    value = os.environ.get(KEY_ENV)
+    return value.encode() if value else None
+
+
+def signature(entries: dict, secret: bytes) -> str:
+    """HMAC-SHA256 of the file entries ({name: {"size", "crc32", "sha256"}}), hex."""
+    canonical = json.dumps(entries, sort_keys=True, separators=(",", ":")).encode()
+    return hmac.new(secret, canonical, hashlib.sha256).hexdigest()
+
+
+def problem(document: dict | None) -> str | None:
+    """Why the manifest ``document`` (the parsed JSON, None when there is none) does not verify
+    with the key, or None (also without a key)."""
+    secret = key()
+    if secret is None:
+        return None
+    if document is None:
+        return f"missing: {KEY_ENV} is set and only a signed checkpoint loads"
+    recorded = document.get(FIELD)
+    if recorded is None:
+        return f"not signed ({KEY_ENV} is set and only a signed checkpoint loads)"
+    entries = document.get("files", {})
+    if not hmac.compare_digest(recorded, signature(entries, secret)):
+        return f"signature does not verify with {KEY_ENV}: tampered with, or signed with another key"
+    if any("sha256" not in entry for entry in entries.values()):
+        return "signed without SHA-256 digests"
+    return None
