@@ -1,8 +1,9 @@
 """Signed manifests: tampering, beyond damage, when a key is set.
 
 The manifest's CRC32s say a checkpoint is intact, not that it is the one that was saved: anyone
-who can write the files can write a matching manifest. With a key in ``MCORE_EXT_CHECKPOINT_KEY``
-(in the environment of every rank, at save and at load):
+who can write the files can write a matching manifest. With a key (the launcher's
+``checkpoint.key_file``, else ``MCORE_EXT_CHECKPOINT_KEY`` in the environment of every rank), at
+save and at load:
 
 - each rank records the SHA-256 of its files beside their CRC32 (``manifest.describe``), and
   rank 0 signs the manifest: ``"hmac_sha256"``, HMAC-SHA256 with the key over the manifest's
@@ -23,8 +24,25 @@ KEY_ENV = "MCORE_EXT_CHECKPOINT_KEY"
 FIELD = "hmac_sha256"
 
 
+_key_from_file: bytes | None = None
+
+
+def use_key_file(path: str | None) -> None:
+    """Sign and verify with the key in the file ``path`` (its bytes, trailing newline dropped)
+    from now on in this process; None: back to ``MCORE_EXT_CHECKPOINT_KEY``."""
+    global _key_from_file
+    if path is None:
+        _key_from_file = None
+        return
+    with open(path, "rb") as f:
+        _key_from_file = f.read().rstrip(b"\r\n")
+
+
 def key() -> bytes | None:
-    """The signing key (``MCORE_EXT_CHECKPOINT_KEY``, UTF-8), or None."""
+    """The signing key: the key file's (``use_key_file``), else ``MCORE_EXT_CHECKPOINT_KEY``
+    (UTF-8), else None."""
+    if _key_from_file:
+        return _key_from_file
     value = os.environ.get(KEY_ENV)
     return value.encode() if value else None
 

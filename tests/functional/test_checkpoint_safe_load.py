@@ -88,9 +88,9 @@ CRAFTS = {
 }
 
 
-def _train(base):
+def _train(base, *overrides):
     return launch(*TINY_MOCK, "training.train_iters=2", "checkpoint.save_interval=1",
-                  f"checkpoint.save={base}", "checkpoint.load=null")
+                  f"checkpoint.save={base}", "checkpoint.load=null", *overrides)
 
 
 @pytest.fixture(scope="module")
@@ -272,7 +272,8 @@ KEY = "MCORE_EXT_CHECKPOINT_KEY"
 
 
 def _with_key(key, fn, *args):
-    """``fn(*args)`` on this rank with the signing key set (None: unset)."""
+    """``fn(*args)`` on this rank with the signing key ``MCORE_EXT_CHECKPOINT_KEY`` set (None:
+    unset)."""
     previous = os.environ.pop(KEY, None)
     if key is not None:
         os.environ[KEY] = key
@@ -316,7 +317,9 @@ def _tamper(directory, how):
 @pytest.fixture(scope="module")
 def signed(run_distributed_shared, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("signed")
-    results = run_distributed_shared(_with_key, "k3y", _train, tmp / "base", world_size=2)
+    (tmp / "key").write_text("k3y\n")  # the launcher's key file; the tests below use the env
+    results = run_distributed_shared(_with_key, None, _train, tmp / "base",
+                                     f"checkpoint.key_file={tmp / 'key'}", world_size=2)
     assert [r["code"] for r in results] == [0, 0], results
     out = {"base": tmp / "base"}
     for how in ("flip", "recrc", "unsigned"):
@@ -368,3 +371,16 @@ def test_launcher_with_the_key_resumes_a_signed_checkpoint_and_refuses_a_re_crc_
     assert line.startswith(f"error: checkpoint {signed['recrc'] / 'iter_0000002'} is corrupt: "
                            "mcore_ext_manifest.json signature does not verify"), line
     assert not (signed["recrc"] / "iter_0000003").exists()
+
+
+def test_a_key_file_that_cannot_be_read_is_one_config_error(tmp_path):
+    from tests.functional.test_pretrain import launcher
+
+    (tmp_path / "empty").write_text("\n")
+    for path, what in ((tmp_path / "missing", "cannot read it"), (tmp_path / "empty", "is empty")):
+        result = launcher("--config", TINY_MOCK[1], f"checkpoint.key_file={path}",
+                          "parallelism.tensor_model_parallel_size=1", "--check")
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.strip().splitlines()[-1].startswith(
+            f"error: checkpoint.key_file={path}"), result.stderr
+        assert what in result.stderr
