@@ -40,7 +40,6 @@ import torch
 from mcore_ext.checkpoint.errors import CheckpointUnsafeError, PickleRefused, refusal_in
 
 TRUST_ENV = "MCORE_EXT_TRUST_CHECKPOINT"
-METADATA_FILE = ".metadata"
 
 # torch's checkpoint-metadata modules: their classes (dataclasses and enums) are what
 # ``Metadata`` is made of; no function of them is admitted.
@@ -212,9 +211,10 @@ def _register_megatron_safe_globals() -> None:
 
         import numpy
 
+        core = getattr(numpy, "_core", None) or numpy.core  # numpy 2 / 1
         torch.serialization.add_safe_globals([
             argparse.Namespace, types.SimpleNamespace, pathlib.PosixPath, numpy.ndarray,
-            numpy.dtype, numpy.dtypes.UInt32DType, numpy.core.multiarray._reconstruct])
+            numpy.dtype, numpy.dtypes.UInt32DType, core.multiarray._reconstruct])
         return
     register_safe_globals()
 
