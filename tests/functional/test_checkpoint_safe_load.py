@@ -98,7 +98,11 @@ def crafted(run_distributed_shared, tmp_path_factory):
     """{name: (save directory, marker)}: copies of one run, iteration 2 crafted."""
     tmp = tmp_path_factory.mktemp("safe_load")
     base = tmp / "base"
-    results = run_distributed_shared(_train, base, world_size=2)
+    # Signed with the launcher's key file (for the signing tests below; a crafted copy's manifest
+    # is re-written without the key, and loads without a key do not ask for a signature).
+    (tmp / "key").write_text("k3y\n")
+    results = run_distributed_shared(_train, base, f"checkpoint.key_file={tmp / 'key'}",
+                                     world_size=2)
     assert [r["code"] for r in results] == [0, 0], results
     out = {"base": (base, None)}
     for name, craft in CRAFTS.items():
@@ -315,12 +319,11 @@ def _tamper(directory, how):
 
 
 @pytest.fixture(scope="module")
-def signed(run_distributed_shared, tmp_path_factory):
+def signed(crafted, tmp_path_factory):
+    """{how: save directory}: the base run (signed with its key file "k3y"), and copies of it
+    tampered ``how``; the tests give the key in the environment."""
     tmp = tmp_path_factory.mktemp("signed")
-    (tmp / "key").write_text("k3y\n")  # the launcher's key file; the tests below use the env
-    results = run_distributed_shared(_with_key, None, _train, tmp / "base",
-                                     f"checkpoint.key_file={tmp / 'key'}", world_size=2)
-    assert [r["code"] for r in results] == [0, 0], results
+    shutil.copytree(crafted["base"][0], tmp / "base")
     out = {"base": tmp / "base"}
     for how in ("flip", "recrc", "unsigned"):
         shutil.copytree(tmp / "base", tmp / how)
