@@ -9,7 +9,8 @@ has none (QKV rows load as usual).
 What every entry point shares about checkpoint directories lives beside it: ``directory`` (the
 layout, trackers, which checkpoint a path names, where a launcher run starts), ``saving`` (how
 every rank writes one directory: ``.saving.``, manifest, rename, tracker), ``manifest`` (sizes
-and checksums of what a save wrote, and their verification), ``content`` (megatron.training's
+and checksums of what a save wrote, and their verification), ``safe_pickle`` (no pickle a load
+reads runs code), ``content`` (megatron.training's
 checkpoint content, which the launcher writes and reads too) and ``errors``.
 """
 
@@ -27,14 +28,20 @@ from mcore_ext.checkpoint.errors import (
     CheckpointLoadError,
     CheckpointNotFoundError,
     CheckpointSaveError,
+    CheckpointUnsafeError,
 )
+from mcore_ext.checkpoint import safe_pickle
 from mcore_ext.checkpoint.sharding import GATE_SUFFIX, QKV_SUFFIX, QkvGateFactory, qkv_gate_factory
+
+# Every pickle a checkpoint load reads is restricted (safe_pickle), whichever entry point loads.
+safe_pickle.install()
 
 __all__ = [
     "CheckpointCorruptError",
     "CheckpointLoadError",
     "CheckpointNotFoundError",
     "CheckpointSaveError",
+    "CheckpointUnsafeError",
     "GATE_SUFFIX",
     "GateLayoutMismatch",
     "QKV_SUFFIX",

@@ -3,7 +3,9 @@
 DIR is a checkpoint directory or a save directory (its tracked checkpoint). Reads only the
 checkpoint's metadata (global shapes), so it needs neither the saving run's parallel layout nor
 a process group. ``--verify`` also reads every file and compares it with the manifest the save
-wrote (sizes, CRC32): exit code 1 when a file differs or there is no manifest.
+wrote (sizes, CRC32): exit code 1 when a file differs or there is no manifest; and reads every
+pickle of the checkpoint the restricted way a load does (``safe_pickle``). A pickle that would
+run code is one ``error:`` line, exit code 2, with or without ``--verify``.
 """
 
 import argparse
@@ -12,9 +14,9 @@ import sys
 
 from megatron.core import dist_checkpointing
 
-from mcore_ext.checkpoint import manifest
+from mcore_ext.checkpoint import manifest, safe_pickle
 from mcore_ext.checkpoint.directory import find_checkpoint
-from mcore_ext.checkpoint.errors import CheckpointNotFoundError
+from mcore_ext.checkpoint.errors import CheckpointNotFoundError, CheckpointUnsafeError
 from mcore_ext.checkpoint.sharding import GATE_SUFFIX, QKV_SUFFIX
 
 
@@ -61,9 +63,13 @@ def main(argv=None) -> int:
         print(f"error: {directory}: {error}", file=sys.stderr)
         return 1
     directory = found.directory if found is not None else directory
-    ok = not args.verify or _verify(directory)
     try:
-        metadata = dist_checkpointing.load_tensors_metadata(directory)
+        with safe_pickle.refusals():
+            ok = not args.verify or _verify(directory)
+            metadata = dist_checkpointing.load_tensors_metadata(directory)
+    except CheckpointUnsafeError as error:  # nothing of it ran
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     except Exception as error:  # noqa: BLE001 - report any unreadable checkpoint plainly
         print(f"error: cannot read checkpoint {directory}: {error}", file=sys.stderr)
         return 1
@@ -93,6 +99,8 @@ def _verify(directory: str) -> bool:
     size = sum(entry["size"] for entry in entries.values())
     print(f"verified: all {len(entries)} files of {directory} ({size / 2**20:.1f} MiB) match "
           "their recorded sizes and checksums")
+    objects = safe_pickle.check_objects(directory)
+    print(f"verified: the metadata and all {objects} pickled objects hold only checkpoint types")
     return True
 
 

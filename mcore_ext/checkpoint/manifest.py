@@ -16,10 +16,12 @@ it too (a save published without that rank's entries).
 
 CRC32 (zlib, about 3 GB/s per core) catches every single-bit flip and every burst of up to 32
 bits, other random damage but for a 2^-32 chance; sizes catch truncation first. It is no defence
-against deliberate tampering. Checkpoints without a manifest (saved before it existed, or by
+against deliberate tampering; a signing key (``signing``: SHA-256 per file, an HMAC over the
+manifest) is. Checkpoints without a manifest (saved before it existed, or by
 Megatron-LM) load unverified.
 """
 
+import hashlib
 import json
 import os
 import re
@@ -27,6 +29,7 @@ import zlib
 
 import torch.distributed as dist
 
+from mcore_ext.checkpoint import signing
 from mcore_ext.checkpoint.directory import Checkpoint, iteration_dir, iterations_in
 
 MANIFEST = "mcore_ext_manifest.json"
@@ -50,30 +53,39 @@ def files_of_rank(directory: str, rank: int) -> list[str]:
 
 
 def describe(directory: str, names) -> dict:
-    """{name: {"size", "crc32"}} of the files ``names`` under ``directory``."""
+    """{name: {"size", "crc32"}} of the files ``names`` under ``directory``; with a signing key
+    (``signing``) also "sha256"."""
     entries = {}
+    digest = signing.key() is not None
     for name in names:
-        size, crc = _checksum(os.path.join(directory, name))
-        entries[name] = {"size": size, "crc32": f"{crc:08x}"}
+        size, crc, sha = _checksum(os.path.join(directory, name), digest)
+        entries[name] = {"size": size, "crc32": f"{crc:08x}", **({"sha256": sha} if sha else {})}
     return entries
 
 
 def write(directory: str, entries: dict) -> None:
     """Write the manifest of ``entries`` (a rename: never half a manifest)."""
     path = os.path.join(directory, MANIFEST)
+    document = {"format": 1, "checksum": "crc32", "files": dict(sorted(entries.items()))}
+    if (secret := signing.key()) is not None:
+        document[signing.FIELD] = signing.signature(document["files"], secret)
     with open(path + ".tmp", "w") as f:
-        json.dump({"format": 1, "checksum": "crc32", "files": dict(sorted(entries.items()))}, f,
-                  indent=1)
+        json.dump(document, f, indent=1)
     os.replace(path + ".tmp", path)
 
 
 def read(directory: str) -> dict | None:
     """{name: entry} of the manifest, or None when the checkpoint has none."""
+    document = _read_document(directory)
+    return None if document is None else document["files"]
+
+
+def _read_document(directory: str) -> dict | None:
     path = os.path.join(directory, MANIFEST)
     if not os.path.exists(path):
         return None
     with open(path) as f:
-        return json.load(f)["files"]
+        return json.load(f)
 
 
 def verify(directory: str, entries: dict) -> list[tuple[str, str]]:
@@ -89,8 +101,12 @@ def verify(directory: str, entries: dict) -> list[tuple[str, str]]:
             problems.append((name, f"truncated ({size} of {entry['size']} bytes)"))
         elif size > entry["size"]:
             problems.append((name, f"has {size} bytes, {entry['size']} recorded"))
-        elif f"{_checksum(path)[1]:08x}" != entry["crc32"]:
-            problems.append((name, "checksum mismatch (its CRC32 is not the one recorded)"))
+        else:
+            _, crc, sha = _checksum(path, "sha256" in entry)
+            if f"{crc:08x}" != entry["crc32"]:
+                problems.append((name, "checksum mismatch (its CRC32 is not the one recorded)"))
+            elif sha is not None and sha != entry["sha256"]:
+                problems.append((name, "digest mismatch (its SHA-256 is not the one signed)"))
     return problems
 
 
@@ -104,11 +120,15 @@ def summary(problems: list[tuple[str, str]]) -> str:
 def verify_checkpoint(directory: str, collective: bool = True) -> list[tuple[str, str]] | None:
     """The problems of ``directory`` against its manifest ([] when intact); None without a
     manifest. ``collective`` (and torch.distributed initialized): every rank calls it, each
-    reads a share of the files, every rank returns all findings."""
+    reads a share of the files, every rank returns all findings. With a signing key
+    (``signing``), a manifest that is missing, unsigned or not signed with it is a problem."""
     try:
-        entries = read(directory)
+        document = _read_document(directory)
+        entries = None if document is None else document["files"]
     except (OSError, ValueError, KeyError, TypeError) as err:
         return [(MANIFEST, f"unreadable ({type(err).__name__}: {err})")]
+    if (unsigned := signing.problem(document)) is not None:
+        return [(MANIFEST, unsigned)]
     if entries is None:
         return None
     unlisted = unlisted_rank_files(directory, entries)
@@ -140,10 +160,13 @@ def newest_verified(root: str, before: int):
     return None
 
 
-def _checksum(path: str) -> tuple[int, int]:
-    crc, size = 0, 0
+def _checksum(path: str, digest: bool = False) -> tuple[int, int, str | None]:
+    """(size, CRC32, SHA-256 hex when ``digest`` else None) of the file, in one read."""
+    crc, size, sha = 0, 0, hashlib.sha256() if digest else None
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
             crc = zlib.crc32(chunk, crc)
+            if sha is not None:
+                sha.update(chunk)
             size += len(chunk)
-    return size, crc
+    return size, crc, None if sha is None else sha.hexdigest()

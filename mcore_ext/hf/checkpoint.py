@@ -25,7 +25,7 @@ from megatron.core import dist_checkpointing, parallel_state
 from torch.distributed.checkpoint.api import CheckpointException
 
 from mcore_ext._cpu_compat import cuda_to_cpu
-from mcore_ext.checkpoint import manifest, saving
+from mcore_ext.checkpoint import manifest, safe_pickle, saving
 from mcore_ext.checkpoint.directory import (
     TRACKER,
     find_checkpoint,
@@ -174,6 +174,7 @@ def _read_launcher_config(directory: str):
         return build(PretrainConfig, yaml.safe_load(f))
 
 
+@safe_pickle.refusals()  # a pickle that would run code: CheckpointUnsafeError, one line
 def export_checkpoint(ckpt_dir: str, hf_dir: str, *, vocab_size: int | None = None,
                       max_shard_bytes: int = 2 * 1024**3, backend: str = "sdpa",
                       overwrite: bool = False) -> None:

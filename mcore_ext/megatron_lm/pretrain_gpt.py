@@ -53,6 +53,7 @@ from megatron.training.utils import (  # noqa: E402
 )
 
 from mcore_ext.attention.context_parallel import get_batch_on_this_cp_rank  # noqa: E402
+from mcore_ext.checkpoint.errors import one_line, refusal_in  # noqa: E402
 from mcore_ext.megatron_lm.arguments import add_mcore_ext_args  # noqa: E402
 from mcore_ext.megatron_lm.model import gated_gpt_config_from_args  # noqa: E402
 from mcore_ext.specs import AttentionBackend, resolve_backend  # noqa: E402
@@ -232,12 +233,18 @@ def main(argv=None) -> int:
         if is_first_rank():
             for note in notes:
                 print(f"mcore_ext: {note}", flush=True)
-        pretrain(
-            container,
-            train_valid_test_datasets_provider,
-            ModelType.encoder_or_decoder,
-            forward_step,
-        )
+        try:
+            pretrain(
+                container,
+                train_valid_test_datasets_provider,
+                ModelType.encoder_or_decoder,
+                forward_step,
+            )
+        except BaseException as err:  # torch's CheckpointException is not an Exception
+            refused = refusal_in(err)  # a checkpoint pickle that would run code (safe_pickle)
+            if refused is None:
+                raise
+            return report_error(one_line(refused))
     return 0
 
 

@@ -335,6 +335,11 @@ class CheckpointConfig:
     file): ``error`` stops, naming the file and the newest checkpoint that verifies;
     ``previous`` resumes from that one instead, and says so."""
 
+    key_file: Optional[str] = None
+    """A file holding a secret key (its text, trailing newline dropped): saves sign their
+    manifest with it and loads refuse a checkpoint not signed with it (docs/checkpoints.md);
+    null = ``MCORE_EXT_CHECKPOINT_KEY`` when set, else no signing."""
+
     async_save: bool = False
     """GPU only: write checkpoints in the background."""
 

@@ -33,7 +33,7 @@ def main(argv=None) -> int:
         help="with --check: validate for this many ranks (default: $WORLD_SIZE, else 1)",
     )
     args = parser.parse_args(argv)
-    from mcore_ext.checkpoint import GateLayoutMismatch
+    from mcore_ext.checkpoint import GateLayoutMismatch, signing
     from mcore_ext.checkpoint.errors import (
         CheckpointFormatError,
         CheckpointLoadError,
@@ -48,6 +48,7 @@ def main(argv=None) -> int:
     quiet_known_noise()
     try:
         cfg = load_config(args.config, args.overrides, world_size=args.world_size)
+        signing.use_key_file(cfg.checkpoint.key_file)  # validated: readable, not empty
         # Where the run starts, before anything is written: a checkpoint.load that holds no
         # checkpoint is refused here.
         from mcore_ext.training import checkpointing

@@ -43,7 +43,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTenso
 from torch.distributed.checkpoint.api import CheckpointException
 
 from mcore_ext import checkpoint
-from mcore_ext.checkpoint import content, manifest, saving
+from mcore_ext.checkpoint import content, manifest, safe_pickle, saving
 from mcore_ext.checkpoint.directory import (  # noqa: F401  (tests import them here)
     TRACKER,
     Checkpoint,
@@ -189,6 +189,7 @@ def start_point(cfg):
     return find_start(cfg.checkpoint.save, cfg.checkpoint.load)
 
 
+@safe_pickle.refusals()  # a pickle that would run code: CheckpointUnsafeError, one line
 def load_checkpoint(cfg, model, optimizer, scheduler, vocab_size: int | None = None
                     ) -> tuple[int, int, str]:
     """Restore where ``start_point(cfg)`` says: (iteration, consumed samples, the line that says

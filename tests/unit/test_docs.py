@@ -187,6 +187,10 @@ DECISIONS = {
     "python -m mcore_ext.checkpoint inspect runs/a/checkpoints/iter_0000020 --verify": Covered(
         "tests/functional/test_checkpoint_verify.py::"
         "test_damaged_checkpoint_is_named_and_previous_resumes_exactly"),
+    "MCORE_EXT_TRUST_CHECKPOINT=ckpt/iter_0000100 python -m mcore_ext.checkpoint inspect "
+    "ckpt/iter_0000100 --verify": Covered(
+        "tests/functional/test_checkpoint_safe_load.py::"
+        "test_the_explicit_opt_in_runs_the_payload_of_that_checkpoint_only"),
     "python -m mcore_ext.hf export runs/a/checkpoints OUT": Covered(
         "tests/hf/test_hf_checkpoint.py::"
         "test_export_refuses_a_folder_with_files_and_overwrite_keeps_the_others"),

@@ -128,6 +128,14 @@ def validate(cfg: PretrainConfig, world_size: int) -> None:
         raise ConfigError("checkpoint.async_save=true needs a GPU (CUDA); set it to false on CPU")
     if c.finetune and not c.load:
         raise ConfigError("checkpoint.finetune=true needs checkpoint.load (the weights to use)")
+    if c.key_file is not None:
+        try:
+            with open(c.key_file, "rb") as f:
+                empty = not f.read().rstrip(b"\r\n")
+        except OSError as err:
+            raise ConfigError(f"checkpoint.key_file={c.key_file}: cannot read it ({err.strerror})")
+        if empty:
+            raise ConfigError(f"checkpoint.key_file={c.key_file} is empty: it must hold the key")
 
     if m.attention_kernel in ("flex", "varlen"):
         kernel = m.attention_kernel
