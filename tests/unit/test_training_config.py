@@ -291,3 +291,31 @@ def test_config_goes_to_the_run_directory_and_a_summary_to_the_console(tmp_path,
                           ["logging.metrics_file=null", "checkpoint.save=null"], world_size=2)
     _announce_config(nowhere)  # nothing keeps it: the console gets all of it
     assert "head_wise_attn_gate: true" in capsys.readouterr().out
+
+
+def test_resolved_config_never_goes_over_an_input(tmp_path, capsys):
+    """config.yaml beside the metrics file is the launcher's only when it wrote it (its first
+    line) and it is not the run's --config: else config.resolved.yaml; the input stays as it was."""
+    from mcore_ext.training.loop import RESOLVED_MARK, _announce_config
+
+    def announce(config_file=None):
+        cfg = load_config(str(config_file or CONFIGS / "tiny_cpu.yaml"), [
+            f"logging.metrics_file={tmp_path / 'metrics.jsonl'}", "training.train_iters=20"],
+            world_size=2)
+        written = _announce_config(cfg, str(config_file) if config_file else None)
+        assert capsys.readouterr().out.endswith(f"resolved configuration in {written}\n")
+        assert load_config(written, world_size=2) == cfg
+        return written
+
+    users = tmp_path / "config.yaml"
+    text = "# my run: comments stay\n" + (CONFIGS / "tiny_cpu.yaml").read_text()
+    users.write_text(text)
+    resolved = str(tmp_path / "config.resolved.yaml")
+    assert announce(users) == resolved and users.read_text() == text  # the --config
+    assert announce() == resolved and users.read_text() == text  # a file the launcher did not write
+    assert announce(users) == resolved  # its own resolved config: replaced (a resumed run)
+    users.unlink()
+    assert announce() == str(users)  # new: config.yaml, with the launcher's first line
+    assert users.read_text().startswith(RESOLVED_MARK + "\n")
+    before = users.read_text()
+    assert announce(users) == resolved and users.read_text() == before  # a resolved --config
