@@ -115,6 +115,26 @@ def test_layout_must_divide_world_size(tmp_path):
         load_config(path, world_size=3)
 
 
+@pytest.mark.parametrize("ep", [1, 2])
+def test_moe_with_tensor_parallelism_needs_sequence_parallelism(ep):
+    """megatron's MoE layer refuses to train at TP > 1 without sequence parallelism, EP or not
+    (a ValueError on every rank from the first forward): decided here, by name."""
+    moe = str(CONFIGS / "step35_moe_tiny_cpu.yaml")
+    layout = ["parallelism.tensor_model_parallel_size=2",
+              f"parallelism.expert_model_parallel_size={ep}"]
+    with pytest.raises(ConfigError) as err:
+        load_config(moe, layout, world_size=4)
+    assert str(err.value) == (
+        "model.num_moe_experts=8 with parallelism.tensor_model_parallel_size=2 needs "
+        "parallelism.sequence_parallel=true (megatron's MoE layer does not train with TP "
+        "without it)")
+    cfg = load_config(moe, [*layout, "parallelism.sequence_parallel=true"], world_size=4)
+    assert cfg.parallelism.sequence_parallel
+    dense = load_config(str(CONFIGS / "step35_tiny_cpu.yaml"),
+                        ["parallelism.tensor_model_parallel_size=2"], world_size=2)
+    assert not dense.parallelism.sequence_parallel  # no MoE layers: not needed
+
+
 def test_global_batch_must_split_into_micro_batches(tmp_path):
     with pytest.raises(ConfigError, match=r"global_batch_size \(10\) must be divisible"):
         load_config(
