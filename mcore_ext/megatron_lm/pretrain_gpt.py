@@ -10,12 +10,14 @@ it what Megatron-LM's repository-root ``pretrain_gpt.py`` would (not in the whee
 forward step and the dataset provider. ``--mock-data``, ``--data-path`` / ``--*-data-path``,
 ``--split`` and the tokenizer flags mean what they mean in Megatron-LM.
 
-Context parallelism (``--context-parallel-size``): ``get_batch`` gives each CP rank its two
-load-balanced chunks of every sequence, as Megatron-LM's does. On the sdpa backend (which
-all-gathers K/V and makes causal masks from token positions) Megatron-LM's default
-``--cp-comm-type p2p`` runs as ``all_gather`` and a causal-only dataloader mask is not made, each
-said once; what it cannot run (a per-document mask, ``a2a``) is refused in one line before
-training (``context_parallel_flags``).
+On the sdpa backend (which makes causal masks from token positions) the dataloader's causal-only
+attention mask, Megatron-LM's default, is not made at any CP size: given a mask, full layers would
+lose ``is_causal`` and sliding layers their banded kernel. Context parallelism
+(``--context-parallel-size``): ``get_batch`` gives each CP rank its two load-balanced chunks of
+every sequence, as Megatron-LM's does; on the sdpa backend (which all-gathers K/V) Megatron-LM's
+default ``--cp-comm-type p2p`` runs as ``all_gather``. Each change is said once; what it cannot
+run (a per-document mask under CP, ``a2a``) is refused in one line before training
+(``attention_flags``).
 
 On a machine without CUDA it runs on gloo with mcore_ext's CPU adaptations (tests, small runs).
 """
@@ -141,31 +143,39 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
 train_valid_test_datasets_provider.is_distributed = True
 
 
-def context_parallel_flags(args) -> list[str]:
-    """Fit Megatron-LM's context-parallel flags to the sdpa backend; returns what it changed (to
-    say once), raises ``FlagError`` for what it cannot run. Other backends: nothing to do."""
-    if args.context_parallel_size == 1:
-        return []
-    cp = f"--context-parallel-size {args.context_parallel_size}"
+def attention_flags(args) -> list[str]:
+    """Fit Megatron-LM's attention flags to the sdpa backend; returns what it changed (to say
+    once), raises ``FlagError`` for what it cannot run. Other backends: nothing to do.
+
+    At every CP size the dataloader's causal-only mask (``--create-attention-mask-in-dataloader``,
+    megatron's default, without ``--reset-attention-mask``) is not made: the sdpa backend applies
+    causality from positions, so full layers keep ``is_causal`` (flash) and sliding layers their
+    banded kernel; given a mask, both would run under a dense ``[s, s]`` one. Under CP also
+    ``--cp-comm-type``: the sdpa backend's CP all-gathers K/V."""
+    cp_size = args.context_parallel_size
+    cp = f"--context-parallel-size {cp_size}"
     backend = resolve_backend(getattr(args, "mcore_ext_backend", "auto"))
-    if backend is AttentionBackend.LOCAL:
+    if backend is AttentionBackend.LOCAL and cp_size > 1:
         raise FlagError(f"--mcore-ext-backend local with {cp}: megatron's local "
                         "DotProductAttention has no context parallelism; use sdpa or te")
     if backend is not AttentionBackend.SDPA:
         return []
     notes = []
-    if args.create_attention_mask_in_dataloader:
-        if args.reset_attention_mask:
-            raise FlagError(
-                f"--reset-attention-mask with {cp}: the sdpa backend's context parallelism makes "
-                "causal masks from token positions and cannot take the dataloader's per-document "
-                "attention mask; drop --reset-attention-mask, or use --mcore-ext-backend te"
-            )
+    if args.create_attention_mask_in_dataloader and not args.reset_attention_mask:
         # GPTDataset's mask without --reset-attention-mask is the causal triangle: no information.
         args.create_attention_mask_in_dataloader = False
         notes.append(
-            f"{cp}: the dataloader's attention mask is causal only and is not made (the sdpa "
-            "backend applies causality itself)"
+            "the dataloader's attention mask (--create-attention-mask-in-dataloader) is causal "
+            "only and is not made: the sdpa backend applies causality itself (is_causal, banded "
+            "sliding windows)"
+        )
+    if cp_size == 1:
+        return notes  # a per-document mask (--reset-attention-mask) goes to SDPA as given
+    if args.create_attention_mask_in_dataloader:
+        raise FlagError(
+            f"--reset-attention-mask with {cp}: the sdpa backend's context parallelism makes "
+            "causal masks from token positions and cannot take the dataloader's per-document "
+            "attention mask; drop --reset-attention-mask, or use --mcore-ext-backend te"
         )
     if "p2p" in args.cp_comm_type:
         notes.append(
@@ -224,7 +234,7 @@ def main(argv=None) -> int:
                 extra_args_provider=add_mcore_ext_args,
                 args_defaults=_default_tokenizer(sys.argv[1:]),
             )
-            notes = context_parallel_flags(args)
+            notes = attention_flags(args)
             check_learning_rate_schedule(args)
             model_config = gated_gpt_config_from_args(args)
             container = pretrain_cfg_container_from_args(args, model_config)

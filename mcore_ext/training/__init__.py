@@ -70,7 +70,7 @@ def main(argv=None) -> int:
     from mcore_ext.training.loop import pretrain
 
     try:
-        pretrain(cfg)
+        pretrain(cfg, config_file=args.config)
     except CheckpointSaveError as err:  # raised on every rank with the same message
         print(f"error: [rank {os.environ.get('RANK', '0')}] {err}", file=sys.stderr, flush=True)
         return 1

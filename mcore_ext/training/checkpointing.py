@@ -319,8 +319,8 @@ def _check_vocabulary(directory: str, model_state: dict, vocab_size: int) -> Non
                 and value.key in saved):
             continue
         rows, ours = saved[value.key].global_shape[0], value.global_shape[0]
-        if rows < vocab_size:
-            raise RuntimeError(
+        if rows < vocab_size:  # a CheckpointLoadError: main says it in one line
+            raise checkpoint.CheckpointLoadError(
                 f"{directory}: {value.key} has {rows} rows, fewer than the {vocab_size} tokens of "
                 "this run's tokenizer (data.tokenizer): it was trained with another vocabulary"
             )

@@ -46,9 +46,11 @@ _PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H200 NVL": 835.0, "H200"
                 "H100": 989.0, "A100": 312.0}
 
 
-def pretrain(cfg) -> None:
+def pretrain(cfg, config_file: str | None = None) -> None:
     """Run the training job described by a validated ``PretrainConfig`` on this torchrun rank.
 
+    ``config_file``: the YAML file the config was read from, never written over (the resolved
+    config goes beside it under another name when it would land on it).
     Raises ``faults.CheckpointSaveError`` on every rank when checkpoint.save cannot be written.
     """
     p = cfg.parallelism
@@ -64,6 +66,7 @@ def pretrain(cfg) -> None:
     save = cfg.checkpoint.save
     made_save_dir = bool(save) and not os.path.exists(save)
     dist.barrier()  # every rank looked before any rank makes it
+    resolved = None  # the resolved config.yaml rank 0 wrote
     try:
         with signals or contextlib.nullcontext(), cuda_to_cpu():
             # cuda_to_cpu: CPU only, megatron's training path allocates on "cuda" literally.
@@ -71,10 +74,14 @@ def pretrain(cfg) -> None:
                 faults.check_writable(save)
                 checkpointing.recover_save_dir(save)  # what a killed save left
                 faults.install_checkpoint_writer_queue(cfg.checkpoint.async_save)
+            if dist.get_rank() == 0:
+                resolved = _announce_config(cfg, config_file)
             _Trainer(cfg, signals).run()
     except BaseException:
         if made_save_dir and dist.get_rank() == 0:  # a run refused before its first save
             with contextlib.suppress(OSError):
+                if resolved and os.listdir(save) == [os.path.basename(resolved)]:
+                    os.remove(resolved)  # the run's own resolved config, alone there
                 os.rmdir(save)  # only if empty: nothing a save wrote
         raise
     finally:
@@ -189,8 +196,6 @@ class _Trainer:
         self.cfg = cfg
         self.signals = signals  # faults.ExitSignalHandler with checkpoint.exit_on_signal
         self.rank0 = dist.get_rank() == 0
-        if self.rank0:
-            _announce_config(cfg)
 
         tokenizer = prepare_tokenizer_and_data(cfg)
         self.vocab_size = padded_vocab_size(tokenizer.vocab_size, cfg)
@@ -473,9 +478,18 @@ class _Trainer:
             print(message, flush=True)
 
 
-def _announce_config(cfg) -> None:
+# The first line of the resolved config.yaml the launcher writes: a file without it is not the
+# launcher's to replace.
+RESOLVED_MARK = "# the resolved configuration of a launch/pretrain.py run"
+
+
+def _announce_config(cfg, config_file: str | None = None) -> str | None:
     """The resolved configuration into the run directory (config.yaml beside the metrics file,
-    else in checkpoint.save), a one-line summary on the console; with neither, all of it there."""
+    else in checkpoint.save), a one-line summary on the console; with neither, all of it there.
+    Returns the file written, or None.
+
+    Never over an input: when config.yaml is ``config_file`` (the run's --config) or a file the
+    launcher did not write (no ``RESOLVED_MARK`` line first), config.resolved.yaml instead."""
     folder = (os.path.dirname(os.path.abspath(cfg.logging.metrics_file)) if cfg.logging.metrics_file
               else cfg.checkpoint.save)
     m, t, o = cfg.model, cfg.training, cfg.optimizer
@@ -483,14 +497,30 @@ def _announce_config(cfg) -> None:
                f"seq {m.seq_length}, gate {'on' if m.head_wise_attn_gate else 'off'}, "
                f"{m.attention_backend}; {t.train_iters} iterations, lr {o.lr:g} "
                f"({o.lr_decay_style})")
-    if not folder:
+    path = _resolved_config_path(folder, config_file) if folder else None
+    if path is None:
         print(f"[config] {summary}; resolved configuration:\n{cfg.to_yaml()}", flush=True)
-        return
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, "config.yaml")
+        return None
     with open(path, "w") as f:
-        f.write(cfg.to_yaml())
+        f.write(f"{RESOLVED_MARK}\n{cfg.to_yaml()}")
     print(f"[config] {summary}; resolved configuration in {path}", flush=True)
+    return path
+
+
+def _resolved_config_path(folder: str, config_file: str | None) -> str | None:
+    """The first of ``folder``/config.yaml, config.resolved.yaml that is new or a resolved config
+    the launcher wrote (not ``config_file``); None if neither."""
+    os.makedirs(folder, exist_ok=True)
+    for name in ("config.yaml", "config.resolved.yaml"):
+        path = os.path.join(folder, name)
+        if not os.path.exists(path):
+            return path
+        if config_file and os.path.exists(config_file) and os.path.samefile(path, config_file):
+            continue
+        with open(path, errors="replace") as f:
+            if f.readline().rstrip("\n") == RESOLVED_MARK:
+                return path
+    return None
 
 
 class _Eta:

@@ -9,12 +9,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
-# The tiny config made tinier: 64 hidden, 32 tokens, 4 samples per step, mock data, no evaluation.
+# The tiny config made tinier: 64 hidden, 32 tokens, 4 samples per step, mock data, no evaluation;
+# no metrics file unless a test names one (the config's runs/tiny_cpu/ is the README's run folder:
+# a test's metrics and resolved config went there, into the checkout).
 TINY_MOCK = [
     "--config", TINY, "model.hidden_size=64", "model.seq_length=32",
     "training.micro_batch_size=2", "training.global_batch_size=4",
     "training.eval_interval=null", "data.source=mock", "optimizer.lr_warmup_iters=0",
-    "logging.log_interval=1",
+    "logging.log_interval=1", "logging.metrics_file=null",
 ]
 MARK = "==> [checkpoint]"  # the launcher's line about where the run starts
 

@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from tests.functional.inprocess import MARK, ROOT, TINY_MOCK, launch, losses, start_lines
+from tests.functional.inprocess import MARK, ROOT, TINY, TINY_MOCK, launch, losses, start_lines
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -233,3 +233,78 @@ def test_pretrain_sh_help_and_a_refused_run_leave_no_run_directory(tmp_path):
     assert refused.returncode == 2, refused.stderr[-3000:]
     assert refused.stderr.count("error: ") == 1 and "training.train_iters='lots'" in refused.stderr
     assert not run_dir.exists()
+
+
+# ------------------------------------------------------------------ another tokenizer, resumed
+
+
+def _word_tokenizer(directory, size):
+    """A local Hugging Face tokenizer of ``size`` tokens (the last one its eos)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(size - 1)} | {"</s>": size - 1}
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="w0")), eos_token="</s>")
+    tokenizer.save_pretrained(directory)
+
+
+def _other_tokenizer(base, tmp):
+    """``base`` (byte tokenizer: 257 tokens, 384 rows) resumed with a 600-token tokenizer
+    into a new checkpoint.save, which keeps the resolved config (no metrics file)."""
+    tokenizer = tmp / "tokenizer"
+    if _rank0():
+        _word_tokenizer(str(tokenizer), 600)
+    _barrier()
+    save = tmp / "other_tokenizer"
+    out = launch(*TINY_MOCK, "training.train_iters=3", f"checkpoint.load={base}",
+                 f"checkpoint.save={save}", f"data.tokenizer={tokenizer}")
+    _barrier()
+    out["wrote"] = sorted(os.listdir(save)) if save.exists() else None
+    return out
+
+
+def test_a_checkpoint_of_another_tokenizer_is_one_line_and_leaves_no_save_directory(
+        run_distributed, base, tmp_path):
+    """Resuming with a tokenizer that has more tokens than the checkpoint has vocabulary rows:
+    one error line by rank 0, exit 2 on every rank; checkpoint.save, made for the run, is removed
+    again with the resolved config.yaml the run had written there."""
+    pytest.importorskip("tokenizers")
+    zero, one = run_distributed(_other_tokenizer, base["dir"], tmp_path, world_size=2)
+    directory = base["dir"] / "iter_0000002"
+    assert zero["code"] == 2 and one["code"] == 2, (zero["code"], one["code"])
+    assert zero["stderr"] == (
+        f"error: {directory}: embedding.word_embeddings.weight has 384 rows, fewer than the 600 "
+        "tokens of this run's tokenizer (data.tokenizer): it was trained with another "
+        "vocabulary\n"), zero["stderr"]
+    assert one["stderr"] == "" and "Traceback" not in zero["stdout"] + one["stdout"]
+    assert zero["wrote"] is None  # not even checkpoint.save's directory
+
+
+def _users_config(tmp) -> str:
+    """A commented config.yaml whose metrics file lies beside it."""
+    text = open(TINY).read().replace("metrics_file: runs/tiny_cpu/metrics.jsonl",
+                                     f"metrics_file: {tmp / 'metrics.jsonl'}  # beside this file")
+    return "# my run, my comments\n" + text
+
+
+def _run_the_users_config(tmp):
+    """The review's case: ``--config config.yaml training.train_iters=2 optimizer.lr=1.0``."""
+    users = tmp / "config.yaml"
+    if _rank0():
+        users.write_text(_users_config(tmp))
+    _barrier()
+    mock = [a for a in TINY_MOCK[2:] if a != "logging.metrics_file=null"]  # the file's own
+    return launch("--config", users, *mock, "training.train_iters=2", "optimizer.lr=1.0",
+                  "checkpoint.save=null", "checkpoint.load=null")
+
+
+def test_the_resolved_config_does_not_write_over_the_runs_own_config_file(run_distributed,
+                                                                          tmp_path):
+    zero, _ = run_distributed(_run_the_users_config, tmp_path, world_size=2)
+    assert zero["code"] == 0, zero
+    # comments kept, neither the overrides nor the expanded keys baked in
+    assert (tmp_path / "config.yaml").read_text() == _users_config(tmp_path)
+    resolved = tmp_path / "config.resolved.yaml"
+    assert f"resolved configuration in {resolved}\n" in zero["stdout"], zero["stdout"][-2000:]
+    assert "train_iters: 2\n" in resolved.read_text() and "lr: 1.0\n" in resolved.read_text()

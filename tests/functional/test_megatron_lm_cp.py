@@ -86,21 +86,50 @@ def test_unsupported_cp_comm_type_is_one_line_before_training():
 
 
 def test_per_document_mask_and_local_backend_under_cp_are_refused_by_name():
-    """--reset-attention-mask makes a per-document mask the sdpa CP path cannot take; the local
-    backend has no CP."""
+    """--reset-attention-mask makes a per-document mask the sdpa CP path cannot take (at CP 1
+    SDPA takes it as given); the local backend has no CP."""
     import argparse
 
-    from mcore_ext.megatron_lm.pretrain_gpt import FlagError, context_parallel_flags
+    from mcore_ext.megatron_lm.pretrain_gpt import FlagError, attention_flags
 
     args = argparse.Namespace(
         context_parallel_size=2, mcore_ext_backend="sdpa", cp_comm_type=["p2p"],
         create_attention_mask_in_dataloader=True, reset_attention_mask=True,
     )
     with pytest.raises(FlagError, match="--reset-attention-mask with --context-parallel-size 2"):
-        context_parallel_flags(args)
-    args.reset_attention_mask = False
-    assert len(context_parallel_flags(args)) == 2
+        attention_flags(args)
+    args.context_parallel_size = 1
+    assert attention_flags(args) == [] and args.create_attention_mask_in_dataloader
+    args.context_parallel_size, args.reset_attention_mask = 2, False
+    assert len(attention_flags(args)) == 2
     assert args.cp_comm_type == ["all_gather"] and not args.create_attention_mask_in_dataloader
     args.mcore_ext_backend = "local"
     with pytest.raises(FlagError, match="local DotProductAttention has no context parallelism"):
-        context_parallel_flags(args)
+        attention_flags(args)
+    args.context_parallel_size, args.create_attention_mask_in_dataloader = 1, True
+    assert attention_flags(args) == [] and args.create_attention_mask_in_dataloader  # local: as is
+
+
+# ------------------------------------------------------ CP 1: the dataloader's causal-only mask
+
+SPY = ("-m", "tests.functional.megatron_lm_attention_spy")
+KINDS = ["--layer-types", "sliding_attention", "full_attention", "--sliding-window", "16"]
+
+
+def test_causal_only_mask_keeps_the_banded_and_causal_kernels_at_cp1():
+    """Megatron-LM's default --create-attention-mask-in-dataloader at CP 1 through megatron's
+    pretrain(), spying on torch's SDPA: the sliding layer (window (15, 0), s = 64) runs banded,
+    [16, 16] for block 0 and [16, 32] for the others, the full layer with is_causal and no mask;
+    no [s, s] mask is made. Before, the dataloader's causal [1, 1, 64, 64] mask reached core
+    attention and both layers ran one SDPA call under a dense 64 x 64 mask."""
+    flags = [a if a != "32" else "64" for a in MODEL]  # --seq-length, --max-position-embeddings
+    result = check(torchrun(*flags, *TRAINING, *KINDS, "--train-iters", "2", nproc=1,
+                            program=SPY, timeout=TIMEOUT_S), "spy")
+    calls = sorted(line for line in result.stdout.splitlines() if line.startswith("sdpa "))
+    assert calls == [
+        "sdpa q=16 k=16 mask=(16, 16) is_causal=False",
+        "sdpa q=16 k=32 mask=(16, 32) is_causal=False",
+        "sdpa q=64 k=64 mask=None is_causal=True",
+    ], result.stdout[-3000:]
+    out = result.stdout + result.stderr
+    assert out.count("attention mask") == 1, out[-3000:]  # said once

@@ -337,3 +337,31 @@ def test_imported_moe_fine_tunes_at_ep2_with_mtp_and_exports(moe_checkpoint, tmp
     model.load_state_dict(models.transformers_tensors(after, len(models.MOE_TYPES)), strict=True)
     with torch.no_grad():
         assert torch.isfinite(model(models.tokens())).all()
+
+
+@pytest.mark.slow
+def test_readme_fine_tune_command_trains_the_moe_import_at_tp2(moe_checkpoint, tmp_path):
+    """README's "Convert Step-3.5-Flash" fine-tuning command on the released MoE + MTP layout
+    after ``hf import``: the launcher at TP 2 with the README's overrides
+    (parallelism.sequence_parallel=true, which megatron's MoE layer needs at TP > 1 and the
+    launcher asks for in one line before any rank starts; mock data for data.prefix). Before,
+    that command was megatron's ValueError from the MoE layer's first forward on every rank.
+    (``hf export`` of the MoE import: test_cli_imports_and_exports_moe_and_mtp_bit_exact.)"""
+    from tests.functional.test_pretrain import check, torchrun
+    from tests.hf.test_hf_checkpoint import _cli
+
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
+    check(_cli("import", moe_checkpoint[0], str(ckpt), "--seq-length", "16", timeout=600),
+          "import")
+    result = check(torchrun(
+        "--config", str(ckpt / "iter_0000000" / "config.yaml"),
+        "parallelism.tensor_model_parallel_size=2", "parallelism.sequence_parallel=true",
+        "data.source=mock", f"checkpoint.save={tmp_path / 'ft'}",
+        "training.micro_batch_size=2", "training.global_batch_size=2", "training.train_iters=2",
+        "training.eval_interval=null", "optimizer.lr_warmup_iters=1",
+        f"logging.metrics_file={metrics}", "logging.log_interval=1"), "launcher")
+    assert "TP 2 x PP 1 x DP 1" in result.stdout, result.stdout[-2000:]
+    assert "finetune: loaded the model weights" in result.stdout
+    train = [json.loads(line) for line in metrics.read_text().splitlines()]
+    losses = [r["loss"] for r in train if r["kind"] == "train"]
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses))), train

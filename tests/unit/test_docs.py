@@ -112,8 +112,9 @@ DECISIONS = {
     # Hugging Face
     "python -m mcore_ext.hf import HF_DIR CKPT_DIR": Covered(HF_ROUND_TRIP),
     "torchrun --nproc_per_node=2 launch/pretrain.py --config CKPT_DIR/iter_0000000/config.yaml "
-    "parallelism.tensor_model_parallel_size=2 data.prefix=data/mytext checkpoint.save=runs/ft":
-        Covered(HF_ROUND_TRIP),
+    "parallelism.tensor_model_parallel_size=2 parallelism.sequence_parallel=true "
+    "data.prefix=data/mytext checkpoint.save=runs/ft": Covered(
+        "tests/hf/test_hf_moe.py::test_readme_fine_tune_command_trains_the_moe_import_at_tp2"),
     "python -m mcore_ext.hf export runs/ft HF_OUT": Covered(HF_ROUND_TRIP),
     # the CLI's import_checkpoint at TP 2 on 2 gloo ranks
     "torchrun --nproc_per_node=2 -m mcore_ext.hf import HF_DIR CKPT_DIR --tp 2": Covered(

@@ -115,6 +115,26 @@ def test_layout_must_divide_world_size(tmp_path):
         load_config(path, world_size=3)
 
 
+@pytest.mark.parametrize("ep", [1, 2])
+def test_moe_with_tensor_parallelism_needs_sequence_parallelism(ep):
+    """megatron's MoE layer refuses to train at TP > 1 without sequence parallelism, EP or not
+    (a ValueError on every rank from the first forward): decided here, by name."""
+    moe = str(CONFIGS / "step35_moe_tiny_cpu.yaml")
+    layout = ["parallelism.tensor_model_parallel_size=2",
+              f"parallelism.expert_model_parallel_size={ep}"]
+    with pytest.raises(ConfigError) as err:
+        load_config(moe, layout, world_size=4)
+    assert str(err.value) == (
+        "model.num_moe_experts=8 with parallelism.tensor_model_parallel_size=2 needs "
+        "parallelism.sequence_parallel=true (megatron's MoE layer does not train with TP "
+        "without it)")
+    cfg = load_config(moe, [*layout, "parallelism.sequence_parallel=true"], world_size=4)
+    assert cfg.parallelism.sequence_parallel
+    dense = load_config(str(CONFIGS / "step35_tiny_cpu.yaml"),
+                        ["parallelism.tensor_model_parallel_size=2"], world_size=2)
+    assert not dense.parallelism.sequence_parallel  # no MoE layers: not needed
+
+
 def test_global_batch_must_split_into_micro_batches(tmp_path):
     with pytest.raises(ConfigError, match=r"global_batch_size \(10\) must be divisible"):
         load_config(
@@ -291,3 +311,31 @@ def test_config_goes_to_the_run_directory_and_a_summary_to_the_console(tmp_path,
                           ["logging.metrics_file=null", "checkpoint.save=null"], world_size=2)
     _announce_config(nowhere)  # nothing keeps it: the console gets all of it
     assert "head_wise_attn_gate: true" in capsys.readouterr().out
+
+
+def test_resolved_config_never_goes_over_an_input(tmp_path, capsys):
+    """config.yaml beside the metrics file is the launcher's only when it wrote it (its first
+    line) and it is not the run's --config: else config.resolved.yaml; the input stays as it was."""
+    from mcore_ext.training.loop import RESOLVED_MARK, _announce_config
+
+    def announce(config_file=None):
+        cfg = load_config(str(config_file or CONFIGS / "tiny_cpu.yaml"), [
+            f"logging.metrics_file={tmp_path / 'metrics.jsonl'}", "training.train_iters=20"],
+            world_size=2)
+        written = _announce_config(cfg, str(config_file) if config_file else None)
+        assert capsys.readouterr().out.endswith(f"resolved configuration in {written}\n")
+        assert load_config(written, world_size=2) == cfg
+        return written
+
+    users = tmp_path / "config.yaml"
+    text = "# my run: comments stay\n" + (CONFIGS / "tiny_cpu.yaml").read_text()
+    users.write_text(text)
+    resolved = str(tmp_path / "config.resolved.yaml")
+    assert announce(users) == resolved and users.read_text() == text  # the --config
+    assert announce() == resolved and users.read_text() == text  # a file the launcher did not write
+    assert announce(users) == resolved  # its own resolved config: replaced (a resumed run)
+    users.unlink()
+    assert announce() == str(users)  # new: config.yaml, with the launcher's first line
+    assert users.read_text().startswith(RESOLVED_MARK + "\n")
+    before = users.read_text()
+    assert announce(users) == resolved and users.read_text() == before  # a resolved --config

@@ -200,10 +200,12 @@ def _validate_experts(m, p, world_size: int) -> None:
             f"by expert_tensor_parallel_size ({etp}) x expert_model_parallel_size ({ep}) x "
             f"pipeline_model_parallel_size ({pp}) = {etp * ep * pp}"
         )
-    if ep > 1 and tp > 1 and not p.sequence_parallel:
+    if tp > 1 and not p.sequence_parallel:  # megatron's MoELayer raises in its first forward
         raise ConfigError(
-            f"parallelism.expert_model_parallel_size={ep} with tensor_model_parallel_size={tp} "
-            "needs parallelism.sequence_parallel=true (megatron's MoE with EP and TP)"
+            f"model.num_moe_experts={m.num_moe_experts} with "
+            f"parallelism.tensor_model_parallel_size={tp} needs "
+            "parallelism.sequence_parallel=true (megatron's MoE layer does not train with TP "
+            "without it)"
         )
 
 
