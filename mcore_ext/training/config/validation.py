@@ -266,7 +266,11 @@ def _validate_chat(cfg: PretrainConfig) -> None:
     from mcore_ext.data.chat import ChatDataError, load_chat_file
     from mcore_ext.data.tokenizers import load_tokenizer
 
-    tokenizer = load_tokenizer(d.tokenizer)
+    try:
+        tokenizer = load_tokenizer(d.tokenizer)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"data.tokenizer={d.tokenizer!r} cannot be loaded: "
+                          f"{' '.join(str(err).split())}") from None
     if not getattr(tokenizer.hf, "chat_template", None):
         raise ConfigError(f"data.tokenizer={d.tokenizer!r} has no chat template "
                           "(tokenizer_config.json chat_template or chat_template.jinja)")
