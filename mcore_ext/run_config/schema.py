@@ -319,6 +319,11 @@ class DataConfig:
     split: str = "98,2,0"
     """train,valid,test weights of the document split."""
 
+    document_masking: bool = False
+    """source files / stdlib: each document of a sample (ended by the tokenizer's end-of-document
+    token) attends only to itself and its positions restart (megatron's reset_position_ids; a
+    packed THD batch, as chat data); the loss is normalised over the global batch's tokens."""
+
     cache_dir: Optional[str] = None
     """Where megatron caches sample indices; null -> cache/ beside the .bin/.idx files."""
 

@@ -66,7 +66,9 @@ def build_datasets(cfg, tokenizer):
             None if d.source == "mock" else os.path.join(os.path.dirname(d.prefix) or ".", "cache")
         ),
         tokenizer=tokenizer,
-        reset_position_ids=False,
+        # document_masking: positions restart after each end-of-document token; the documents
+        # become a THD batch (collate_documents), so no [b, 1, s, s] mask is needed.
+        reset_position_ids=d.document_masking,
         reset_attention_mask=False,
         eod_mask_loss=False,
         # Core attention applies the causal mask itself: no [b, 1, s, s] mask tensors.
@@ -116,6 +118,19 @@ def collate_packed(samples: list) -> dict:
     return batch
 
 
+def collate_documents(samples: list) -> dict:
+    """Text samples with restarted positions (``data.document_masking``) -> one THD micro-batch
+    as ``collate_packed`` makes it: a document begins wherever its position is 0."""
+    rows = []
+    for sample in samples:
+        row = {key: numpy.asarray(sample[key])
+               for key in ("tokens", "labels", "loss_mask", "position_ids")}
+        starts = numpy.flatnonzero(row["position_ids"] == 0)
+        row["lengths"] = numpy.diff(numpy.append(starts, len(row["position_ids"])))
+        rows.append(row)
+    return collate_packed(rows)
+
+
 def packed_seq_params(batch: dict, dev) -> PackedSeqParams | None:
     """The ``PackedSeqParams`` (THD) of a packed micro-batch; None for a [b, s] one."""
     if "cu_seqlens" not in batch:
@@ -157,7 +172,8 @@ def batch_iterator(dataset, cfg, start_sample: int = 0):
         num_workers=cfg.data.num_workers,
         pin_memory=torch.cuda.is_available(),
         persistent_workers=False,
-        collate_fn=collate_packed if cfg.data.source == "chat" else None,
+        collate_fn=(collate_packed if cfg.data.source == "chat" else
+                    collate_documents if cfg.data.document_masking else None),
     )
     return iter(loader)
 

@@ -1,13 +1,13 @@
 """Fine-tuning on chat data through the launcher: configs/step35_sft_tiny_cpu.yaml as written (the
 tiny Step-3.5 with MoE + MTP, TP 2 + SP, packed conversations of configs/sft_tiny) on 2 gloo
 ranks, shortened to 8 steps (~1.5 minutes on 2 busy cores); a bad line of chat data under
-torchrun is one error before training.
+torchrun is one error before training; pretraining text with data.document_masking trains.
 """
 
 import json
 from pathlib import Path
 
-from tests.functional.test_pretrain import ROOT, check, losses, torchrun
+from tests.functional.test_pretrain import ROOT, TINY, check, losses, torchrun
 
 RECIPE = str(ROOT / "configs" / "step35_sft_tiny_cpu.yaml")
 STEPS = 8
@@ -44,3 +44,22 @@ def test_bad_chat_line_under_torchrun_is_one_error_before_training(tmp_path):
     assert 'launch/pretrain.py", line' not in both and "[train]" not in both  # no rank traceback
     assert not (tmp_path / "ckpt").exists()
     assert Path(data).read_text().count("\n") == 3  # the user's file is left as it was
+
+
+def test_document_masking_trains_text_as_packed_documents(tmp_path):
+    """configs/tiny_cpu.yaml at TP 2 on short documents (several per 128-token sample), each
+    attending only to itself."""
+    from mcore_ext.data.preprocess import preprocess
+
+    texts = tmp_path / "docs.jsonl"
+    texts.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x + {i}\n"}) + "\n"
+                             for i in range(400)))
+    preprocess([str(texts)], str(tmp_path / "docs"))
+    metrics = tmp_path / "metrics.jsonl"
+    check(torchrun("--config", TINY, "data.source=files", f"data.prefix={tmp_path / 'docs'}",
+                   "data.document_masking=true", "training.train_iters=6",
+                   "training.eval_interval=null", "optimizer.lr_warmup_iters=2",
+                   "logging.log_interval=1", "checkpoint.save=null", "checkpoint.load=null",
+                   f"logging.metrics_file={metrics}"), "document_masking")
+    loss = losses(metrics)
+    assert sorted(loss) == list(range(1, 7)) and loss[6] < loss[1], loss

@@ -1,5 +1,6 @@
 """Chat data (``mcore_ext.data.chat``): which tokens carry loss, packing, the rows a micro-batch is
-made of, and bad lines refused before training.
+made of, and bad lines refused before training; and the documents of pretraining text
+(``data.document_masking``) as a packed batch.
 
 The tokenizer is the repository's tiny ChatML one (configs/sft_tiny/tokenizer, byte-level: every
 character is a token, so a token's text is exact). The loss tokens are decoded and compared with
@@ -167,3 +168,28 @@ def test_a_template_that_does_not_render_is_one_error(tmp_path, capsys):
     _check_error(tmp_path, capsys, [GOOD, late_system],
                  "the chat template does not render it: TemplateError: System message must be "
                  "first", tokenizer_dir=folder)
+
+
+def test_document_masking_splits_text_samples_after_each_end_of_document():
+    """megatron's GPTDataset position ids (reset_position_ids) -> THD boundaries one past each
+    end-of-document token (the token ends its document), rows side by side."""
+    import torch
+    from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
+
+    from mcore_ext.training.data import collate_documents
+
+    eod = 9
+    rows = [[1, 2, eod, 3, 4, 5, eod, 6], [7, 7, 7, 7, 7, 7, 7, eod]]
+    samples = []
+    for row in rows:
+        tokens = torch.tensor(row)
+        _, loss_mask, position_ids = _get_ltor_masks_and_position_ids(
+            tokens, eod, reset_position_ids=True, reset_attention_mask=False,
+            eod_mask_loss=False, create_attention_mask=False)
+        samples.append({"tokens": tokens, "labels": tokens.roll(-1), "loss_mask": loss_mask,
+                        "position_ids": position_ids})
+    batch = collate_documents(samples)
+    assert batch["cu_seqlens"].tolist() == [0, 3, 7, 8, 16]
+    assert batch["max_seqlen"] == 8
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 3, 0] + list(range(8))]
+    assert batch["tokens"].tolist() == [rows[0] + rows[1]]

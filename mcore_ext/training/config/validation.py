@@ -126,6 +126,11 @@ def validate(cfg: PretrainConfig, world_size: int) -> None:
     _validate_data(d, t)
     if d.source == "chat":
         _validate_chat(cfg)
+    if d.document_masking:
+        if d.source not in ("files", "stdlib"):
+            raise ConfigError(f"data.document_masking=true applies to text (data.source files or "
+                              f"stdlib), got data.source={d.source}")
+        _refuse_packed_layouts(p, "data.document_masking=true")
     if c.async_save and not on_gpu:
         raise ConfigError("checkpoint.async_save=true needs a GPU (CUDA); set it to false on CPU")
     if c.finetune and not c.load:
@@ -251,12 +256,7 @@ def _validate_chat(cfg: PretrainConfig) -> None:
         raise ConfigError(
             "data.source=chat needs data.tokenizer: a Hugging Face tokenizer directory with a "
             "chat template (the model's own; 'byte' has none)")
-    for key, value in [("parallelism.context_parallel_size", p.context_parallel_size),
-                       ("parallelism.pipeline_model_parallel_size",
-                        p.pipeline_model_parallel_size)]:
-        if value > 1:  # docs/known-gaps.md: packed documents under CP and PP
-            raise ConfigError(f"data.source=chat trains packed documents at {key}=1 only, got "
-                              f"{value}")
+    _refuse_packed_layouts(p, "data.source=chat")
     if p.sequence_parallel and (m.seq_length * cfg.training.micro_batch_size) % (
             p.tensor_model_parallel_size):
         raise ConfigError(
@@ -278,6 +278,14 @@ def _validate_chat(cfg: PretrainConfig) -> None:
         load_chat_file(d.path, tokenizer.hf, m.seq_length, d.loss_on, d.overlong)
     except ChatDataError as err:
         raise ConfigError(str(err)) from None
+
+
+def _refuse_packed_layouts(p, what: str) -> None:
+    for key, value in [("parallelism.context_parallel_size", p.context_parallel_size),
+                       ("parallelism.pipeline_model_parallel_size",
+                        p.pipeline_model_parallel_size)]:
+        if value > 1:  # docs/known-gaps.md: packed documents under CP and PP
+            raise ConfigError(f"{what} trains packed documents at {key}=1 only, got {value}")
 
 
 def _tokenizer_id(name: str) -> str:
