@@ -382,9 +382,9 @@ class _Trainer:
         )
         total = torch.zeros(2, dtype=torch.float64)
         if contributes:
-            values = torch.stack([x["lm loss"].double().cpu() for x in losses])
-            total = values.sum(0) if values.dim() == 2 else torch.stack(
-                [values.mean(), torch.ones((), dtype=torch.float64)])
+            values = torch.stack([x["lm loss"] for x in losses]).cpu()
+            total = (values.double().sum(0) if values.dim() == 2
+                     else torch.tensor([float(values.mean()), 1.0], dtype=torch.float64))
         total = total.to(device())
         dist.all_reduce(total)
         return (total[0] / total[1]).item()
