@@ -198,7 +198,7 @@ DECISIONS = {
         Covered("tests/functional/test_sft.py::"
                 "test_recipe_fine_tunes_packed_conversations_and_loss_falls"),
     "torchrun --nproc_per_node=8 launch/pretrain.py --config runs/step35_ckpt/iter_0000000/"
-    "config.yaml data.source=chat data.path=chat.jsonl data.tokenizer=HF_DIR "
+    "config.yaml data.source=chat data.path=chat.jsonl "
     "checkpoint.load=runs/step35_ckpt checkpoint.finetune=true checkpoint.save=runs/ft": Skip(
         "needs a downloaded Step-3.5-Flash checkpoint, its tokenizer and 8 GPUs; the same entry "
         "on the tiny model: tests/functional/test_sft.py::"
