@@ -40,6 +40,11 @@ class HFTokenizer:
             raise ValueError(f"tokenizer {path!r} has no eos token to use as end-of-document")
         self.unique_identifiers = {"class": "mcore_ext.HFTokenizer", "path": os.path.abspath(path)}
 
+    @property
+    def hf(self):
+        """The Hugging Face tokenizer itself (its chat template renders conversations)."""
+        return self._tokenizer
+
     def tokenize(self, text: str) -> list[int]:
         return self._tokenizer(text, add_special_tokens=False)["input_ids"]
 

@@ -5,7 +5,11 @@ dist_checkpointing, torch_dist, the same ``{"model": ...}`` state the launcher s
 ``config.yaml`` of the model and the HF ``hf_config.json`` it came from, then the tracker file,
 through the launcher's own save protocol (``mcore_ext.checkpoint.saving``: a ``.saving.``
 directory, a manifest of checksums, a rename, the tracker last), so a killed import leaves
-nothing that looks like a checkpoint. The launcher loads it at any TP / PP as weights only
+nothing that looks like a checkpoint. The HF folder's tokenizer files (``TOKENIZER_FILES``: what
+transformers' ``AutoTokenizer`` reads, the chat template included) are copied into
+``<ckpt>/iter_0000000/tokenizer/`` in the same save, and the ``config.yaml``'s
+``data.tokenizer`` names that folder, so ``data.source: chat`` renders with the model's own chat
+template. The launcher loads it at any TP / PP as weights only
 (``checkpoint.load: <ckpt>``; it holds no optimizer state, so training starts at iteration 0).
 
 ``export_checkpoint`` reads a launcher checkpoint (a save directory or one ``iter_*`` directory),
@@ -17,6 +21,7 @@ that holds files is refused unless ``overwrite``.
 import dataclasses
 import json
 import os
+import shutil
 
 import torch
 import torch.distributed as dist
@@ -90,13 +95,38 @@ def launcher_model_section(spec: Step35Config, seq_length: int, multiple: int) -
     return section
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                   "tokenizer.model", "vocab.json", "merges.txt")
+"""The files of a Hugging Face tokenizer that ``import`` copies beside the checkpoint."""
+
+TOKENIZER_DIR = "tokenizer"
+
+
+def tokenizer_files(hf_dir: str) -> list[str]:
+    """The ``TOKENIZER_FILES`` in ``hf_dir``; [] when it holds no tokenizer (no
+    tokenizer_config.json, tokenizer.json or tokenizer.model)."""
+    present = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(hf_dir, n))]
+    loadable = {"tokenizer_config.json", "tokenizer.json", "tokenizer.model"}
+    return present if loadable & set(present) else []
+
+
+def copy_tokenizer(hf_dir: str, names: list[str], target: str) -> None:
+    """Copy ``names`` from ``hf_dir`` into ``target`` (created); the HF folder is only read."""
+    os.makedirs(target)
+    for name in names:
+        shutil.copyfile(os.path.join(hf_dir, name), os.path.join(target, name))
+
+
 def import_checkpoint(hf_dir: str, ckpt_dir: str, *, dtype: torch.dtype | None = None,
                       seq_length: int | None = None, make_vocab_size_divisible_by: int = 128,
                       backend: str = "sdpa") -> str:
     """HF directory -> ``<ckpt_dir>/iter_0000000`` (call after ``init_parallel``, any TP / PP).
 
     Refuses (before writing anything) a ``ckpt_dir`` that already holds a checkpoint, and any
-    problem ``load_pretrained`` finds. Returns the iteration directory.
+    problem ``load_pretrained`` finds. The HF folder's tokenizer, if it has one, is copied into
+    the iteration directory's ``tokenizer/`` (checksummed in its manifest) and becomes the
+    config's ``data.tokenizer``. Returns the iteration directory.
     """
     raw, spec = read_hf_config(hf_dir)
     reader = SafetensorsReader(hf_dir)
@@ -111,15 +141,19 @@ def import_checkpoint(hf_dir: str, ckpt_dir: str, *, dtype: torch.dtype | None =
     seq_length = seq_length or min(spec.max_position_embeddings, 4096)
     from mcore_ext.run_config import PretrainConfig, build
 
+    directory = iteration_dir(ckpt_dir, 0)
+    tokenizer = tokenizer_files(hf_dir)
+    data = {"tokenizer": os.path.join(os.path.abspath(directory), TOKENIZER_DIR)
+            } if tokenizer else {}
     cfg = build(PretrainConfig, {
         "model": launcher_model_section(spec, seq_length, make_vocab_size_divisible_by),
         "training": {"precision": precision_of(dtype)},
+        "data": data,
         "checkpoint": {"load": os.path.abspath(ckpt_dir), "finetune": True},
     })
     model = load_pretrained(hf_dir, backend=backend, dtype=dtype,
                             make_vocab_size_divisible_by=make_vocab_size_divisible_by,
                             max_sequence_length=seq_length)
-    directory = iteration_dir(ckpt_dir, 0)
     partial = saving.begin(directory)
     state = {
         "model": model.sharded_state_dict(),
@@ -130,6 +164,8 @@ def import_checkpoint(hf_dir: str, ckpt_dir: str, *, dtype: torch.dtype | None =
     failure = None
     try:
         dist_checkpointing.save(state, partial)
+        if tokenizer and torch.distributed.get_rank() == 0:  # in the manifest, as rank 0's
+            copy_tokenizer(hf_dir, tokenizer, os.path.join(partial, TOKENIZER_DIR))
     except (Exception, CheckpointException) as err:  # reported below, on every rank
         failure = err
     saving.raise_unless_saved(failure, partial, f"checkpoint save to {directory} failed")

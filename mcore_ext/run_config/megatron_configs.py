@@ -67,6 +67,10 @@ def transformer_config(cfg, **runtime_fields) -> GatedTransformerConfig:
         params_dtype=dtype,
         bf16=dtype is torch.bfloat16,
         fp16=dtype is torch.float16,
+        # Packed documents (chat data, document masking): the loss is normalised over the loss
+        # tokens of the whole global batch (megatron's num_tokens convention), so packing does
+        # not change what a token weighs.
+        calculate_per_token_loss=cfg.data.source == "chat" or cfg.data.document_masking,
         **runtime_fields,
     )
 

@@ -287,18 +287,42 @@ class OptimizerConfig:
 
 @dataclass
 class DataConfig:
-    source: Literal["files", "stdlib", "mock"] = "files"
+    source: Literal["files", "stdlib", "mock", "chat"] = "files"
     """files: the .bin/.idx dataset at prefix; stdlib: same, built from the Python standard
-    library's source on first use; mock: megatron's MockGPTDataset (no files)."""
+    library's source on first use; mock: megatron's MockGPTDataset (no files); chat: the
+    conversations of the JSONL file at path (fine-tuning: the tokenizer's chat template, loss
+    on the answers, packed documents)."""
 
     prefix: Optional[str] = None
     """Path prefix of <prefix>.bin / <prefix>.idx (from python -m mcore_ext.data.preprocess)."""
 
+    path: Optional[str] = None
+    """source=chat: the JSONL file, one conversation a line: {"messages": [{"role", "content"},
+    ...]} (system / user / assistant / tool) or {"prompt", "completion"}."""
+
+    loss_on: Literal["assistant", "last_turn", "all"] = "assistant"
+    """source=chat: the tokens that carry loss: every assistant answer (with the template's
+    end-of-turn tokens), the last answer only, or every token."""
+
+    overlong: Literal["truncate", "drop"] = "truncate"
+    """source=chat: a conversation longer than model.seq_length is cut to it, or left out;
+    either is counted and reported once."""
+
+    pack: bool = True
+    """source=chat: several conversations per seq_length row, each attending only to itself with
+    positions restarting (a packed THD batch); false: one conversation per row."""
+
     tokenizer: str = "byte"
-    """'byte' (256 bytes + EOD) or a local Hugging Face tokenizer directory."""
+    """'byte' (256 bytes + EOD) or a local Hugging Face tokenizer directory (source=chat: one
+    with a chat template)."""
 
     split: str = "98,2,0"
     """train,valid,test weights of the document split."""
+
+    document_masking: bool = False
+    """source files / stdlib: each document of a sample (ended by the tokenizer's end-of-document
+    token) attends only to itself and its positions restart (megatron's reset_position_ids; a
+    packed THD batch, as chat data); the loss is normalised over the global batch's tokens."""
 
     cache_dir: Optional[str] = None
     """Where megatron caches sample indices; null -> cache/ beside the .bin/.idx files."""

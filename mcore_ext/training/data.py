@@ -7,17 +7,24 @@ the r-th micro-batch of every chunk. Sample k of the run is therefore the same s
 parallel layout with the same global batch, and resuming at iteration i starts at sample
 i x global_batch_size. With context parallelism every CP rank of a DP replica loads the same
 micro-batch and keeps its 2 chunks of each sequence (``cp_shard``).
+
+Chat data (``data.source: chat``, ``mcore_ext.data.chat``) gives rows of packed conversations; a
+micro-batch of them is one THD sequence (``collate_packed``): its b rows side by side, the
+documents' boundaries in ``cu_seqlens``, so each attends only to itself and its positions restart.
 """
 
 import os
 
+import numpy
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.packed_seq_params import PackedSeqParams
 
 from mcore_ext.attention.context_parallel import get_batch_on_this_cp_rank
+from mcore_ext.data.chat import ChatDataset, ChatDatasetConfig
 from mcore_ext.data.preprocess import preprocess, stdlib_sources
 from mcore_ext.data.tokenizers import load_tokenizer
 from mcore_ext.runtime import raise_unless_all_ok
@@ -46,6 +53,9 @@ def build_datasets(cfg, tokenizer):
     """(train, valid) megatron datasets sized for the whole run."""
     d, t = cfg.data, cfg.training
     valid_samples = t.eval_iters * t.global_batch_size if t.eval_interval else 0
+    sizes = [t.train_iters * t.global_batch_size, valid_samples, 0]
+    if d.source == "chat":
+        return _build_chat_datasets(cfg, tokenizer, sizes)
     config = GPTDatasetConfig(
         random_seed=t.seed,
         sequence_length=cfg.model.seq_length,
@@ -56,17 +66,78 @@ def build_datasets(cfg, tokenizer):
             None if d.source == "mock" else os.path.join(os.path.dirname(d.prefix) or ".", "cache")
         ),
         tokenizer=tokenizer,
-        reset_position_ids=False,
+        # document_masking: positions restart after each end-of-document token; the documents
+        # become a THD batch (collate_documents), so no [b, 1, s, s] mask is needed.
+        reset_position_ids=d.document_masking,
         reset_attention_mask=False,
         eod_mask_loss=False,
         # Core attention applies the causal mask itself: no [b, 1, s, s] mask tensors.
         create_attention_mask=False,
     )
     cls = MockGPTDataset if d.source == "mock" else GPTDataset
-    sizes = [t.train_iters * t.global_batch_size, valid_samples, 0]
     # Every rank builds (rank 0 first: it writes the index cache the others read).
     train, valid, _ = BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
     return train, valid
+
+
+def _build_chat_datasets(cfg, tokenizer, sizes):
+    """(train, valid) ``ChatDataset``s: megatron's builder splits the file's conversations."""
+    d, t = cfg.data, cfg.training
+    config = ChatDatasetConfig(
+        random_seed=t.seed,
+        sequence_length=cfg.model.seq_length,
+        blend=([d.path], None),
+        split=d.split,
+        tokenizer=tokenizer,
+        hf_tokenizer=tokenizer.hf,
+        loss_on=d.loss_on,
+        overlong=d.overlong,
+        pack=d.pack,
+    )
+    train, valid, _ = BlendedMegatronDatasetBuilder(ChatDataset, sizes, lambda: True,
+                                                    config).build()
+    if dist.get_rank() == 0:
+        print(train.dataset.summary(cfg.model.seq_length), flush=True)
+        for name, split in (("train", train), ("valid", valid)):
+            if split is not None:
+                print(f"[data] {name}: {len(split.rows)} rows of {cfg.model.seq_length} "
+                      f"({'packed' if d.pack else 'one conversation each'}), "
+                      f"{split.loss_token_share():.1%} of the slots carry loss", flush=True)
+    return train, valid
+
+
+def collate_packed(samples: list) -> dict:
+    """Rows of packed documents -> one THD micro-batch: ``tokens`` / ``labels`` / ``loss_mask`` /
+    ``position_ids`` [1, b x s], the rows side by side, and ``cu_seqlens`` (int32, every row's
+    documents and padding) with ``max_seqlen``."""
+    batch = {key: torch.from_numpy(numpy.concatenate([x[key] for x in samples]))[None]
+             for key in ("tokens", "labels", "loss_mask", "position_ids")}
+    lengths = torch.from_numpy(numpy.concatenate([x["lengths"] for x in samples]))
+    batch["cu_seqlens"] = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+    batch["max_seqlen"] = int(lengths.max())
+    return batch
+
+
+def collate_documents(samples: list) -> dict:
+    """Text samples with restarted positions (``data.document_masking``) -> one THD micro-batch
+    as ``collate_packed`` makes it: a document begins wherever its position is 0."""
+    rows = []
+    for sample in samples:
+        row = {key: numpy.asarray(sample[key])
+               for key in ("tokens", "labels", "loss_mask", "position_ids")}
+        starts = numpy.flatnonzero(row["position_ids"] == 0)
+        row["lengths"] = numpy.diff(numpy.append(starts, len(row["position_ids"])))
+        rows.append(row)
+    return collate_packed(rows)
+
+
+def packed_seq_params(batch: dict, dev) -> PackedSeqParams | None:
+    """The ``PackedSeqParams`` (THD) of a packed micro-batch; None for a [b, s] one."""
+    if "cu_seqlens" not in batch:
+        return None
+    cu_seqlens = batch["cu_seqlens"].to(dev)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                           max_seqlen_q=batch["max_seqlen"], max_seqlen_kv=batch["max_seqlen"])
 
 
 class _MicroBatchSampler:
@@ -101,6 +172,8 @@ def batch_iterator(dataset, cfg, start_sample: int = 0):
         num_workers=cfg.data.num_workers,
         pin_memory=torch.cuda.is_available(),
         persistent_workers=False,
+        collate_fn=(collate_packed if cfg.data.source == "chat" else
+                    collate_documents if cfg.data.document_masking else None),
     )
     return iter(loader)
 

@@ -31,6 +31,7 @@ from mcore_ext.training.data import (
     batch_iterator,
     build_datasets,
     cp_shard,
+    packed_seq_params,
     prepare_tokenizer_and_data,
 )
 from mcore_ext.run_config.megatron_configs import (
@@ -164,13 +165,22 @@ _BALANCING_LOSS_NAMES = {"aux_loss": "load_balancing_loss",
 
 
 def _forward_step(data_iterator, model):
-    """One micro-batch: [b, s] tokens -> [b, s] per-token losses, and how to reduce them."""
+    """One micro-batch: [b, s] tokens -> [b, s] per-token losses, and how to reduce them.
+
+    A packed micro-batch (chat data) is one THD sequence [1, t] with its documents' boundaries;
+    its loss is summed over the loss tokens and normalised by those of the whole global batch.
+    """
     batch = cp_shard(next(data_iterator))  # this CP rank's 2 chunks of every sequence
     dev = device()
     tokens = batch["tokens"].to(dev, non_blocking=True)  # [b, s]
     labels = batch["labels"].to(dev, non_blocking=True)  # [b, s]
     loss_mask = batch["loss_mask"].to(dev, non_blocking=True).float()  # [b, s]
     position_ids = batch["position_ids"].to(dev, non_blocking=True)  # [b, s]
+    packed = packed_seq_params(batch, dev)
+    if packed is not None:
+        losses = model(tokens, position_ids, None, labels=labels, loss_mask=loss_mask,
+                       packed_seq_params=packed)  # [1, t]
+        return losses, partial(_masked_sum, loss_mask)
     # attention_mask=None: the causal mask is applied inside core attention.
     losses = model(tokens, position_ids, None, labels=labels)  # [b, s]
     return losses, partial(_masked_mean, loss_mask)
@@ -189,6 +199,15 @@ def _masked_mean(loss_mask, losses):
         dist.all_reduce(sums, group=cp_group)
     loss = total / sums[1].clamp(min=1)
     return loss, {"lm loss": sums[0] / sums[1].clamp(min=1)}  # the schedule scales loss in place
+
+
+def _masked_sum(loss_mask, losses):
+    """megatron's per-token loss: (loss sum, loss tokens, {"lm loss": [sum, tokens]}). With
+    ``calculate_per_token_loss`` the schedule adds up the tokens of every micro-batch and
+    ``finalize_model_grads`` divides the gradients by those of the whole global batch."""
+    total = (losses.float() * loss_mask).sum()
+    count = loss_mask.sum()
+    return total, count.int(), {"lm loss": torch.stack([total.detach(), count])}
 
 
 class _Trainer:
@@ -357,7 +376,8 @@ class _Trainer:
         self._record({"kind": "valid", "iteration": self.iteration, "loss": loss})
 
     def _mean_loss(self, losses) -> float:
-        """Mean micro-batch loss over data-parallel ranks, on every rank.
+        """Mean loss over the global batch, on every rank: the mean of the micro-batch means, or
+        with per-token losses ([sum, tokens] per micro-batch) the global sum over the tokens.
 
         Only the last pipeline stage has losses, identical across its TP ranks: the first TP
         rank of each data-parallel replica there contributes.
@@ -365,8 +385,11 @@ class _Trainer:
         contributes = parallel_state.is_pipeline_last_stage() and (
             parallel_state.get_tensor_model_parallel_rank() == 0
         )
-        local = torch.stack([x["lm loss"] for x in losses]).mean() if contributes else 0.0
-        total = torch.tensor([float(local), float(contributes)], dtype=torch.float64)
+        total = torch.zeros(2, dtype=torch.float64)
+        if contributes:
+            values = torch.stack([x["lm loss"] for x in losses]).cpu()
+            total = (values.double().sum(0) if values.dim() == 2
+                     else torch.tensor([float(values.mean()), 1.0], dtype=torch.float64))
         total = total.to(device())
         dist.all_reduce(total)
         return (total[0] / total[1]).item()

@@ -48,10 +48,59 @@ def test_import_at_tp2_export_at_pp2_is_bit_identical(run_distributed, hf_dir, t
     assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read() == "0"
     for name in ("config.yaml", "hf_config.json", "metadata.json"):
         assert os.path.exists(os.path.join(ckpt, "iter_0000000", name)), name
+    # an HF folder without a tokenizer: none copied, the config keeps the byte tokenizer
+    assert not os.path.exists(os.path.join(ckpt, "iter_0000000", "tokenizer"))
+    config = open(os.path.join(ckpt, "iter_0000000", "config.yaml")).read()
+    assert "tokenizer: byte" in config
     run_distributed(_export, ckpt, out, 1, 2, world_size=2)
     assert_same_tensors(hf_dir, out)
     exported = json.load(open(os.path.join(out, "config.json")))
     assert exported["vocab_size"] == models.VOCAB and exported["bos_token_id"] == 1
+
+
+SFT_TOKENIZER = ROOT / "configs" / "sft_tiny" / "tokenizer"
+
+
+def test_import_copies_the_tokenizer_and_its_config_renders_chat_data_with_it(
+        run_distributed, hf_dir, tmp_path):
+    """An HF folder with a tokenizer (the SFT recipe's ChatML one): imported at TP 2, its files
+    are copied byte for byte into iter_0000000/tokenizer/ (in the manifest), the HF folder is
+    unchanged, and the written config.yaml's data.tokenizer renders the chat data exactly as the
+    HF folder's own tokenizer does, chat template included."""
+    import yaml
+    from transformers import AutoTokenizer
+
+    from mcore_ext.checkpoint import manifest
+    from mcore_ext.data.chat import read_chat_file
+    from mcore_ext.data.tokenizers import load_tokenizer
+    from mcore_ext.run_config import PretrainConfig, build
+
+    hf, ckpt = tmp_path / "hf", tmp_path / "ckpt"
+    shutil.copytree(hf_dir, hf)
+    for name in os.listdir(SFT_TOKENIZER):
+        shutil.copyfile(SFT_TOKENIZER / name, hf / name)
+    before = {n: (hf / n).read_bytes() for n in os.listdir(hf)}
+    run_distributed(_import, str(hf), str(ckpt), 2, world_size=2)
+    assert {n: (hf / n).read_bytes() for n in os.listdir(hf)} == before  # only read
+
+    directory = ckpt / "iter_0000000"
+    copied = directory / "tokenizer"
+    assert sorted(os.listdir(copied)) == sorted(os.listdir(SFT_TOKENIZER))
+    for name in os.listdir(SFT_TOKENIZER):
+        assert (copied / name).read_bytes() == (SFT_TOKENIZER / name).read_bytes(), name
+    assert {f"tokenizer/{n}" for n in os.listdir(copied)} <= set(manifest.read(str(directory)))
+    assert manifest.verify_checkpoint(str(directory), collective=False) == []
+
+    cfg = build(PretrainConfig, yaml.safe_load((directory / "config.yaml").read_text()))
+    assert cfg.data.tokenizer == str(copied)
+    chat = str(ROOT / "configs" / "sft_tiny" / "chat.jsonl")
+    mine = read_chat_file(chat, load_tokenizer(cfg.data.tokenizer).hf, 64)
+    reference = read_chat_file(chat, AutoTokenizer.from_pretrained(str(hf)), 64)
+    assert len(mine) == len(reference) > 0
+    for a, b in zip(mine.conversations, reference.conversations):
+        assert a.ids.tolist() == b.ids.tolist() and a.loss.tolist() == b.loss.tolist()
+    im_start = AutoTokenizer.from_pretrained(str(hf)).convert_tokens_to_ids("<|im_start|>")
+    assert mine.conversations[0].ids[0] == im_start  # the ChatML template, not plain text
 
 
 def _refuse(hf, ckpt, tp):

@@ -1,0 +1,286 @@
+"""Chat / instruction data for fine-tuning: JSONL conversations, tokenized with the model's chat
+template, loss on the answers, packed several to a ``seq_length`` row.
+
+Each line of the file is one conversation: ``{"messages": [{"role": ..., "content": ...}, ...]}``
+(system / user / assistant / tool, multi-turn, as megatron's ``SFTDataset`` reads them) or
+``{"prompt": ..., "completion": ...}`` (one user turn and its answer). Lines are rendered with the
+tokenizer's own chat template (``apply_chat_template``), so the model sees its released format.
+
+Which tokens carry loss is found from the template itself: assistant turn i spans from the end of
+the rendering of messages[:i] with the generation prompt to the end of the rendering of
+messages[:i + 1] (the answer and the template's end-of-turn tokens); a template whose renderings
+are not prefixes of one another cannot be split so and is an error. ``loss_on``: ``assistant``
+(every answer), ``last_turn`` (the last answer only) or ``all`` (every token).
+
+A conversation of n tokens is a document of n - 1 positions (tokens[:-1] predict tokens[1:]); a
+longer one than seq_length is truncated to seq_length positions or dropped (``overlong``).
+
+Packing (``pack_documents``) is best-fit in file order: each document goes to the open row with
+the least room that holds it, a new row when none does; the same documents always give the same
+rows. The rest of a row is padding, a document of its own without loss.
+
+``ChatDataset`` is a megatron ``MegatronDataset``: megatron's ``BlendedMegatronDatasetBuilder``
+splits the conversations (``data.split``), blends files and sizes the splits; each split packs its
+own conversations and repeats them in a new seeded order each epoch. megatron's own
+``megatron.training.datasets.sft_dataset`` is not used: it needs the ``datasets`` package, renders
+with megatron's prompt formats (``tokenize_conversation``) rather than the model's chat template,
+and packs only conversations that one JSONL line already groups.
+"""
+
+import bisect
+import json
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy
+
+from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig
+from megatron.core.datasets.megatron_dataset import MegatronDataset
+
+ROLES = ("system", "user", "assistant", "tool")
+LOSS_ON = ("assistant", "last_turn", "all")
+
+
+class ChatDataError(ValueError):
+    """A conversation that cannot be trained on: the message names the file and line."""
+
+
+@dataclass
+class Conversation:
+    """One tokenized conversation: ``ids`` [n] int64 and ``loss`` [n] bool (whether token i is a
+    target that carries loss)."""
+
+    ids: numpy.ndarray
+    loss: numpy.ndarray
+
+
+@dataclass
+class ChatFile:
+    """A file's conversations, and how many were truncated or dropped for length."""
+
+    path: str
+    conversations: list
+    lines: int
+    truncated: int
+    dropped: int
+
+    def __len__(self):
+        return len(self.conversations)
+
+    def summary(self, seq_length: int) -> str:
+        """One line: conversations, loss tokens, and the over-long ones (said once per file)."""
+        tokens = sum(len(c.ids) for c in self.conversations)
+        loss = sum(int(c.loss[1:].sum()) for c in self.conversations)
+        line = (f"[data] {self.path}: {len(self.conversations)} conversations, {tokens} tokens, "
+                f"{loss} loss tokens")
+        if self.truncated or self.dropped:
+            line += (f"; longer than seq_length {seq_length}: {self.truncated} truncated, "
+                     f"{self.dropped} dropped")
+        return line
+
+
+def messages_of(record, where: str) -> list:
+    """The conversation of one JSONL record as a list of messages, checked."""
+    if not isinstance(record, dict):
+        raise ChatDataError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    if "messages" in record:
+        messages = record["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise ChatDataError(f"{where}: 'messages' must be a non-empty list")
+    elif "prompt" in record and "completion" in record:
+        messages = [{"role": "user", "content": record["prompt"]},
+                    {"role": "assistant", "content": record["completion"]}]
+    else:
+        raise ChatDataError(
+            f"{where}: no 'messages' (nor 'prompt' and 'completion'); keys: {sorted(record)}")
+    for number, message in enumerate(messages, start=1):
+        if not isinstance(message, dict) or "role" not in message:
+            raise ChatDataError(f"{where}: message {number} has no 'role'")
+        if message["role"] not in ROLES:
+            raise ChatDataError(f"{where}: message {number} has unknown role "
+                                f"{message['role']!r} (expected one of {', '.join(ROLES)})")
+        if not isinstance(message.get("content"), str):
+            raise ChatDataError(f"{where}: message {number} has no string 'content'")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ChatDataError(f"{where}: no assistant turn (nothing to train on)")
+    return messages
+
+
+def tokenize_conversation(messages, hf_tokenizer, loss_on: str, where: str) -> Conversation:
+    """Token ids of the rendered conversation and which of them carry loss (see the module)."""
+
+    def render(prefix, generation_prompt):
+        try:
+            return hf_tokenizer.apply_chat_template(
+                prefix, tokenize=False, add_generation_prompt=generation_prompt)
+        except Exception as err:  # jinja's errors and the template's own raise_exception
+            raise ChatDataError(f"{where}: the chat template does not render it: "
+                                f"{type(err).__name__}: {err}") from None
+
+    text = render(messages, False)
+    answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if loss_on == "last_turn":
+        answers = answers[-1:]
+    spans = []
+    if loss_on != "all":
+        for i in answers:
+            begin, end = render(messages[:i], True), render(messages[:i + 1], False)
+            if not (end.startswith(begin) and text.startswith(end)):
+                raise ChatDataError(
+                    f"{where}: the chat template does not render message {i + 1} (assistant) "
+                    "after the conversation before it, so its answer cannot be told apart; "
+                    "use data.loss_on=all")
+            spans.append((len(begin), len(end)))
+    encoded = hf_tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = numpy.asarray(encoded["input_ids"], dtype=numpy.int64)
+    if loss_on == "all":
+        loss = numpy.ones(len(ids), dtype=bool)
+    else:
+        starts = numpy.asarray([start for start, _ in encoded["offset_mapping"]])
+        loss = numpy.zeros(len(ids), dtype=bool)
+        for begin, end in spans:
+            loss |= (starts >= begin) & (starts < end)
+    return Conversation(ids, loss)
+
+
+def read_chat_file(path: str, hf_tokenizer, seq_length: int, loss_on: str = "assistant",
+                   overlong: str = "truncate") -> ChatFile:
+    """Every conversation of a JSONL file, tokenized; raises ``ChatDataError`` (file:line) at the
+    first line that cannot be trained on."""
+    conversations, truncated, dropped, number = [], 0, 0, 0
+    try:
+        f = open(path, encoding="utf-8")
+    except OSError as err:
+        raise ChatDataError(f"{path}: cannot be read ({err.strerror})") from None
+    with f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                record = json.loads(line)
+            except ValueError as err:
+                raise ChatDataError(f"{where}: not JSON ({err})") from None
+            conversation = tokenize_conversation(messages_of(record, where), hf_tokenizer,
+                                                 loss_on, where)
+            if len(conversation.ids) - 1 > seq_length:
+                if overlong == "drop":
+                    dropped += 1
+                    continue
+                keep = seq_length + 1
+                conversation = Conversation(conversation.ids[:keep], conversation.loss[:keep])
+                truncated += 1
+                if not conversation.loss[1:].any():  # nothing of the answer left
+                    dropped, truncated = dropped + 1, truncated - 1
+                    continue
+            if len(conversation.ids) < 2 or not conversation.loss[1:].any():
+                continue  # e.g. an empty answer: no target
+            conversations.append(conversation)
+    if not conversations:
+        raise ChatDataError(f"{path}: no conversation to train on ({number} lines)")
+    return ChatFile(path, conversations, number, truncated, dropped)
+
+
+def pack_documents(lengths, seq_length: int, pack: bool = True) -> list:
+    """Rows of document indices: best fit in order (see the module); one per row if not pack."""
+    if not pack:
+        return [[i] for i in range(len(lengths))]
+    rows, room = [], []  # room: sorted (free slots, row)
+    for i, length in enumerate(lengths):
+        at = bisect.bisect_left(room, (length, -1))
+        if at == len(room):
+            rows.append([i])
+            bisect.insort(room, (seq_length - length, len(rows) - 1))
+            continue
+        free, row = room.pop(at)
+        rows[row].append(i)
+        bisect.insort(room, (free - length, row))
+    return rows
+
+
+@dataclass(kw_only=True)
+class ChatDatasetConfig(BlendedMegatronDatasetConfig):
+    """megatron's dataset config plus how conversations become rows."""
+
+    loss_on: str = "assistant"
+    overlong: str = "truncate"
+    pack: bool = True
+    hf_tokenizer: Optional[object] = None
+    """The Hugging Face tokenizer (with its chat template) that renders conversations."""
+
+
+_FILES: dict = {}
+
+
+def load_chat_file(path: str, hf_tokenizer, seq_length: int, loss_on: str,
+                   overlong: str) -> ChatFile:
+    """``read_chat_file`` once per process for the same file and settings (validation reads it
+    before training, the dataset builder again)."""
+    stat = os.stat(path)
+    key = (os.path.abspath(path), stat.st_mtime_ns, stat.st_size,
+           os.path.abspath(hf_tokenizer.name_or_path), seq_length, loss_on, overlong)
+    if key not in _FILES:
+        _FILES[key] = read_chat_file(path, hf_tokenizer, seq_length, loss_on, overlong)
+    return _FILES[key]
+
+
+class ChatDataset(MegatronDataset):
+    """Packed rows of one split of a chat JSONL file, repeated in a new seeded order per epoch.
+
+    ``self[i]``: ``tokens``, ``labels`` (int64), ``loss_mask`` (float32), ``position_ids``
+    (restarting at 0 in every document), each [seq_length], and ``lengths`` (int64: the row's
+    documents, then its padding if any; they sum to seq_length).
+    """
+
+    @staticmethod
+    def numel_low_level_dataset(low_level_dataset: ChatFile) -> int:
+        return len(low_level_dataset)
+
+    @staticmethod
+    def build_low_level_dataset(dataset_path: str, config: ChatDatasetConfig) -> ChatFile:
+        return load_chat_file(dataset_path, config.hf_tokenizer, config.sequence_length,
+                              config.loss_on, config.overlong)
+
+    @staticmethod
+    def _key_config_attributes() -> list:
+        return super(ChatDataset, ChatDataset)._key_config_attributes() + [
+            "loss_on", "overlong", "pack"]
+
+    def __init__(self, dataset, dataset_path, indices, num_samples, index_split, config):
+        super().__init__(dataset, dataset_path, indices, num_samples, index_split, config)
+        s = config.sequence_length
+        documents = [dataset.conversations[i] for i in indices]
+        self.rows = [[documents[i] for i in row] for row in pack_documents(
+            [len(d.ids) - 1 for d in documents], s, config.pack)]
+        count = num_samples if num_samples is not None else len(self.rows)
+        epochs = -(-count // len(self.rows)) if self.rows else 0
+        rng = numpy.random.RandomState(config.random_seed)
+        order = [rng.permutation(len(self.rows)) for _ in range(epochs)]
+        self.order = numpy.concatenate(order)[:count] if order else numpy.zeros(0, dtype=int)
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def __getitem__(self, idx: int) -> dict:
+        s = self.config.sequence_length
+        tokens, labels = numpy.zeros(s, dtype=numpy.int64), numpy.zeros(s, dtype=numpy.int64)
+        loss_mask, position_ids = numpy.zeros(s, dtype=numpy.float32), numpy.zeros(s, numpy.int64)
+        lengths, at = [], 0
+        for doc in self.rows[self.order[idx]]:
+            n = len(doc.ids) - 1
+            tokens[at:at + n], labels[at:at + n] = doc.ids[:-1], doc.ids[1:]
+            loss_mask[at:at + n] = doc.loss[1:]
+            position_ids[at:at + n] = numpy.arange(n)
+            lengths.append(n)
+            at += n
+        if at < s:  # padding: a document of its own, no loss
+            position_ids[at:] = numpy.arange(s - at)
+            lengths.append(s - at)
+        return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask,
+                "position_ids": position_ids, "lengths": numpy.asarray(lengths)}
+
+    def loss_token_share(self) -> float:
+        """Loss tokens over all slots of the split's rows (what packing raises)."""
+        loss = sum(int(d.loss[1:].sum()) for row in self.rows for d in row)
+        return loss / max(1, len(self.rows) * self.config.sequence_length)

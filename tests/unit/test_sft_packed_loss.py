@@ -1,0 +1,183 @@
+"""The SFT loss of packed rows, at TP 2 with sequence parallelism and micro-batch 2, against plain
+PyTorch written from the formula.
+
+Seven conversations of 1 to 8 positions (shorter and longer than the sliding window, 3) are packed
+by the launcher's own ``ChatDataset`` into 4 rows of 8 (one full, three with padding) and
+collated by ``collate_packed`` into 2 THD micro-batches of 2 rows; the launcher's
+``_forward_step`` runs them through megatron's schedule on the 4-layer Step-3.5 model of
+``test_layer_kinds`` (both layer kinds, gate, clamps), weights loaded from one global set.
+
+The reference (``tests.reference.step35_logits``) runs each conversation on its own from position
+0, so per-document causal attention and restarted positions are what it means; the loss is
+
+    L = sum over documents d, positions i of loss_mask[d, i] * CE(logits[d, i], label[d, i])
+        / sum over all documents and positions of loss_mask          (the whole global batch)
+
+fp32, tolerance 1e-5 on the loss, the logits and the gradients of lm_head and the embedding
+(megatron's per-token convention: gradients of the summed loss divided by the global batch's loss
+tokens in ``finalize_model_grads``).
+"""
+
+import numpy
+import torch
+import torch.nn.functional as F
+
+from tests import builders, reference
+
+TOL = 1e-5
+SEQ = 8
+LENGTHS = [5, 4, 3, 2, 8, 1, 6]  # best fit: [5, 3], [4, 2, 1 + pad], [8], [6 + pad]
+
+
+def _conversations(vocab):
+    from mcore_ext.data import chat
+
+    gen = torch.Generator().manual_seed(5)
+    docs = []
+    for n in LENGTHS:
+        ids = torch.randint(0, vocab, (n + 1,), generator=gen).numpy()
+        loss = (torch.rand(n + 1, generator=gen) < 0.6).numpy()
+        loss[-1] = True  # every document has a target
+        docs.append(chat.Conversation(ids, loss))
+    return docs
+
+
+def _micro_batches(docs):
+    from megatron.core.datasets.utils import Split
+
+    from mcore_ext.data import chat
+    from mcore_ext.training.data import collate_packed
+
+    config = chat.ChatDatasetConfig(random_seed=1, sequence_length=SEQ, split="1,0,0",
+                                    tokenizer=None, hf_tokenizer=None)
+    dataset = chat.ChatDataset(chat.ChatFile("mem", docs, len(docs), 0, 0), "mem",
+                               numpy.arange(len(docs)), 4, Split.train, config)
+    rows = [dataset[i] for i in range(4)]
+    return [collate_packed(rows[:2]), collate_packed(rows[2:])]
+
+
+def _schedule(model, batches, forward_only):
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from mcore_ext.training import loop
+
+    model.zero_grad_buffer()
+    out = get_forward_backward_func()(
+        forward_step_func=loop._forward_step, data_iterator=iter(batches), model=[model],
+        num_microbatches=len(batches), seq_length=SEQ, micro_batch_size=2,
+        forward_only=forward_only)
+    total = torch.stack([x["lm loss"] for x in out]).sum(0)
+    return (total[0] / total[1]).item()
+
+
+def _logits(model, batch):
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from mcore_ext.training.data import packed_seq_params
+
+    with torch.no_grad():
+        logits = model.module(batch["tokens"], batch["position_ids"], None,
+                              packed_seq_params=packed_seq_params(batch, "cpu"))
+    return gather_from_tensor_model_parallel_region(logits)[0]  # [t, v]
+
+
+def _packed_sft():
+    import mcore_ext
+    from mcore_ext._cpu_compat import cuda_to_cpu
+    from tests.unit.test_layer_kinds import (EPS, VOCAB, _config, _global_weights,
+                                             load_global_weights)
+
+    mcore_ext.init_parallel(tensor_model_parallel_size=2)
+    config = _config("gqa", 2, sequence_parallel=True, calculate_per_token_loss=True)
+    layers = builders.reference_layers(config)
+    weights = _global_weights(layers)
+    docs = _conversations(VOCAB)
+    batches = _micro_batches(docs)
+
+    # The reference: each document alone, from position 0.
+    ref_weights = dict(weights, embed=weights["embed"].clone().requires_grad_(),
+                       lm_head=weights["lm_head"].clone().requires_grad_())
+    total, count, doc_logits = 0.0, 0.0, []
+    for doc in docs:
+        ids = torch.from_numpy(doc.ids)
+        logits = reference.step35_logits(ids[None, :-1], ref_weights, layers, EPS)[0]
+        doc_logits.append(logits.detach())
+        mask = torch.from_numpy(doc.loss[1:]).float()
+        total = total + (F.cross_entropy(logits, ids[1:], reduction="none") * mask).sum()
+        count += mask.sum()
+    expected = total / count
+    expected.backward()
+
+    with cuda_to_cpu():
+        gpt = mcore_ext.build_gpt_model(config, vocab_size=VOCAB, max_sequence_length=SEQ,
+                                        backend="sdpa")
+        load_global_weights(gpt, config, weights)
+        model, _ = builders.ddp_and_optimizer(config, gpt, distributed_optimizer=False)
+        loss = _schedule(model, batches, forward_only=False)
+        params = dict(model.module.named_parameters())
+        grads = {name: params[name].main_grad.clone() for name in
+                 ("output_layer.weight", "embedding.word_embeddings.weight")}
+
+        # Logits of every document in its packed slots against the document alone.
+        logit_diff, matched = 0.0, 0
+        for batch in batches:
+            logits, at = _logits(model, batch), 0
+            for length in batch["cu_seqlens"].diff().tolist():
+                ids = batch["tokens"][0, at:at + length]
+                for doc, ref in zip(docs, doc_logits):
+                    if len(doc.ids) - 1 == length and torch.equal(torch.from_numpy(
+                            doc.ids[:-1]), ids):
+                        logit_diff = max(logit_diff, (logits[at:at + length] - ref).abs().max())
+                        matched += 1
+                at += length
+
+        # Control: the row as one sequence (documents attending to those before them, positions
+        # running on) gives other logits than the model's, by far more than the tolerance.
+        row = batches[0]["tokens"][:, :SEQ]
+        unmasked = reference.step35_logits(row, weights, layers, EPS)[0]
+        unmasked_diff = (_logits(model, batches[0])[:SEQ] - unmasked).abs().max().item()
+
+        # Another first document in row 0: the rest of the row keeps its logits.
+        before = _logits(model, batches[0])
+        changed = dict(batches[0], tokens=batches[0]["tokens"].clone())
+        first = batches[0]["cu_seqlens"][1].item()
+        changed["tokens"][0, :first] = (changed["tokens"][0, :first] + 1) % VOCAB
+        after = _logits(model, changed)
+        others_moved = (after[first:] - before[first:]).abs().max().item()
+        own_moved = (after[:first] - before[:first]).abs().max().item()
+
+        # Answer-only: a label where loss_mask is 0 changes nothing, one where it is 1 does.
+        base = _schedule(model, batches, forward_only=True)
+        mask = batches[0]["loss_mask"][0]
+        moved = {}
+        for name, slot in (("prompt", int((mask == 0).nonzero()[0])),
+                           ("answer", int((mask == 1).nonzero()[0]))):
+            relabelled = dict(batches[0], labels=batches[0]["labels"].clone())
+            relabelled["labels"][0, slot] = (relabelled["labels"][0, slot] + 1) % VOCAB
+            moved[name] = abs(_schedule(model, [relabelled, batches[1]], True) - base)
+
+    rows = builders.rank_rows_of_this_rank
+    return dict(
+        loss=loss, expected=expected.item(), logit_diff=float(logit_diff), matched=matched,
+        lm_head_diff=(grads["output_layer.weight"] - rows(ref_weights["lm_head"].grad)
+                      ).abs().max().item(),
+        embed_diff=(grads["embedding.word_embeddings.weight"] - rows(ref_weights["embed"].grad)
+                    ).abs().max().item(),
+        grad_scale=ref_weights["lm_head"].grad.abs().max().item(),
+        unmasked_diff=unmasked_diff, others_moved=others_moved, own_moved=own_moved, moved=moved,
+        rows=[b["cu_seqlens"].tolist() for b in batches],
+    )
+
+
+def test_packed_sft_loss_logits_and_gradients_match_per_document_reference(run_distributed):
+    for r in run_distributed(_packed_sft, world_size=2):
+        # The packing under test: documents and padding in both micro-batches.
+        lengths = [b - a for row in r["rows"] for a, b in zip(row, row[1:])]
+        assert sorted(lengths) == sorted(LENGTHS + [1, 2]), r["rows"]  # + 2 padding slots
+        assert r["matched"] == len(LENGTHS), r
+        assert abs(r["loss"] - r["expected"]) <= TOL, r
+        assert r["logit_diff"] <= TOL < r["unmasked_diff"] / 100, r
+        assert r["grad_scale"] > 1e-3  # the gradient checks see something
+        assert r["lm_head_diff"] <= TOL and r["embed_diff"] <= TOL, r
+        assert r["others_moved"] <= 1e-6 and r["own_moved"] > 1e-3, r
+        assert r["moved"]["prompt"] == 0.0 and r["moved"]["answer"] > 1e-4, r
