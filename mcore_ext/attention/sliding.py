@@ -75,8 +75,10 @@ def attend(q, k, v, left: int, scale, dropout_p: float, layout) -> torch.Tensor:
 
     outs = []
     if before < block:  # block 0 sees fewer than B earlier keys: the band's right columns
-        # Copies of one block: a view would keep all of q, k and v alive until backward.
-        q0, k0, v0 = (x[:, :, :n].contiguous()
+        # Copies of one block: a view would keep all of q, k and v alive until backward (SDPA
+        # saves its inputs). ``contiguous()`` would not do: at one batch row and one group the
+        # slice is already contiguous, and a CP chunk's whole [halo; chunk] K/V stayed saved.
+        q0, k0, v0 = (x[:, :, :n].clone(memory_format=torch.contiguous_format)
                       for x, n in ((q, block), (k, before + block), (v, before + block)))
         outs.append(_sdpa(q0, k0, v0, mask[:, block - before:], scale, dropout_p))
         q, k, v = q[:, :, block:], k[:, :, before:], v[:, :, before:]

@@ -432,6 +432,89 @@ def test_halo_dkdv_are_summed_in_fp32(run_distributed):
     assert rank1 == [1.0, 1.0 + 2.0 ** -7, 1.0, 1.0], rank1
 
 
+# ------------------------------------------------------- what a sliding layer saves under CP
+
+# Issue 32 item 6: Step-3.5-Flash at TP 8, micro-batch 1, has one KV group per rank; CP 2 chunks of
+# 256 tokens and a halo of 30 keys (left 30 < B = 32) send both local chunks' block 0 to a call of
+# its own.
+SAVED_SEQ, SAVED_LEFT, SAVED_HEADS, SAVED_HN = 1024, 30, 2, 8
+
+
+def _saved_by_a_sliding_layer_under_cp(batch, groups):
+    """Every tensor the CP halo path saves for backward (``saved_tensors_hooks``), as storages:
+    how many view the extended K/V that ``halo.halo_kv`` returned, and the bytes of all the
+    distinct storages but the batch's shared masks (the plan counts those once per batch)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    import mcore_ext
+    from mcore_ext.attention import context_parallel, halo, layout
+
+    mcore_ext.init_parallel(context_parallel_size=2)
+    group = parallel_state.get_context_parallel_group()
+    s = SAVED_SEQ // 2
+    q, k, v = (x.requires_grad_(True) for x in _qkv(s, s, batch, SAVED_HEADS, groups, SAVED_HN,
+                                                      seed=10, dtype=torch.bfloat16))
+    extended, saved = [], []
+    real_halo_kv = halo.halo_kv
+
+    def halo_kv(*args):  # the real exchange; its outputs are remembered
+        extended.extend(real_halo_kv(*args))
+        return extended[-2:]
+
+    batch_layout = layout.AttentionLayout()
+    halo.halo_kv = halo_kv
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t,
+                                                      lambda t: t):
+            out = context_parallel.attention(q, k, v, group=group, causal=True, scale=None,
+                                             dropout_p=0.0, window=(SAVED_LEFT, 0),
+                                             layout=batch_layout)
+    finally:
+        halo.halo_kv = real_halo_kv
+    out.float().sum().backward()  # what was saved serves the backward
+
+    def storage(t):
+        return t.untyped_storage().data_ptr()
+
+    masks = {storage(t) for t in batch_layout._cache.values() if isinstance(t, torch.Tensor)}
+    extended_storages = {storage(t) for t in extended}
+    distinct = {storage(t): t.untyped_storage().nbytes() for t in saved
+                if storage(t) not in masks}
+    dist.barrier()
+    mcore_ext.destroy_parallel()
+    return dict(views_of_extended=sum(storage(t) in extended_storages for t in saved),
+                saved_bytes=sum(distinct.values()),
+                extended_bytes=sum(t.untyped_storage().nbytes() for t in extended))
+
+
+def _planned_sliding_attention_bytes(batch, groups):
+    """The plan's core-attention terms of such a layer on a CP rank."""
+    from mcore_ext.plan import activations
+    from mcore_ext.plan.shape import LayerShape, ModelShape
+
+    layer = LayerShape(index=0, sliding=True, heads=SAVED_HEADS, groups=groups,
+                       head_dim=SAVED_HN, window=SAVED_LEFT + 1, gate=False, qk_norm=False,
+                       moe=False, ffn=0)
+    shape = ModelShape(hidden=SAVED_HEADS * SAVED_HN, vocab=128, num_layers=1, layers=(layer,))
+    terms = activations.attention_bytes(
+        shape, layer, activations.Layout(cp=2),
+        activations.Workload(seq=SAVED_SEQ, micro_batch=batch)).terms
+    return terms["sliding blocks"] + terms["log-sum-exp"]
+
+
+@pytest.mark.parametrize("batch,groups", [(1, 1), (2, 1), (1, 2)], ids=["b1_ng1", "b2", "ng2"])
+def test_sliding_layer_under_cp_saves_its_blocks_not_the_extended_kv(run_distributed, batch,
+                                                                      groups):
+    """No saved tensor views the whole extended K/V (one did per K and V and chunk at micro-batch
+    1 with one group: a slice of it was contiguous, so ``.contiguous()`` copied nothing), and
+    what is saved is the plan's "sliding blocks" and log-sum-exp within 10 %."""
+    planned = _planned_sliding_attention_bytes(batch, groups)
+    for rank in run_distributed(_saved_by_a_sliding_layer_under_cp, batch, groups, world_size=2):
+        assert rank["views_of_extended"] == 0, rank
+        assert abs(rank["saved_bytes"] / planned - 1) <= 0.10, (rank, planned)
+
+
 # ------------------------------------------------------------------ flex under CP (forward)
 
 
