@@ -7,8 +7,9 @@ than a chunk), held by other ranks. Instead of all-gathering the whole sequence'
 do, each rank receives exactly its chunks' halos point to point, attends each chunk to [halo; chunk]
 (``sliding.attend``: ``2B`` keys per query), and in backward sends the halos' dK / dV back to their
 owners, where they are summed with the owner's own dK / dV in fp32 and rounded once. Each part
-comes rounded once from its chunk's banded kernel (which adds a row's block-pair parts in fp32),
-as each rank's part of a full layer's reduce-scatter comes rounded from its kernel.
+comes rounded from its chunk's banded kernel (whose block-pair parts autograd adds in the activation
+dtype, ``sliding``), as each rank's part of a full layer's reduce-scatter comes rounded from its
+kernel.
 
 K and V travel in their ng groups (never repeated per query head), stacked into one message per
 peer. Who sends which rows to whom (``HaloPlan``) is host arithmetic on the split, the same on every

@@ -13,11 +13,12 @@ Queries are aligned bottom-right, as megatron's masks are: query i sits at key p
 mask cut off. The query tail is padded to a whole block with zeros; the padded keys sit after every
 real query (never seen, causal), and the padded queries' outputs are dropped.
 
-The blocks are attended in fp32: a key row is in two block pairs (and in block 0's call of its
-own), so its dK / dV are partial sums of several SDPA calls. In bf16 each call rounds its part
-and autograd adds the rounded parts (two roundings more than one dense call, 12-14 % further
-from the exact gradient); in fp32 the parts are added in fp32, and dK / dV (and the output) are
-rounded to the activation dtype once, when they leave the kernel. The blocks SDPA saves are fp32.
+The blocks are attended in the activation dtype, so a GPU keeps its bf16 flash kernel. A key row
+is in two block pairs (and in block 0's call of its own), so its dK / dV are the sum of parts from
+several SDPA calls, each rounded by its kernel and added by autograd in that dtype: in bf16 about
+12-14 % further from the exact gradient than one dense SDPA call (issue 32 item 7; the test bounds it
+at 1.25 x). Attending the blocks in fp32 would round once, but costs a GPU its flash kernel and the
+saved blocks twice their bytes (2.5 x the peak measured on a CPU).
 
 Shapes (SDPA's): q [b, np, sq, hn], k / v [b, ng, sk, hn]; nb query blocks of B tokens.
 """
@@ -66,10 +67,7 @@ def band_mask(layout, left: int, dtype, device) -> torch.Tensor:
 
 def attend(q, k, v, left: int, scale, dropout_p: float, layout) -> torch.Tensor:
     """Causal attention with keys in ``[p - left, p]`` of each query's position p, bottom-right
-    aligned: [b, np, sq, hn] x [b, ng, sk, hn] -> [b, np, sq, hn], computed in fp32 and
-    rounded to q's dtype once (the output, and dQ / dK / dV in backward)."""
-    dtype = q.dtype
-    q, k, v = (x.float() for x in (q, k, v))
+    aligned: [b, np, sq, hn] x [b, ng, sk, hn] -> [b, np, sq, hn] (a strided view)."""
     b, np_, sq, hn = q.shape
     sk = k.size(2)
     block = block_size(left)
@@ -100,7 +98,7 @@ def attend(q, k, v, left: int, scale, dropout_p: float, layout) -> torch.Tensor:
         # [b nb, n, B, hn] -> [b, n, nb B, hn]
         outs.append(out.unflatten(0, (b, blocks)).transpose(1, 2).flatten(2, 3))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-    return out[:, :, :sq].to(dtype)
+    return out[:, :, :sq]
 
 
 def window_attention(q, k, v, left: int, scale, dropout_p: float, layout) -> torch.Tensor:

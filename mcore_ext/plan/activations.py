@@ -8,7 +8,7 @@ the ``sdpa`` backend, flash-style kernels that keep no ``s x s`` scores), per to
     linear layers                              their input (with sequence parallelism the local
                                                shard: megatron gathers it again in backward)
     linear_qkv's output                        kept whole (q / k / v are views of it), but not
-                                               by a banded sliding layer (fp32 block copies)
+                                               by a banded sliding layer (block copies)
     core attention (SDPA)                      q and k after RoPE, the output, fp32 log-sum-exp
     head-wise gate                             the fp32 sigmoid per head (the gated output is
                                                recomputed in backward)
@@ -25,8 +25,8 @@ Attention cost by kind:
     full layer      the above; under CP the all-gathered K/V of one layer live only while it
                     runs (they are gathered again in backward, not saved)
     sliding layer   ``banded`` (blocks of B ~ window: each block attends to itself and the one
-                    before, in fp32): q cut into blocks, K / V as [previous; own] block pairs
-                    (2x), the blocks' output, all fp32; under CP a halo of ``window - 1`` keys
+                    before): q cut into blocks, K / V as [previous; own] block pairs
+                    (2x), the blocks' output; under CP a halo of ``window - 1`` keys
                     per chunk, not the gathered sequence (only the blocks are saved, never the
                     [halo; chunk] K/V). ``masked`` (one dense [s, s] additive mask per batch,
                     shared by the layers of the kind; under CP one per local chunk).
@@ -172,11 +172,10 @@ def attention_bytes(shape: ModelShape, layer: LayerShape, layout: Layout, work: 
     if layer.qk_norm:
         out.add("q / k norms", n * (2 * FP32 * d + FP32) * (heads + groups))  # 1/rms per head
     if banded and work.recompute != "selective":
-        # The banded kernel saves fp32 copies in blocks (sliding.py sums a key row's dK / dV
-        # over its block pairs in fp32): q cut into blocks, K / V as block pairs (2x), the
+        # The banded kernel saves its blocks: q cut into blocks, K / V as block pairs (2x), the
         # output; neither linear_qkv's output nor q / k after RoPE stay saved (nor, under CP,
         # the [halo; chunk] K/V).
-        out.add("sliding blocks", n * FP32 * (heads + 4 * groups) * d + n * FP32 * heads * d)
+        out.add("sliding blocks", n * b * (heads + 4 * groups) * d + n * b * heads * d)
     else:
         # SDPA (or selective recompute's checkpoint) saves q and k after RoPE and v, a view of
         # linear_qkv's output, which stays saved through it.
