@@ -6,7 +6,10 @@ before the chunk (a halo): the tail of chunk i-1 (and of earlier chunks when the
 than a chunk), held by other ranks. Instead of all-gathering the whole sequence's K/V, as full layers
 do, each rank receives exactly its chunks' halos point to point, attends each chunk to [halo; chunk]
 (``sliding.attend``: ``2B`` keys per query), and in backward sends the halos' dK / dV back to their
-owners, where they are summed with the owner's own dK / dV in fp32 and rounded once.
+owners, where they are summed with the owner's own dK / dV in fp32 and rounded once. Each part
+comes rounded from its chunk's banded kernel (whose block-pair parts autograd adds in the activation
+dtype, ``sliding``), as each rank's part of a full layer's reduce-scatter comes rounded from its
+kernel.
 
 K and V travel in their ng groups (never repeated per query head), stacked into one message per
 peer. Who sends which rows to whom (``HaloPlan``) is host arithmetic on the split, the same on every
@@ -129,7 +132,8 @@ class _HaloKV(torch.autograd.Function):
     """local K, V [s, ...] -> ext K, V [ext rows, ...]: the local chunks with their halos in front.
 
     Backward: the ext rows' gradients go back where the rows came from (halo rows to the rank that
-    sent them), and every local row's gradient is summed in fp32 and rounded once, as the
+    sent them), and every local row's gradient (its uses in its own chunk and in each halo that
+    held it, each rounded once by the banded kernel) is summed in fp32 and rounded once, as the
     all-gather's reduce-scatter does for full layers.
     """
 

@@ -13,6 +13,13 @@ Queries are aligned bottom-right, as megatron's masks are: query i sits at key p
 mask cut off. The query tail is padded to a whole block with zeros; the padded keys sit after every
 real query (never seen, causal), and the padded queries' outputs are dropped.
 
+The blocks are attended in the activation dtype, so a GPU keeps its bf16 flash kernel. A key row
+is in two block pairs (and in block 0's call of its own), so its dK / dV are the sum of parts from
+several SDPA calls, each rounded by its kernel and added by autograd in that dtype: in bf16 about
+12-14 % further from the exact gradient than one dense SDPA call (issue 32 item 7; the test bounds it
+at 1.25 x). Attending the blocks in fp32 would round once, but costs a GPU its flash kernel and the
+saved blocks twice their bytes (2.5 x the peak measured on a CPU).
+
 Shapes (SDPA's): q [b, np, sq, hn], k / v [b, ng, sk, hn]; nb query blocks of B tokens.
 """
 
@@ -75,8 +82,10 @@ def attend(q, k, v, left: int, scale, dropout_p: float, layout) -> torch.Tensor:
 
     outs = []
     if before < block:  # block 0 sees fewer than B earlier keys: the band's right columns
-        # Copies of one block: a view would keep all of q, k and v alive until backward.
-        q0, k0, v0 = (x[:, :, :n].contiguous()
+        # Copies of one block: a view would keep all of q, k and v alive until backward (SDPA
+        # saves its inputs). ``contiguous()`` would not do: at one batch row and one group the
+        # slice is already contiguous, and a CP chunk's whole [halo; chunk] K/V stayed saved.
+        q0, k0, v0 = (x[:, :, :n].clone(memory_format=torch.contiguous_format)
                       for x, n in ((q, block), (k, before + block), (v, before + block)))
         outs.append(_sdpa(q0, k0, v0, mask[:, block - before:], scale, dropout_p))
         q, k, v = q[:, :, block:], k[:, :, before:], v[:, :, before:]

@@ -7,7 +7,8 @@ the ``sdpa`` backend, flash-style kernels that keep no ``s x s`` scores), per to
                                                (8 bytes per element) + an fp32 1/rms per token
     linear layers                              their input (with sequence parallelism the local
                                                shard: megatron gathers it again in backward)
-    linear_qkv's output                        kept whole (q / k / v are views of it)
+    linear_qkv's output                        kept whole (q / k / v are views of it), but not
+                                               by a banded sliding layer (block copies)
     core attention (SDPA)                      q and k after RoPE, the output, fp32 log-sum-exp
     head-wise gate                             the fp32 sigmoid per head (the gated output is
                                                recomputed in backward)
@@ -24,10 +25,11 @@ Attention cost by kind:
     full layer      the above; under CP the all-gathered K/V of one layer live only while it
                     runs (they are gathered again in backward, not saved)
     sliding layer   ``banded`` (blocks of B ~ window: each block attends to itself and the one
-                    before): q cut into blocks, K / V as [previous; own] block pairs (2x), the
-                    output put back in order; under CP a halo of ``window - 1`` keys per chunk,
-                    not the gathered sequence. ``masked`` (one dense [s, s] additive mask per
-                    batch, shared by the layers of the kind; under CP one per local chunk).
+                    before): q cut into blocks, K / V as [previous; own] block pairs
+                    (2x), the blocks' output; under CP a halo of ``window - 1`` keys
+                    per chunk, not the gathered sequence (only the blocks are saved, never the
+                    [halo; chunk] K/V). ``masked`` (one dense [s, s] additive mask per batch,
+                    shared by the layers of the kind; under CP one per local chunk).
     causal masks    on a CPU, under CP, the two local chunks' causal masks against their key
                     prefixes are materialized once per batch (a GPU's flash kernel needs none)
 
@@ -167,15 +169,18 @@ def attention_bytes(shape: ModelShape, layer: LayerShape, layout: Layout, work: 
     qkv_cols = (layer.heads + 2 * layer.groups) * d / (tp if layer.groups >= tp else 1)
     gate_cols = heads if layer.gate else 0
     banded = layer.sliding and work.sliding_kernel == "banded" and layer.window is not None
-    # q / k / v are views of linear_qkv's output, which stays saved through them (on the banded
-    # path too: the first block's SDPA call takes slices of them).
-    out.add("linear_qkv output", n * b * (qkv_cols + gate_cols))
     if layer.qk_norm:
         out.add("q / k norms", n * (2 * FP32 * d + FP32) * (heads + groups))  # 1/rms per head
-    out.add("q, k after RoPE", n * b * (heads + groups) * d)
     if banded and work.recompute != "selective":
-        # SDPA's inputs and output in blocks: q cut into blocks, K / V as block pairs (2x)
+        # The banded kernel saves its blocks: q cut into blocks, K / V as block pairs (2x), the
+        # output; neither linear_qkv's output nor q / k after RoPE stay saved (nor, under CP,
+        # the [halo; chunk] K/V).
         out.add("sliding blocks", n * b * (heads + 4 * groups) * d + n * b * heads * d)
+    else:
+        # SDPA (or selective recompute's checkpoint) saves q and k after RoPE and v, a view of
+        # linear_qkv's output, which stays saved through it.
+        out.add("linear_qkv output", n * b * (qkv_cols + gate_cols))
+        out.add("q, k after RoPE", n * b * (heads + groups) * d)
     out.add("core attention output", n * b * heads * d)
     if work.recompute != "selective":
         out.add("log-sum-exp", n * FP32 * heads)
