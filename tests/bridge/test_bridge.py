@@ -32,6 +32,7 @@ Bridge or megatron is patched.
 import importlib.util
 import json
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -303,3 +304,70 @@ def test_import_without_transformer_engine_is_one_clear_error():
     assert result.stderr.strip().splitlines()[-1].startswith(
         "ImportError: mcore_ext.bridge imports Megatron-Bridge 0.6, which needs Transformer "
         "Engine (imported unconditionally by megatron.bridge.peft.lora_layers)"), result.stderr
+
+
+# ------------------------------------------------- checkpoints never run code (issue 37)
+
+
+def test_importing_mcore_ext_bridge_alone_restricts_checkpoint_pickles():
+    """A Bridge user imports ``mcore_ext.bridge`` and nothing else of mcore_ext: that import must
+    put the restricted reads in place (a fresh interpreter, so no other test's import counts)."""
+    code = ("from tests.bridge.bridge_env import import_bridge; import_bridge(); "
+            "from torch.distributed.checkpoint import filesystem, default_planner; "
+            "print(getattr(filesystem.FileSystemReader.read_metadata, '_mcore_ext_safe', False), "
+            "getattr(default_planner.DefaultLoadPlanner.load_bytes, '_mcore_ext_safe', False))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines()[-1].split() == ["True", "True"], done.stdout[-3000:]
+
+
+def _save_craft_and_load(directory, marker):
+    """The provider's gated model at TP 2, saved with megatron's dist_checkpointing (what Bridge's
+    checkpointing calls), its ``.metadata`` replaced by an attacker's pickle (the manifest-free
+    Bridge layout: nothing else to forge), then loaded back as Bridge's load does."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    import mcore_ext
+    from mcore_ext.checkpoint import safe_pickle
+    from mcore_ext.checkpoint.errors import CheckpointUnsafeError
+    from tests.functional.test_checkpoint_safe_load import Payload
+
+    mcore_ext.init_parallel(tensor_model_parallel_size=2)
+    try:
+        provider = _provider(tensor_model_parallel_size=2)
+        provider.finalize()
+        (model,) = provider.provide_distributed_model(wrap_with_ddp=False,
+                                                      use_cpu_initialization=True)
+        if dist.get_rank() == 0:
+            os.makedirs(directory)
+        dist.barrier()
+        dist_checkpointing.save(model.sharded_state_dict(), directory)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            path = os.path.join(directory, ".metadata")
+            with open(path, "rb") as f:
+                real = pickle.load(f)  # our own file: plain pickle is fine here
+            with open(path, "wb") as f:
+                pickle.dump(Payload(marker, real), f)
+        dist.barrier()
+        try:
+            with safe_pickle.refusals():
+                dist_checkpointing.load(model.sharded_state_dict(), directory)
+        except CheckpointUnsafeError as err:
+            return str(err)
+        return None
+    finally:
+        mcore_ext.destroy_parallel()
+
+
+def test_a_crafted_checkpoint_of_the_provider_model_is_refused_and_runs_nothing(
+        run_distributed, tmp_path):
+    directory, marker = tmp_path / "ckpt", tmp_path / "PWNED"
+    results = run_distributed(_save_craft_and_load, str(directory), str(marker), world_size=2,
+                              timeout=300)
+    for message in results:
+        assert message is not None, "the crafted checkpoint loaded"
+        assert f"checkpoint file {directory}" in message and "builtins.eval" in message, message
+    assert not marker.exists()
