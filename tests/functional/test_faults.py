@@ -343,18 +343,23 @@ def test_finetune_relaunch_resumes_the_runs_own_checkpoint(faults_tmp, reference
 RESAVE = str(Path(__file__).with_name("resave_tracked.py"))
 
 
+def _tracked_at_4(tmp, reference):
+    """A save directory in ``tmp`` tracking a copy of the reference run's iteration 4: (tmp, the
+    save directory, its digest, the overrides that resume it and run to 8)."""
+    tmp.mkdir()
+    ckpt = tmp / "ckpt"
+    shutil.copytree(reference["ckpt"] / "iter_0000004", ckpt / "iter_0000004")
+    (ckpt / TRACKER).write_text("4")
+    args = (f"checkpoint.save={ckpt}", f"checkpoint.load={ckpt}", "training.exit_interval=8")
+    return tmp, ckpt, _tree_digest(ckpt / "iter_0000004"), args
+
+
 def test_kill_inside_the_writer_while_resaving_the_tracked_iteration(faults_tmp, reference):
     """The tracked iteration (4) saved again with other weights, and rank 1 killed inside
     megatron's writer (``resave_tracked.py``): the tracked checkpoint keeps every byte, the
     killed save's partial directory is never loaded and is removed by the relaunch, which
     resumes from step 4 with the uninterrupted run's losses."""
-    tmp = faults_tmp / "resave"
-    tmp.mkdir()
-    ckpt = tmp / "ckpt"
-    shutil.copytree(reference["ckpt"] / "iter_0000004", ckpt / "iter_0000004")
-    (ckpt / TRACKER).write_text("4")
-    before = _tree_digest(ckpt / "iter_0000004")
-    args = (f"checkpoint.save={ckpt}", f"checkpoint.load={ckpt}", "training.exit_interval=8")
+    tmp, ckpt, before, args = _tracked_at_4(faults_tmp / "resave", reference)
     killed = Run(tmp, "killed", *args, data=reference["data"], script=RESAVE).check(returncode=1)
     assert "[resave] rank 1: writing with RLIMIT_FSIZE 0" in killed.stderr
     assert "Signal 25 (SIGXFSZ)" in killed.stderr, killed.stderr[-3000:]
@@ -378,13 +383,7 @@ def test_a_resave_killed_between_its_two_renames_is_put_back_by_the_relaunch(fau
     every byte. The relaunch puts it back and resumes from step 4 with the uninterrupted run's
     losses (before: exit 2, 'latest_checkpointed_iteration.txt names iteration 4 but
     .../iter_0000004 does not exist', decided before the repair ran)."""
-    tmp = faults_tmp / "between_renames"
-    tmp.mkdir()
-    ckpt = tmp / "ckpt"
-    shutil.copytree(reference["ckpt"] / "iter_0000004", ckpt / "iter_0000004")
-    (ckpt / TRACKER).write_text("4")
-    before = _tree_digest(ckpt / "iter_0000004")
-    args = (f"checkpoint.save={ckpt}", f"checkpoint.load={ckpt}", "training.exit_interval=8")
+    tmp, ckpt, before, args = _tracked_at_4(faults_tmp / "between_renames", reference)
     killed = Run(tmp, "killed", *args, data=reference["data"], script=RESAVE,
                  env={"RESAVE_KILL": "renames"}).check(returncode=1)
     assert "[resave] rank 0: SIGKILL between the two renames" in killed.stderr
