@@ -165,9 +165,27 @@ def destroy_parallel() -> None:
         if group in _process_groups():  # megatron tears a few down itself
             dist.destroy_process_group(group)
     _model_parallel_groups.clear()
+    _drop_references_to_destroyed_groups()
     if _owns_default_group and dist.is_initialized():
         dist.destroy_process_group()
         _owns_default_group = False
+
+
+def _drop_references_to_destroyed_groups() -> None:
+    """A destroyed gloo group keeps its three threads (one polling, even while idle) for as long
+    as anything references it. megatron's ``destroy_model_parallel`` leaves some globals set (0.19:
+    the intra-partial data-parallel groups with CP), and its ``RotaryEmbedding.forward`` caches
+    (``lru_cache``) hold every rotary module called, with its CP group, and so the whole model."""
+    for name, value in list(vars(parallel_state).items()):
+        if isinstance(value, dist.ProcessGroup):
+            setattr(parallel_state, name, None)
+    from megatron.core.models.common.embeddings import rotary_pos_embedding as rotary
+    from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding as yarn
+
+    for rotary in (rotary.RotaryEmbedding, yarn.YarnRotaryEmbedding):
+        cache_clear = getattr(rotary.forward, "cache_clear", None)
+        if cache_clear is not None:  # releases without the cache
+            cache_clear()
 
 
 def raise_unless_all_ok(failure: Exception | None, what: str, error=RuntimeError) -> None:
