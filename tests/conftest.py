@@ -4,6 +4,9 @@ import torch
 from tests.distributed import WorkerPool
 
 DEFAULT_TIMEOUT_S = 300
+# A worker starts with ~6 threads; each gloo group still alive adds 3 (idle, one still polls).
+# Past this many the pool is replaced: a few seconds to start one against CPU for the rest of the run.
+MAX_POOL_THREADS = 40
 
 
 @pytest.fixture(scope="session")
@@ -23,7 +26,11 @@ def run_distributed_shared(_worker_pools):
         pool = _worker_pools.get(world_size)
         if pool is None or not pool.alive:
             pool = _worker_pools[world_size] = WorkerPool(world_size)
-        return pool.run(fn, *args, timeout=timeout, **kwargs)
+        try:
+            return pool.run(fn, *args, timeout=timeout, **kwargs)
+        finally:
+            if pool.threads > MAX_POOL_THREADS:
+                pool.close()
 
     return run
 

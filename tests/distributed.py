@@ -52,6 +52,9 @@ class WorkerPool:
         for process in self.processes:
             process.start()
         atexit.register(self.close)
+        # The most threads a worker has had after a task: groups something still references keep
+        # theirs (and poll while idle), so a pool that accumulates them is replaced (conftest).
+        self.threads = 0
 
     def run(self, fn, *args, timeout: float, **kwargs) -> list:
         for task_queue in self.tasks:
@@ -60,8 +63,9 @@ class WorkerPool:
         deadline = time.monotonic() + timeout
         while len(outcomes) < self.world_size:
             try:
-                rank, ok, value = self.results.get(timeout=1.0)
+                rank, ok, value, threads = self.results.get(timeout=1.0)
                 outcomes[rank] = (ok, value)
+                self.threads = max(self.threads, threads)
                 if not ok:
                     deadline = min(deadline, time.monotonic() + _GRACE_AFTER_FAILURE_S)
                 continue
@@ -149,14 +153,19 @@ def _worker_main(rank, world_size, port, tasks, results, log_dir):
             fn = importlib.import_module(module_name)
             for part in qualname.split("."):
                 fn = getattr(fn, part)
-            results.put((rank, True, fn(*args, **kwargs)))
+            outcome = (True, fn(*args, **kwargs))
         except BaseException:
-            results.put((rank, False, traceback.format_exc()))
-        finally:
+            outcome = (False, traceback.format_exc())
+        try:
             if parallel_state.model_parallel_is_initialized():
                 mcore_ext.destroy_parallel()
             _destroy_groups_left_behind(dist)
-            print(f"{qualname}: {len(os.listdir('/proc/self/task'))} threads after", flush=True)
+        except BaseException:
+            if outcome[0]:
+                outcome = (False, traceback.format_exc())
+        threads = len(os.listdir("/proc/self/task"))
+        print(f"{qualname}: {threads} threads after", flush=True)
+        results.put((rank, *outcome, threads))
     # Skip interpreter teardown (peers may already be gone), but first stop our own children:
     # dist-checkpoint saving leaves a multiprocessing Manager running.
     for child in mp.active_children():

@@ -42,3 +42,33 @@ def test_hang_fails_with_timeout(run_distributed):
     with pytest.raises(DistributedTestFailure, match="did not finish within 3s"):
         run_distributed(_sleep, 120, world_size=2, timeout=3)
     assert run_distributed(_rank_sum, world_size=2) == [(0, 3.0), (1, 3.0)]
+
+
+_KEPT_GROUPS = []
+
+
+def _keep_groups_alive(count):
+    """Groups that a test leaves referenced (destroyed or not, their gloo threads live on)."""
+    import os
+
+    import torch.distributed as dist
+
+    _KEPT_GROUPS.extend(dist.new_group([0, 1]) for _ in range(count))
+    return os.getpid()
+
+
+def _pid():
+    import os
+
+    return os.getpid()
+
+
+def test_a_pool_whose_workers_accumulate_threads_is_replaced(run_distributed):
+    from tests.conftest import MAX_POOL_THREADS
+
+    before = run_distributed(_pid, world_size=2)
+    assert run_distributed(_keep_groups_alive, 2, world_size=2) == before  # a few: kept
+    run_distributed(_keep_groups_alive, MAX_POOL_THREADS // 3, world_size=2)
+    after = run_distributed(_pid, world_size=2)
+    assert set(after).isdisjoint(before), (before, after)
+    assert run_distributed(_rank_sum, world_size=2) == [(0, 3.0), (1, 3.0)]
