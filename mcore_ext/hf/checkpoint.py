@@ -14,8 +14,9 @@ template. The launcher loads it at any TP / PP as weights only
 
 ``export_checkpoint`` reads a launcher checkpoint (a save directory or one ``iter_*`` directory),
 verifies its files, rebuilds the model from its ``config.yaml``, and writes the HF layout with
-``save_pretrained`` into a staging folder that takes the target's place at the end. A target
-that holds files is refused unless ``overwrite``.
+``save_pretrained`` (with the run's tokenizer files, when ``data.tokenizer`` is a folder) into a
+staging folder that takes the target's place at the end. A target that holds files is refused
+unless ``overwrite``.
 """
 
 import dataclasses
@@ -286,7 +287,22 @@ def export_checkpoint(ckpt_dir: str, hf_dir: str, *, vocab_size: int | None = No
     if provenance is not None:
         model.hf_config = source.replace(vocab_size=vocab_size)
     save_pretrained(model, hf_dir, vocab_size=vocab_size, max_shard_bytes=max_shard_bytes,
-                    extra_config=extra)
+                    extra_config=extra, extra_files=_tokenizer_of(cfg))
+
+
+def _tokenizer_of(cfg) -> dict:
+    """The files of the run's Hugging Face tokenizer ({name: bytes}), when ``data.tokenizer`` is
+    a folder holding one (an imported checkpoint's ``tokenizer/``, or the folder an SFT run named),
+    so that the export is a model transformers loads with its tokenizer; {} for the byte tokenizer
+    or a hub name (nothing on disk to copy)."""
+    folder = cfg.data.tokenizer
+    if not (isinstance(folder, str) and os.path.isdir(folder)):
+        return {}
+    files = {}
+    for name in tokenizer_files(folder):
+        with open(os.path.join(folder, name), "rb") as f:
+            files[name] = f.read()
+    return files
 
 
 def _target_problem(hf_dir: str, overwrite: bool) -> str | None:

@@ -414,14 +414,15 @@ def spec_of(model, vocab_size: int | None = None, extra: dict | None = None) -> 
 
 def save_pretrained(model, hf_dir: str, *, vocab_size: int | None = None,
                     max_shard_bytes: int = 2 * 1024**3, extra_config: dict | None = None,
-                    dtype: torch.dtype | None = None) -> None:
+                    dtype: torch.dtype | None = None, extra_files: dict | None = None) -> None:
     """Write ``model`` (any TP / PP; called on every rank) to ``hf_dir`` in the released
     Step-3.5 layout: config.json and size-sharded safetensors with their index, written by global
     rank 0. ``vocab_size`` strips megatron's padded rows (default: the size ``load_pretrained``
     read, else the model's). Tied embeddings are written as an lm_head copy (the layout has an
     untied lm_head). Raises ``HFConfigError`` on every rank, before anything is written, when the
     model does not fit the layout. ``dtype``: of every written tensor (default: the first
-    stage's first parameter's, e.g. the embedding's)."""
+    stage's first parameter's, e.g. the embedding's). ``extra_files`` ({name: text or bytes},
+    rank 0's): written beside them in the same export (e.g. the tokenizer's files)."""
     model = unwrap(model)
     spec = spec_of(model, vocab_size, extra_config)
     world_rank = dist.get_rank() if dist.is_initialized() else 0
@@ -473,7 +474,8 @@ def save_pretrained(model, hf_dir: str, *, vocab_size: int | None = None,
     if world_rank == 0:
         config_text = json.dumps(spec.to_hf_dict(), indent=2) + "\n"
         writer = ShardedSafetensorsWriter(hf_dir, plan, max_shard_bytes,
-                                          extra_files={CONFIG_NAME: config_text})
+                                          extra_files={**(extra_files or {}),
+                                                       CONFIG_NAME: config_text})
     shapes = layout.hf_shapes(spec)
     tied = "lm_head" not in sender  # tied embeddings: lm_head is the embedding's copy
     try:

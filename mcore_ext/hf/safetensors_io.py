@@ -159,7 +159,7 @@ class ShardedSafetensorsWriter:
     """Writes ``plan`` [(name, dtype, shape)] as size-sharded safetensors plus the index JSON.
 
     ``write(name, tensor)`` must be called in plan order. ``close()`` puts the files (and
-    ``extra_files``, {file name: text}) in place of ``directory``: an earlier export there
+    ``extra_files``, {file name: text or bytes}) in place of ``directory``: an earlier export there
     (config.json, model.safetensors, the index and the shards it lists) is replaced, every other
     file in it is kept. ``abort()`` (or an exception inside ``with``) removes everything written.
     Whether ``directory`` may hold files at all is the caller's decision (``hf export``
@@ -276,9 +276,10 @@ class ShardedSafetensorsWriter:
                 with open(os.path.join(self.staging, INDEX_NAME), "w") as f:
                     json.dump({"metadata": {"total_size": self._total}, "weight_map": weight_map},
                               f, indent=2)
-            for name, text in self.extra_files.items():
-                with open(os.path.join(self.staging, name), "w") as f:
-                    f.write(text)
+            for name, content in self.extra_files.items():
+                with open(os.path.join(self.staging, name),
+                          "wb" if isinstance(content, bytes) else "w") as f:
+                    f.write(content)
             if os.path.isdir(self.directory):
                 self._keep_other_files()
         except BaseException:

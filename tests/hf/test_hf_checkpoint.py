@@ -16,6 +16,7 @@ import torch
 
 from tests.functional.test_pretrain import LAUNCHER, ROOT, check, losses, torchrun
 from mcore_ext.hf import HFConfigError
+from mcore_ext.hf.checkpoint import TOKENIZER_FILES
 from tests.hf import models
 from tests.hf.models import assert_same_tensors
 
@@ -54,6 +55,7 @@ def test_import_at_tp2_export_at_pp2_is_bit_identical(run_distributed, hf_dir, t
     assert "tokenizer: byte" in config
     run_distributed(_export, ckpt, out, 1, 2, world_size=2)
     assert_same_tensors(hf_dir, out)
+    assert not set(os.listdir(out)) & set(TOKENIZER_FILES)  # the byte tokenizer has no files
     exported = json.load(open(os.path.join(out, "config.json")))
     assert exported["vocab_size"] == models.VOCAB and exported["bos_token_id"] == 1
 
@@ -61,12 +63,13 @@ def test_import_at_tp2_export_at_pp2_is_bit_identical(run_distributed, hf_dir, t
 SFT_TOKENIZER = ROOT / "configs" / "sft_tiny" / "tokenizer"
 
 
-def test_import_copies_the_tokenizer_and_its_config_renders_chat_data_with_it(
+def test_import_copies_the_tokenizer_its_config_renders_chat_data_and_export_writes_it_back(
         run_distributed, hf_dir, tmp_path):
     """An HF folder with a tokenizer (the SFT recipe's ChatML one): imported at TP 2, its files
     are copied byte for byte into iter_0000000/tokenizer/ (in the manifest), the HF folder is
     unchanged, and the written config.yaml's data.tokenizer renders the chat data exactly as the
-    HF folder's own tokenizer does, chat template included."""
+    HF folder's own tokenizer does, chat template included. Exported again (TP 2), the folder
+    holds the same tokenizer files beside the same tensors."""
     import yaml
     from transformers import AutoTokenizer
 
@@ -101,6 +104,12 @@ def test_import_copies_the_tokenizer_and_its_config_renders_chat_data_with_it(
         assert a.ids.tolist() == b.ids.tolist() and a.loss.tolist() == b.loss.tolist()
     im_start = AutoTokenizer.from_pretrained(str(hf)).convert_tokens_to_ids("<|im_start|>")
     assert mine.conversations[0].ids[0] == im_start  # the ChatML template, not plain text
+
+    out = tmp_path / "out"
+    run_distributed(_export, str(ckpt), str(out), 2, 1, world_size=2)
+    assert_same_tensors(str(hf), str(out))
+    for name in os.listdir(SFT_TOKENIZER):
+        assert (out / name).read_bytes() == (SFT_TOKENIZER / name).read_bytes(), name
 
 
 def _refuse(hf, ckpt, tp):
