@@ -19,11 +19,18 @@ default ``--cp-comm-type p2p`` runs as ``all_gather``. Each change is said once;
 run (a per-document mask under CP, ``a2a``) is refused in one line before training
 (``attention_flags``).
 
+A checkpoint megatron.training is about to load (``--load``, ``--ckpt-step``) is verified first as
+the launcher verifies its own (``verified_loads``): one with a manifest (the launcher's) must match
+it, and with a signing key (``MCORE_EXT_CHECKPOINT_KEY``) carry a valid signature; else one line
+naming the file, exit code 2, before megatron reads any of it.
+
 On a machine without CUDA it runs on gloo with mcore_ext's CPU adaptations (tests, small runs).
 """
 
+import contextlib
 import copy
 import functools
+import os
 import sys
 import traceback
 import types
@@ -55,7 +62,10 @@ from megatron.training.utils import (  # noqa: E402
 )
 
 from mcore_ext.attention.context_parallel import get_batch_on_this_cp_rank  # noqa: E402
-from mcore_ext.checkpoint.errors import one_line, refusal_in  # noqa: E402
+from mcore_ext.checkpoint import directory as checkpoint_dirs  # noqa: E402
+from mcore_ext.checkpoint import manifest  # noqa: E402
+from mcore_ext.checkpoint.errors import (  # noqa: E402
+    CheckpointCorruptError, one_line, refusal_in)
 from mcore_ext.megatron_lm.arguments import add_mcore_ext_args  # noqa: E402
 from mcore_ext.megatron_lm.model import gated_gpt_config_from_args  # noqa: E402
 from mcore_ext.specs import AttentionBackend, resolve_backend  # noqa: E402
@@ -219,6 +229,42 @@ def check_learning_rate_schedule(args) -> None:
         global_vars.set_args(previous)
 
 
+@contextlib.contextmanager
+def verified_loads():
+    """megatron.training's ``load_checkpoint``, each call preceded by the launcher's check of the
+    iteration directory it will read (collective, as the load is): CheckpointCorruptError on
+    every rank when a file differs from the manifest, or a signing key is set and the manifest is
+    missing, unsigned or signed with another key. A checkpoint without a manifest (Megatron-LM's
+    own) loads as before when no key is set."""
+    from megatron.training import training
+
+    original = training.load_checkpoint
+
+    def load_checkpoint(*args, load_arg="load", **kwargs):
+        _verify(getattr(get_args(), load_arg, None))
+        return original(*args, load_arg=load_arg, **kwargs)
+
+    training.load_checkpoint = load_checkpoint
+    try:
+        yield
+    finally:
+        training.load_checkpoint = original
+
+
+def _verify(load_dir) -> None:
+    if not load_dir or not os.path.isfile(os.path.join(load_dir, checkpoint_dirs.TRACKER)):
+        return  # nothing to load: megatron says so (or starts from scratch)
+    step = getattr(get_args(), "ckpt_step", None)
+    found = (checkpoint_dirs.find_checkpoint(load_dir) if not step
+             else checkpoint_dirs.Checkpoint(checkpoint_dirs.iteration_dir(load_dir, step), step))
+    if found is None or not os.path.isdir(found.directory):
+        return  # megatron names what is missing
+    problems = manifest.verify_checkpoint(found.directory)
+    if problems:
+        raise CheckpointCorruptError(
+            f"checkpoint {found.directory} is corrupt: {manifest.summary(problems)}")
+
+
 def main(argv=None) -> int:
     """Parse Megatron-LM's flags and mcore_ext's, build the config, run ``pretrain``. A mistake
     in the flags is one ``error:`` line (the first rank) and exit code 2, before any collective."""
@@ -244,12 +290,15 @@ def main(argv=None) -> int:
             for note in notes:
                 print(f"mcore_ext: {note}", flush=True)
         try:
-            pretrain(
-                container,
-                train_valid_test_datasets_provider,
-                ModelType.encoder_or_decoder,
-                forward_step,
-            )
+            with verified_loads():
+                pretrain(
+                    container,
+                    train_valid_test_datasets_provider,
+                    ModelType.encoder_or_decoder,
+                    forward_step,
+                )
+        except CheckpointCorruptError as err:  # every rank found the same (verify_checkpoint)
+            return report_error(str(err))
         except BaseException as err:  # torch's CheckpointException is not an Exception
             refused = refusal_in(err)  # a checkpoint pickle that would run code (safe_pickle)
             if refused is None:

@@ -376,6 +376,34 @@ def test_launcher_with_the_key_resumes_a_signed_checkpoint_and_refuses_a_re_crc_
     assert not (signed["recrc"] / "iter_0000003").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("how, key, problem", [
+    ("flip", None, "__1_0.distcp checksum mismatch"),
+    ("recrc", "k3y", "mcore_ext_manifest.json signature does not verify"),
+])
+def test_megatron_lm_entry_verifies_a_launcher_checkpoint_before_loading(
+        signed, tmp_path, monkeypatch, how, key, problem):
+    """The Megatron-LM entry resumes the launcher's checkpoints (test_megatron_lm_checkpoints):
+    one whose file differs from its manifest is refused as the launcher refuses it, and with the
+    key set one re-CRC'd without it; one line, exit code 2, nothing saved."""
+    pytest.importorskip("megatron.training.models.gpt", reason="megatron.training >= 0.19")
+    from tests.functional.test_megatron_lm_checkpoints import MLM
+    from tests.functional.test_megatron_lm_pretrain import MEGATRON_LM
+    from tests.functional.test_pretrain import torchrun
+
+    monkeypatch.delenv(KEY, raising=False)
+    if key is not None:
+        monkeypatch.setenv(KEY, key)
+    result = torchrun(*MLM, "--train-iters", "3", "--load", str(signed[how]), "--save",
+                      str(tmp_path / "mlm"), "--save-interval", "1000", program=MEGATRON_LM)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode != 0 and len(errors) == 1, result.stderr[-3000:]
+    assert errors[0].startswith(f"error: checkpoint {signed[how] / 'iter_0000002'} is corrupt: "
+                                f"{problem}"), errors
+    assert "Traceback" not in result.stderr.split(errors[0])[0], result.stderr[-3000:]
+    assert not (tmp_path / "mlm").exists()
+
+
 def test_a_key_file_that_cannot_be_read_is_one_config_error(tmp_path):
     from tests.functional.test_pretrain import launcher
 
