@@ -46,6 +46,8 @@ ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "g_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 TARGETS = ATTENTION_TARGETS + MLP_TARGETS
 ALL_LINEAR = "all-linear"
+# In every adapter parameter's name (``...linear_qkv_lora.targets.q_proj.lora_A``), none other's.
+ADAPTER_KEY = "_lora."
 
 
 @dataclasses.dataclass
@@ -184,12 +186,13 @@ class LoraLinear(torch.nn.Module):
         state = {}
         axes = {}
         for name, target in self.targets.items():
-            state[f"{name}.lora_A"] = target.lora_A
-            state[f"{name}.lora_B"] = target.lora_B
+            key = f"targets.{name}"  # state_dict's keys, as load_state_dict reads them
+            state[f"{key}.lora_A"] = target.lora_A
+            state[f"{key}.lora_B"] = target.lora_B
             if self.parallel == "row":
-                axes[f"{name}.lora_A"] = 1
+                axes[f"{key}.lora_A"] = 1
             elif target.rows is None:
-                axes[f"{name}.lora_B"] = 0
+                axes[f"{key}.lora_B"] = 0
         return make_sharded_tensors_for_checkpoint(state, prefix, axes, sharded_offsets,
                                                    tp_group=self.tp_group)
 
