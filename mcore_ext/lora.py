@@ -328,7 +328,8 @@ def _check_linear(name, linear):
 
 def _attach(parent, attr, adapter, added, prefix):
     setattr(parent, f"{attr}_lora", adapter)
-    getattr(parent, attr).register_forward_hook(_hook(adapter))
+    # A plain attribute, not a submodule: merge_lora(remove=True) takes the hook off.
+    adapter.__dict__["hook"] = getattr(parent, attr).register_forward_hook(_hook(adapter))
     added += [f"{prefix}.{attr}_lora.{t}" for t in adapter.targets]
 
 
@@ -389,9 +390,10 @@ def lora_adapters(model) -> dict:
 
 
 @torch.no_grad()
-def merge_lora(model) -> None:
+def merge_lora(model, remove: bool = False) -> None:
     """Fold every adapter into its base weight (W += scaling B A at the target's rows) and zero
-    its B, so the model computes the same with the adapters still attached."""
+    its B, so the model computes the same with the adapters still attached; with ``remove`` the
+    adapters are taken off (the plain model, its parameters' names and checkpoint keys)."""
     for name, adapter in lora_adapters(model).items():
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -402,3 +404,6 @@ def merge_lora(model) -> None:
             else:
                 base.weight.index_add_(0, cols, delta.to(base.weight.dtype))
             adapter.targets[target_name].lora_B.zero_()
+        if remove:
+            adapter.hook.remove()
+            delattr(parent, attr)
