@@ -41,6 +41,10 @@ def main(argv=None) -> int:
     exp.add_argument("--overwrite", action="store_true",
                      help="replace the export in a folder that holds one (config.json, weights); "
                           "its other files stay (default: a folder with files is refused)")
+    exp.add_argument("--adapter", action="store_true",
+                     help="a LoRA run's adapters alone, in Hugging Face PEFT's format "
+                          "(adapter_config.json, adapter_model.safetensors); default: the "
+                          "merged model")
     pln = sub.add_parser("plan", help="parameters and memory per rank at a parallel layout")
     pln.add_argument("hf_dir", help="an HF model directory or its config.json")
     pln.add_argument("--dp", type=int, default=1, help="data-parallel size")
@@ -108,7 +112,7 @@ def _run(args) -> str:
 
         export_checkpoint(args.ckpt_dir, args.hf_dir, vocab_size=args.vocab_size,
                           max_shard_bytes=int(args.max_shard_size * 1024**3),
-                          overwrite=args.overwrite)
+                          overwrite=args.overwrite, adapter=args.adapter)
         return args.hf_dir
 
 

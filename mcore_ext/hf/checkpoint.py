@@ -30,6 +30,7 @@ import yaml
 from megatron.core import dist_checkpointing, parallel_state
 from torch.distributed.checkpoint.api import CheckpointException
 
+from mcore_ext import lora
 from mcore_ext._cpu_compat import cuda_to_cpu
 from mcore_ext.checkpoint import manifest, safe_pickle, saving
 from mcore_ext.checkpoint.directory import (
@@ -214,7 +215,7 @@ def _read_launcher_config(directory: str):
 @safe_pickle.refusals()  # a pickle that would run code: CheckpointUnsafeError, one line
 def export_checkpoint(ckpt_dir: str, hf_dir: str, *, vocab_size: int | None = None,
                       max_shard_bytes: int = 2 * 1024**3, backend: str = "sdpa",
-                      overwrite: bool = False) -> None:
+                      overwrite: bool = False, adapter: bool = False) -> None:
     """Launcher checkpoint -> HF directory (call after ``init_parallel``, any TP / PP).
 
     ``vocab_size`` (the rows to keep of the padded embedding) defaults to the HF config the
@@ -223,6 +224,10 @@ def export_checkpoint(ckpt_dir: str, hf_dir: str, *, vocab_size: int | None = No
     An ``hf_dir`` with files in it is refused (FileExistsError) unless ``overwrite``: then the
     export in it is replaced and its other files stay. A checkpoint whose files differ from its
     manifest is refused (CheckpointCorruptError).
+
+    A LoRA run's checkpoint (its config.yaml's ``lora.rank`` > 0) exports the merged model
+    (W + (alpha / r) B A); with ``adapter`` the adapters alone in PEFT's format
+    (``mcore_ext.hf.adapter``).
     """
     _refuse_on_every_rank(_target_problem(hf_dir, overwrite))
     from mcore_ext import checkpoint
@@ -236,6 +241,11 @@ def export_checkpoint(ckpt_dir: str, hf_dir: str, *, vocab_size: int | None = No
         raise CheckpointCorruptError(
             f"checkpoint {directory} is corrupt: {manifest.summary(problems)}")
     cfg = _read_launcher_config(directory)
+    adapters = lora.LoraConfig(rank=cfg.lora.rank, alpha=cfg.lora.alpha,
+                               dropout=cfg.lora.dropout, targets=cfg.lora.targets)
+    if adapter and not adapters.enabled:
+        raise HFConfigError(f"{directory}: --adapter: the checkpoint holds no LoRA adapters "
+                            f"(lora.rank={cfg.lora.rank} in its config.yaml)")
     metadata = dist_checkpointing.load_tensors_metadata(directory)
     embedding = metadata.get("embedding.word_embeddings.weight")
     if embedding is None:
@@ -277,6 +287,7 @@ def export_checkpoint(ckpt_dir: str, hf_dir: str, *, vocab_size: int | None = No
             share_embeddings_and_output_weights=not cfg.model.untie_embeddings_and_output_weights,
         )
     model.to(device())  # loaded where the process computes; save_pretrained gathers on the CPU
+    lora.apply_lora(model, adapters)  # a LoRA run's adapters load with the base weights
     loaded = checkpoint.load({"model": model.sharded_state_dict()}, directory, in_place=True)
     try:  # strict: a parameter left out would be exported uninitialised
         model.load_state_dict(loaded["model"], strict=True)
@@ -284,6 +295,12 @@ def export_checkpoint(ckpt_dir: str, hf_dir: str, *, vocab_size: int | None = No
         raise HFConfigError(f"{directory}: the checkpoint does not fill the model ({err})"
                             ) from None
     del loaded
+    if adapter:
+        from mcore_ext.hf.adapter import save_adapter
+
+        save_adapter(model, hf_dir, adapters)
+        return
+    lora.merge_lora(model, remove=True)
     if provenance is not None:
         model.hf_config = source.replace(vocab_size=vocab_size)
     save_pretrained(model, hf_dir, vocab_size=vocab_size, max_shard_bytes=max_shard_bytes,

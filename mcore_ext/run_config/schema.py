@@ -1,7 +1,7 @@
 """The launcher's config schema: one dataclass per YAML section, every key documented.
 
 A run's YAML file has the sections of ``PretrainConfig`` (``model``, ``parallelism``,
-``training``, ``optimizer``, ``data``, ``checkpoint``, ``logging``); each key is a field below,
+``training``, ``optimizer``, ``data``, ``checkpoint``, ``logging``, ``lora``); each key is a field below,
 with its default and a docstring. How a file and command-line overrides become these objects is
 ``overrides.py``; what a runnable combination is, the launcher's ``training/config/validation.py``.
 """
@@ -373,6 +373,25 @@ class CheckpointConfig:
 
 
 @dataclass
+class LoraConfig:
+    """Low-rank adapters (Hugging Face PEFT's LoRA) on a frozen model: docs/training.md#lora."""
+
+    rank: int = 0
+    """r, the adapters' inner dimension (PEFT's r); 0 = no LoRA (full fine-tuning)."""
+
+    alpha: float = 16.0
+    """PEFT's lora_alpha: the update (alpha / rank) B A is added to each targeted weight."""
+
+    dropout: float = 0.0
+    """PEFT's lora_dropout: dropout on the adapters' input, in [0, 1)."""
+
+    targets: Union[str, list[str]] = "all-linear"
+    """The adapted linears, PEFT's module names of transformers' Step-3.5 model: q_proj, k_proj,
+    v_proj, g_proj (the head-wise gate), o_proj, gate_proj, up_proj, down_proj (dense MLPs), as
+    a list or one space-separated string; all-linear = every one of them."""
+
+
+@dataclass
 class LoggingConfig:
     log_interval: int = 10
     """Print (and record) training metrics every this many steps."""
@@ -398,6 +417,7 @@ class PretrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     # Derived at validation; not part of the YAML.
     world_size: int = field(default=1, metadata={"derived": True})

@@ -42,7 +42,7 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from torch.distributed.checkpoint.api import CheckpointException
 
-from mcore_ext import checkpoint
+from mcore_ext import checkpoint, lora
 from mcore_ext.checkpoint import content, manifest, safe_pickle, saving
 from mcore_ext.checkpoint.directory import (  # noqa: F401  (tests import them here)
     TRACKER,
@@ -221,6 +221,10 @@ def load_checkpoint(cfg, model, optimizer, scheduler, vocab_size: int | None = N
         _check_resumable(common, directory, cfg, by_megatron_lm)
 
     model_state = model.module.sharded_state_dict()
+    adapters = []
+    if finetune:  # the base model's weights; a LoRA run's adapters start fresh (B = 0)
+        adapters = [k for k in model_state if lora.ADAPTER_KEY in k]
+        model_state = {k: v for k, v in model_state.items() if k not in adapters}
     if vocab_size is not None:
         _check_vocabulary(directory, model_state, vocab_size)
     state = {"model": model_state}
@@ -238,7 +242,13 @@ def load_checkpoint(cfg, model, optimizer, scheduler, vocab_size: int | None = N
         state, directory, init_missing_gates=c.init_missing_gates
     )
 
-    model.module.load_state_dict(loaded["model"])
+    if adapters:
+        missing, unexpected = model.module.load_state_dict(loaded["model"], strict=False)
+        left = [k for k in missing if lora.ADAPTER_KEY not in k] + list(unexpected)
+        if left:
+            raise RuntimeError(f"loading {directory}: keys not matched: {left}")
+    else:
+        model.module.load_state_dict(loaded["model"])
     if finetune:
         return 0, 0, (f"{START_MARK} finetune: loaded the model weights of {directory}; "
                       "iteration 0, with a new optimizer and schedule" + instead)

@@ -20,7 +20,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
-from mcore_ext import _mcore_compat
+from mcore_ext import _mcore_compat, lora
 from mcore_ext._cpu_compat import cuda_to_cpu
 from mcore_ext.moe import is_moe_layer
 from mcore_ext.config import GatedTransformerConfig
@@ -34,6 +34,7 @@ from mcore_ext.training.data import (
     packed_seq_params,
     prepare_tokenizer_and_data,
 )
+from mcore_ext.training.config.validation import lora_config
 from mcore_ext.run_config.megatron_configs import (
     compute_dtype,
     ddp_config,
@@ -108,6 +109,9 @@ def build_model(cfg, vocab_size: int) -> DistributedDataParallel:
         share_embeddings_and_output_weights=not cfg.model.untie_embeddings_and_output_weights,
     )
     gpt.to(device())
+    # Before DDP and the optimizer: frozen base weights get no gradient buffer, optimizer state
+    # or fp32 main copy. The base weights load into the same modules afterwards (finetune).
+    lora.apply_lora(gpt, lora_config(cfg))
     if compute_dtype(cfg) is not torch.float32:
         gpt = Float16Module(config, gpt)  # casts params to bf16 / fp16, and logits back to fp32
     model = DistributedDataParallel(config, ddp_config(cfg), gpt)
@@ -260,6 +264,10 @@ class _Trainer:
             self.metrics = open(cfg.logging.metrics_file, "a", buffering=1)
         self.tensorboard = self._tensorboard()
         params = sum(p.numel() for p in self.model.parameters())
+        trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        adapters = lora_config(cfg)
+        trainable = (f" ({trainable / 1e6:.3f}M LoRA adapter parameters trained, r "
+                     f"{adapters.rank}: {' '.join(adapters.targets)})" if adapters.enabled else "")
         tp = cfg.parallelism.tensor_model_parallel_size
         pp = cfg.parallelism.pipeline_model_parallel_size
         cp = cfg.parallelism.context_parallel_size
@@ -271,7 +279,7 @@ class _Trainer:
             f"[setup] world {cfg.world_size} = TP {tp} x {cp}PP {pp} x DP {dp}{ep}; global batch "
             f"{t.global_batch_size} = micro {t.micro_batch_size} x DP {dp} x "
             f"{cfg.num_microbatches} micro-batches; vocab {tokenizer.vocab_size} (padded "
-            f"{self.vocab_size}); {params / 1e6:.2f}M parameters on rank 0; {t.precision} on "
+            f"{self.vocab_size}); {params / 1e6:.2f}M parameters on rank 0{trainable}; {t.precision} on "
             f"{device().type}"
         )
 

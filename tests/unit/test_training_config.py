@@ -179,7 +179,7 @@ def test_saved_yaml_round_trips(tmp_path):
     again = load_config(write(tmp_path, cfg.to_yaml()), world_size=2)
     assert again.to_dict() == cfg.to_dict()
     assert set(yaml.safe_load(cfg.to_yaml())) == {
-        "model", "parallelism", "training", "optimizer", "data", "checkpoint", "logging"
+        "model", "parallelism", "training", "optimizer", "data", "checkpoint", "logging", "lora"
     }
 
 

@@ -174,6 +174,7 @@ def validate(cfg: PretrainConfig, world_size: int) -> None:
         )
     if m.swiglu_limits is not None and any(m.swiglu_limits) and not m.swiglu:
         raise ConfigError("model.swiglu_limits clamps a SwiGLU MLP: it needs model.swiglu=true")
+    _validate_lora(cfg)
 
     # Last, let megatron's own config reject what it does not support (gate x TP, GQA, ...).
     from mcore_ext.run_config.megatron_configs import transformer_config
@@ -182,6 +183,41 @@ def validate(cfg: PretrainConfig, world_size: int) -> None:
         transformer_config(cfg)
     except (ValueError, NotImplementedError, AssertionError) as err:
         raise ConfigError(f"model config rejected by megatron-core: {err}") from None
+
+
+def lora_config(cfg: PretrainConfig):
+    """The run's ``mcore_ext.lora.LoraConfig`` (targets resolved); ``ConfigError`` names a bad
+    lora.* value."""
+    from mcore_ext import lora
+
+    section = cfg.lora
+    try:
+        return lora.LoraConfig(rank=section.rank, alpha=section.alpha, dropout=section.dropout,
+                               targets=section.targets)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def _validate_lora(cfg: PretrainConfig) -> None:
+    """What this slice of LoRA adapts: attention and dense MLPs, not experts or MTP layers."""
+    from mcore_ext.lora import MLP_TARGETS
+
+    adapters = lora_config(cfg)
+    if not adapters.enabled:
+        return
+    m = cfg.model
+    if m.mtp_num_layers:
+        raise ConfigError(f"lora.rank={adapters.rank} with model.mtp_num_layers="
+                          f"{m.mtp_num_layers}: MTP layers have no adapters yet (set "
+                          "model.mtp_num_layers=null for a LoRA run)")
+    mlp = [t for t in adapters.targets if t in MLP_TARGETS]
+    if mlp and m.num_moe_experts:
+        raise ConfigError(f"lora.targets: {' '.join(mlp)} on a MoE model (model.num_moe_experts="
+                          f"{m.num_moe_experts}): shared / routed experts have no adapters yet; "
+                          "choose among q_proj k_proj v_proj g_proj o_proj")
+    if m.attention_backend == "te":
+        raise ConfigError("lora.rank > 0 with model.attention_backend=te: Transformer Engine "
+                          "fuses the norm into linear_qkv / linear_fc1; use sdpa or local")
 
 
 def _validate_experts(m, p, world_size: int) -> None:

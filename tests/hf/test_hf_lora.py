@@ -1,0 +1,152 @@
+"""A LoRA adapter exported in PEFT's format loads with ``peft`` over transformers' model.
+
+The tiny Step-3.5 model of tests/hf/models.py (both layer kinds, 1 KV head on the full layers
+and 2 on the sliding ones, so 1 query group at TP 2) is loaded into megatron at TP 1 and TP 2;
+every target (q, k, v, g, o, gate, up, down_proj) gets the same random non-zero adapter on each
+layout, the megatron logits are taken and the adapter exported (``mcore_ext.hf.adapter``).
+``peft.PeftModel.from_pretrained`` over transformers' model must give the megatron logits in
+fp32 within 2e-5 max abs (the HF parity bound of 1e-5, doubled for the adapters' two extra
+GEMMs per target), and the TP 1 and TP 2 exports must be the same tensors bit for bit.
+
+Through the command line (``slow``): a launcher LoRA checkpoint's merged export and its
+``--adapter`` export, loaded by transformers and by ``peft``, agree.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+
+from tests import builders
+from tests.hf import models
+from tests.hf.test_hf_parity import _full_logits
+
+TOL = 2e-5
+RANK, ALPHA = 4, 8.0
+
+
+def _set_random_adapters(model, seed):
+    """The same global adapters on every layout: each tensor drawn whole, this rank's slice kept."""
+    from mcore_ext import lora
+
+    rank, tp = builders.tp_rank_and_size()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, adapter in sorted(lora.lora_adapters(model).items()):
+            for target_name, target in adapter.targets.items():
+                a_shape, b_shape = list(target.lora_A.shape), list(target.lora_B.shape)
+                if adapter.parallel == "row":
+                    a_shape[1] *= tp
+                elif target.rows is None:
+                    b_shape[0] *= tp
+                a = torch.randn(*a_shape, generator=g) * 0.2
+                b = torch.randn(*b_shape, generator=g) * 0.2
+                if adapter.parallel == "row":
+                    a = a.chunk(tp, dim=1)[rank]
+                elif target.rows is None:
+                    b = b.chunk(tp, dim=0)[rank]
+                target.lora_A.copy_(a)
+                target.lora_B.copy_(b)
+
+
+def _export(hf_dir, out_dir, tokens, tp):
+    import mcore_ext
+    from mcore_ext import lora
+    from mcore_ext.hf import load_pretrained
+    from mcore_ext.hf.adapter import save_adapter
+
+    mcore_ext.init_parallel(tensor_model_parallel_size=tp)
+    model = load_pretrained(hf_dir, backend="sdpa").eval()
+    cfg = lora.LoraConfig(rank=RANK, alpha=ALPHA, targets="all-linear")
+    lora.apply_lora(model, cfg)
+    _set_random_adapters(model, seed=5)
+    logits = _full_logits(model, tokens)[..., : models.VOCAB]
+    save_adapter(model, out_dir, cfg)
+    return logits
+
+
+@pytest.fixture(scope="module")
+def exported(run_distributed_shared, tmp_path_factory):
+    pytest.importorskip("peft")
+    tmp = tmp_path_factory.mktemp("hf_lora")
+    config = models.tiny_config(num_key_value_heads=1, sliding_kv_heads=2)
+    hf = models.build(config)
+    hf_dir = models.save_released(hf, str(tmp / "hf"))
+    tokens = models.tokens()
+    out = {}
+    for tp in (1, 2):
+        logits = run_distributed_shared(_export, hf_dir, str(tmp / f"tp{tp}"), tokens, tp,
+                                        world_size=2)
+        out[tp] = (str(tmp / f"tp{tp}"), logits[0])
+    return config, tokens, out
+
+
+def test_tp1_and_tp2_adapters_are_the_same_hf_tensors(exported):
+    _, _, out = exported
+    one, two = (models.read_tensors(out[tp][0]) for tp in (1, 2))
+    assert one.keys() == two.keys()
+    assert len(one) == 4 * 8 * 2  # layers x targets x (A, B)
+    assert "base_model.model.model.layers.1.self_attn.g_proj.lora_B.weight" in one
+    assert all(torch.equal(one[k], two[k]) for k in one)
+    with open(os.path.join(out[1][0], "adapter_config.json")) as f:
+        config = json.load(f)
+    assert (config["r"], config["lora_alpha"], config["peft_type"]) == (RANK, ALPHA, "LORA")
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_peft_loads_the_adapter_over_transformers_with_megatrons_logits(exported, tp):
+    from peft import PeftModel
+
+    config, tokens, out = exported
+    directory, megatron_logits = out[tp]
+    peft_model = PeftModel.from_pretrained(models.build(config), directory).eval()
+    with torch.no_grad():
+        hf_logits = peft_model(tokens)
+        base_logits = models.build(config)(tokens)
+    diff = (hf_logits - megatron_logits).abs().max().item()
+    assert diff <= TOL, diff
+    assert (hf_logits - base_logits).abs().max().item() > 100 * TOL  # the adapter acts
+
+
+@pytest.mark.slow
+def test_launcher_lora_run_exports_merged_and_peft_adapter_that_agree(tmp_path):
+    """hf import, a LoRA run of the launcher at TP 2 + SP (4 steps, every target), then
+    ``hf export`` (merged, the default) and ``hf export --adapter``: transformers' model of the
+    merged export and ``peft`` over the original model with the adapter give the same logits
+    (fp32, within 2e-5), different from the base model's; ``--adapter`` on a checkpoint without
+    adapters is one line, exit 2. About 2.5 minutes on 2 busy cores."""
+    pytest.importorskip("peft")
+    from peft import PeftModel
+
+    from tests.hf.test_hf_checkpoint import _cli, import_train_export
+
+    hf_dir = models.save_released(models.build(), str(tmp_path / "hf"))
+    result, _, merged_dir = import_train_export(
+        hf_dir, tmp_path, 4, "optimizer.lr_warmup_iters=1", "optimizer.lr=1e-2",
+        "parallelism.tensor_model_parallel_size=2", "parallelism.sequence_parallel=true",
+        "lora.rank=4", "lora.alpha=8")
+    assert "LoRA adapter parameters trained, r 4" in result.stdout
+    adapter_dir = tmp_path / "adapter"
+    exported = _cli("export", str(tmp_path / "run"), str(adapter_dir), "--adapter", timeout=600)
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert sorted(p.name for p in adapter_dir.iterdir()) == ["adapter_config.json",
+                                                             "adapter_model.safetensors"]
+
+    merged, info = models.load_released(str(merged_dir))
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    tokens = models.tokens()
+    peft_model = PeftModel.from_pretrained(models.build(), str(adapter_dir)).eval()
+    with torch.no_grad():
+        merged_logits, peft_logits = merged(tokens), peft_model(tokens)
+        base_logits = models.build()(tokens)
+    assert (merged_logits - peft_logits).abs().max().item() <= TOL
+    assert (peft_logits - base_logits).abs().max().item() > 100 * TOL
+
+    # The imported checkpoint has no adapters: one line, exit 2, nothing written.
+    refused = _cli("export", str(tmp_path / "imported"), str(tmp_path / "none"), "--adapter")
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    last = refused.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "--adapter: the checkpoint holds no LoRA" in last
+    assert "Traceback" not in refused.stderr and not (tmp_path / "none").exists()
+

@@ -1,0 +1,249 @@
+"""LoRA on the gated attention + dense MLP: numerics against the formula, frozen base, merge.
+
+Every rank builds the same global weights and adapters (HF layout: q/k/v/g/o_proj,
+gate/up/down_proj, A [r, in], B [out, r]) from one seed, loads its TP slices into megatron's
+gated attention and MLP, and compares with a plain-PyTorch reference on the effective weights
+W + (alpha / r) B A per target (``tests.reference.gated_attention``, then SwiGLU), micro-batch 2,
+TP 1 and TP 2 with sequence parallelism, including 1 query group at TP 2 (a rank's QKV rows cut
+through the group).
+
+Tolerances: fp32 max abs diff <= 2e-6 max(1, max|ref|) (about 16 fp32 roundings; outputs reach
+about 10, gradients about 100). bf16:
+the layers compute in bf16 on the bf16-rounded weights, adapters and input, the reference in fp32
+on the same values; the adapter adds two rounded GEMMs beside the base's, so outputs within
+10 u max|ref| and gradients within 20 u max|ref| (u = 2^-8; a misplaced adapter row moves them by
+tens of percent).
+"""
+
+import pytest
+import torch
+
+from tests import builders, reference
+
+FP32_REL_TOL = 2e-6
+BF16_REL_TOL = {"output": 10 * reference.BF16_UNIT_ROUNDOFF,
+                "grad": 20 * reference.BF16_UNIT_ROUNDOFF}
+RANK, ALPHA = 4, 8.0
+FFN = 16
+
+CASES = {
+    "gqa": dict(num_attention_heads=4, num_query_groups=2),
+    "one_group": dict(num_attention_heads=8, num_query_groups=1, kv_channels=8),
+}
+
+
+def _build(tp, case, dtype):
+    import mcore_ext
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    overrides = dict(CASES[case])
+    if dtype == "bf16":
+        overrides.update(params_dtype=torch.bfloat16, bf16=True)
+    config = builders.gated_config(
+        tensor_model_parallel_size=tp, sequence_parallel=tp > 1, ffn_hidden_size=FFN,
+        gated_linear_unit=True, activation_func=torch.nn.functional.silu, **overrides)
+    attn = builders.build_self_attention(config)
+    mlp_spec = mcore_ext.get_gpt_layer_spec(config, "sdpa").submodules.mlp
+    mlp = mlp_spec(config=config, pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+                   is_mtp_layer=False)
+    return config, torch.nn.ModuleDict(dict(attn=attn, mlp=mlp))
+
+
+def _global_weights(config, generator, bf16):
+    heads, groups, hn, h = (config.num_attention_heads, config.num_query_groups,
+                            config.kv_channels, config.hidden_size)
+    w = builders.gated_attention_weights(heads, groups, hn, h, generator)
+    w = dict(q_proj=w["q"], k_proj=w["k"], v_proj=w["v"], g_proj=w["gate"], o_proj=w["o"],
+             gate_proj=torch.randn(FFN, h, generator=generator) * 0.2,
+             up_proj=torch.randn(FFN, h, generator=generator) * 0.2,
+             down_proj=torch.randn(h, FFN, generator=generator) * 0.2)
+    lora = {name: (torch.randn(RANK, t.size(1), generator=generator) * 0.2,
+                   torch.randn(t.size(0), RANK, generator=generator) * 0.2)
+            for name, t in w.items()}
+    if bf16:  # the reference computes in fp32 on exactly the values the layers hold
+        w = {k: v.bfloat16().float() for k, v in w.items()}
+        lora = {k: (a.bfloat16().float(), b.bfloat16().float()) for k, (a, b) in lora.items()}
+    return w, lora
+
+
+def _load(model, config, w, lora, rank, tp):
+    from mcore_ext import lora as lora_mod
+
+    attn, mlp = model["attn"], model["mlp"]
+    heads, groups = config.num_attention_heads, config.num_query_groups
+    qkv = builders.interleave_qkv(w["q_proj"], w["k_proj"], w["v_proj"], heads, groups)
+    with torch.no_grad():
+        attn.linear_qkv.weight.copy_(torch.cat([builders.rank_rows(qkv, rank, tp),
+                                                builders.rank_rows(w["g_proj"], rank, tp)]))
+        attn.linear_proj.weight.copy_(w["o_proj"].chunk(tp, dim=1)[rank])
+        mlp.linear_fc1.weight.copy_(torch.cat([builders.rank_rows(w["gate_proj"], rank, tp),
+                                               builders.rank_rows(w["up_proj"], rank, tp)]))
+        mlp.linear_fc2.weight.copy_(w["down_proj"].chunk(tp, dim=1)[rank])
+        for adapter in lora_mod.lora_adapters(model).values():
+            for name, target in adapter.targets.items():
+                a, b = lora[name]
+                if adapter.parallel == "row":
+                    target.lora_A.copy_(a.chunk(tp, dim=1)[rank])
+                    target.lora_B.copy_(b)
+                else:
+                    target.lora_A.copy_(a)
+                    target.lora_B.copy_(b if target.rows is not None
+                                        else builders.rank_rows(b, rank, tp))
+
+
+def _local_grad(adapter, name, which, full_grad, rank, tp):
+    """This rank's part of a reference gradient of target ``name``'s A or B."""
+    target = adapter.targets[name]
+    if which == "A":
+        return full_grad.chunk(tp, dim=1)[rank] if adapter.parallel == "row" else full_grad
+    if adapter.parallel == "row" or target.rows is not None:
+        return full_grad
+    return builders.rank_rows(full_grad, rank, tp)
+
+
+def _reference(x, w, lora, config, scaling):
+    """The formula: W_t + scaling B_t A_t per target, gated attention then SwiGLU."""
+    eff = {name: w[name] + scaling * b @ a for name, (a, b) in lora.items()}
+    attn = reference.gated_attention(x, eff["q_proj"], eff["k_proj"], eff["v_proj"],
+                                     eff["g_proj"], eff["o_proj"], config.num_attention_heads,
+                                     config.num_query_groups)
+    hidden = torch.nn.functional.silu(attn @ eff["gate_proj"].T) * (attn @ eff["up_proj"].T)
+    return hidden @ eff["down_proj"].T
+
+
+def _lora_matches_formula(tp, cases, dtype):
+    import mcore_ext
+    from mcore_ext import lora as lora_mod
+
+    mcore_ext.init_parallel(tensor_model_parallel_size=tp)
+    rank, _ = builders.tp_rank_and_size()
+    results = {}
+    for case in cases:
+        torch.manual_seed(0)
+        config, model = _build(tp, case, dtype)
+        lora_cfg = lora_mod.LoraConfig(rank=RANK, alpha=ALPHA, targets="all-linear")
+        added = lora_mod.apply_lora(model, lora_cfg)
+        g = torch.Generator().manual_seed(3)
+        w, lora = _global_weights(config, g, dtype == "bf16")
+        _load(model, config, w, lora, rank, tp)
+        s, batch, h = 8, 2, config.hidden_size
+        x = torch.randn(s, batch, h, generator=g)
+        upstream = torch.randn(s, batch, h, generator=g)
+        if dtype == "bf16":
+            x, upstream = x.bfloat16().float(), upstream.bfloat16().float()
+        rows = slice(rank * s // tp, (rank + 1) * s // tp) if tp > 1 else slice(None)
+        x_local = x[rows].clone().to(config.params_dtype).requires_grad_(True)
+
+        model.train()
+        attn_out, _ = model["attn"](x_local, attention_mask=None)
+        out, _ = model["mlp"](attn_out)
+        (out * upstream[rows].to(out)).sum().backward()
+
+        ref_lora = {k: (a.clone().requires_grad_(True), b.clone().requires_grad_(True))
+                    for k, (a, b) in lora.items()}
+        x_ref = x.clone().requires_grad_(True)
+        ref_out = _reference(x_ref, w, ref_lora, config, lora_cfg.scaling)
+        (ref_out * upstream).sum().backward()
+
+        pairs = dict(output=(out.float(), ref_out[rows]),
+                     input_grad=(x_local.grad.float(), x_ref.grad[rows]))
+        adapters = lora_mod.lora_adapters(model)
+        for adapter in adapters.values():
+            for name, target in adapter.targets.items():
+                a_ref, b_ref = ref_lora[name]
+                pairs[f"{name}.A_grad"] = (target.lora_A.grad.float(),
+                                           _local_grad(adapter, name, "A", a_ref.grad, rank, tp))
+                pairs[f"{name}.B_grad"] = (target.lora_B.grad.float(),
+                                           _local_grad(adapter, name, "B", b_ref.grad, rank, tp))
+        frozen_with_grad = [n for n, p in model.named_parameters()
+                            if "_lora." not in n and (p.requires_grad or p.grad is not None)]
+        trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+
+        # Merged: the base weights W + scaling B A at each target's rows give the same output.
+        lora_mod.merge_lora(model)
+        with torch.no_grad():
+            merged_attn, _ = model["attn"](x_local.detach(), attention_mask=None)
+            merged, _ = model["mlp"](merged_attn)
+        pairs["merged"] = (merged.float(), out.detach().float())
+
+        results[case] = dict(
+            diffs={k: ((ours - ref).abs().max().item(), ref.abs().max().item())
+                   for k, (ours, ref) in pairs.items()},
+            added=added, frozen_with_grad=frozen_with_grad, trainable=trainable,
+            dtype=str(out.dtype))
+    return results
+
+
+def _assert_close(per_rank, dtype):
+    for rank, results in enumerate(per_rank):
+        for case, result in results.items():
+            assert result["frozen_with_grad"] == [], (rank, case, result["frozen_with_grad"])
+            assert len(result["added"]) == 8, result["added"]  # q k v g o gate up down
+            assert all("_lora." in n and n.endswith(("lora_A", "lora_B"))
+                       for n in result["trainable"]), result["trainable"]
+            assert len(result["trainable"]) == 16
+            assert result["dtype"] == {"fp32": "torch.float32", "bf16": "torch.bfloat16"}[dtype]
+            for quantity, (diff, scale) in result["diffs"].items():
+                if dtype == "fp32":
+                    tol = FP32_REL_TOL * max(1.0, scale)
+                else:
+                    kind = "output" if quantity in ("output", "merged") else "grad"
+                    tol = BF16_REL_TOL[kind] * scale
+                assert diff <= tol, (rank, case, quantity, diff, tol)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_lora_layer_matches_formula_fp32(run_distributed, tp):
+    _assert_close(run_distributed(_lora_matches_formula, tp, list(CASES), "fp32", world_size=2),
+                  "fp32")
+
+
+def test_lora_layer_matches_formula_bf16_one_group_tp2(run_distributed):
+    _assert_close(run_distributed(_lora_matches_formula, 2, ["one_group"], "bf16", world_size=2),
+                  "bf16")
+
+
+def _fresh_adapter_changes_nothing():
+    import mcore_ext
+    from mcore_ext import lora as lora_mod
+
+    mcore_ext.init_parallel(tensor_model_parallel_size=2)
+    torch.manual_seed(0)
+    _, model = _build(2, "one_group", "fp32")
+    x = torch.randn(4, 2, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = model["mlp"](model["attn"](x, attention_mask=None)[0])[0]
+        lora_mod.apply_lora(model, lora_mod.LoraConfig(rank=2, targets="q_proj g_proj"))
+        after = model["mlp"](model["attn"](x, attention_mask=None)[0])[0]
+    return torch.equal(before, after), sorted(lora_mod.lora_adapters(model)["attn.linear_qkv_lora"]
+                                              .targets)
+
+
+def test_fresh_adapter_changes_nothing_and_targets_are_selectable(run_distributed):
+    for equal, targets in run_distributed(_fresh_adapter_changes_nothing, world_size=2):
+        assert equal
+        assert targets == ["g_proj", "q_proj"]
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(rank=-1), "lora.rank must be an integer >= 0, got -1"),
+    (dict(rank=4, alpha=0), "lora.alpha must be a number > 0, got 0"),
+    (dict(rank=4, dropout=1.0), "lora.dropout must be in [0, 1), got 1.0"),
+    (dict(rank=4, targets="q_proj w_proj"), "lora.targets: unknown target(s) ['w_proj']"),
+    (dict(rank=4, targets=["all-linear", "q_proj"]), "lora.targets: all-linear stands alone"),
+])
+def test_lora_config_names_the_bad_field(fields, message):
+    from mcore_ext.lora import LoraConfig
+
+    with pytest.raises(ValueError) as err:
+        LoraConfig(**fields)
+    assert str(err.value).startswith(message), str(err.value)
+
+
+def test_lora_config_all_linear_and_rank_zero():
+    from mcore_ext.lora import TARGETS, LoraConfig
+
+    assert LoraConfig(rank=8, targets="all-linear").targets == TARGETS
+    assert LoraConfig(rank=8, alpha=16, targets="v_proj q_proj").targets == ("q_proj", "v_proj")
+    assert LoraConfig(rank=8, alpha=16).scaling == 2.0
+    assert not LoraConfig(rank=0).enabled
