@@ -25,7 +25,7 @@ from mcore_ext._cpu_compat import cuda_to_cpu
 from mcore_ext.moe import is_moe_layer
 from mcore_ext.config import GatedTransformerConfig
 from mcore_ext.runtime import destroy_parallel, device, init_parallel
-from mcore_ext.models import build_gpt_model
+from mcore_ext.models import build_gpt_model, build_hybrid_model
 from mcore_ext.training import checkpointing, faults
 from mcore_ext.training.data import (
     batch_iterator,
@@ -98,9 +98,11 @@ def padded_vocab_size(vocab_size: int, cfg) -> int:
 
 
 def build_model(cfg, vocab_size: int) -> DistributedDataParallel:
-    """This pipeline stage's GPTModel, in the compute dtype, wrapped in megatron's DDP."""
+    """This pipeline stage's GPTModel (or HybridModel: ``model.architecture``), in the compute
+    dtype, wrapped in megatron's DDP."""
     config = transformer_config(cfg)
-    gpt = build_gpt_model(
+    build = build_hybrid_model if cfg.model.architecture == "hybrid" else build_gpt_model
+    gpt = build(
         config,
         vocab_size=vocab_size,
         max_sequence_length=cfg.model.seq_length,

@@ -164,3 +164,27 @@ def test_bad_pattern_is_refused(pattern, message):
     with pytest.raises(ValueError) as error:
         check_hybrid_pattern(pattern, _dense_config(1, 1))
     assert message in str(error.value)
+
+
+def test_launcher_config_refuses_what_hybrid_does_not_build(tmp_path, monkeypatch):
+    """model.architecture=hybrid: MTP is refused naming the fields; a megatron-core without
+    HybridModel (0.16 - 0.18, stood in for by its version query) names the field and release."""
+    from mcore_ext import _mcore_compat
+    from mcore_ext.training.config import ConfigError, load_config
+
+    path = tmp_path / "run.yaml"
+    path.write_text("data:\n  source: mock\n")
+    hybrid = ["model.architecture=hybrid"]
+    assert load_config(str(path), hybrid, world_size=1).model.architecture == "hybrid"
+    assert load_config(str(path), [], world_size=1).model.architecture == "gpt"
+    with pytest.raises(ConfigError) as error:
+        load_config(str(path), [*hybrid, "model.mtp_num_layers=1"], world_size=1)
+    assert str(error.value).startswith("model.mtp_num_layers=1 is not built on "
+                                       "model.architecture=hybrid yet")
+    monkeypatch.setattr(_mcore_compat, "has_hybrid_model", lambda: False)
+    monkeypatch.setattr(_mcore_compat, "megatron_core_version", lambda: "0.18.2")
+    with pytest.raises(ConfigError) as error:
+        load_config(str(path), hybrid, world_size=1)
+    assert str(error.value) == (
+        "model.architecture=hybrid needs megatron-core's HybridModel (0.19+), megatron-core "
+        "0.18.2 is installed: use model.architecture=gpt, or megatron-core 0.19")
