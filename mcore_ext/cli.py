@@ -63,41 +63,18 @@ _KNOWN_WARNINGS = (
     r"The argument order of load has been changed",
 )
 _KNOWN_LOG_RECORDS = (
+    ("megatron.core.models.gpt.gpt_model", ("GPTModel IS DEPRECATED",)),
     # every synchronous torch_dist save goes through megatron's async code path
     ("megatron.core.dist_checkpointing.strategies.torch", ("MCore's async save is deprecated",)),
 )
 
 
-class _FirstMessageOnly(_DropMessages):
-    """Lets the first record starting with one of ``prefixes`` through, drops the later ones."""
-
-    def filter(self, record) -> bool:
-        if super().filter(record):
-            return True
-        if getattr(self, "seen", False):
-            return False
-        self.seen = True
-        return True
-
-
-# Notices about what the user chose, said once per run: megatron logs GPTModel's deprecation
-# (0.19+: HybridModel is its successor; the launcher's model.architecture=hybrid) on rank 0 per
-# GPTModel built, i.e. per model chunk and per model an entry point builds.
-_ONCE_LOG_RECORDS = (
-    ("megatron.core.models.gpt.gpt_model", ("GPTModel IS DEPRECATED",)),
-)
-
-
 def quiet_known_noise() -> None:
-    """Silence the known third-party notices above and say the once-per-run ones once (entry
-    points only: a library user keeps them)."""
+    """Silence the known third-party notices above (entry points only: a library user keeps
+    them)."""
     for message in _KNOWN_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=UserWarning)
     for name, prefixes in _KNOWN_LOG_RECORDS:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropMessages) for f in logger.filters):
             logger.addFilter(_DropMessages(*prefixes))
-    for name, prefixes in _ONCE_LOG_RECORDS:
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _FirstMessageOnly) for f in logger.filters):
-            logger.addFilter(_FirstMessageOnly(*prefixes))

@@ -188,29 +188,3 @@ def test_launcher_config_refuses_what_hybrid_does_not_build(tmp_path, monkeypatc
     assert str(error.value) == (
         "model.architecture=hybrid needs megatron-core's HybridModel (0.19+), megatron-core "
         "0.18.2 is installed: use model.architecture=gpt, or megatron-core 0.19")
-
-
-def test_entry_points_say_gpt_model_is_deprecated_once():
-    """megatron logs GPTModel's deprecation per GPTModel built (rank 0); an entry point used to
-    drop it, now lets the first through: a user choosing GPTModel is told once per run."""
-    import logging
-
-    from mcore_ext import cli
-
-    logger = logging.getLogger("megatron.core.models.gpt.gpt_model")
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    filters = list(logger.filters)
-    logger.addHandler(handler)
-    try:
-        cli.quiet_known_noise()
-        cli.quiet_known_noise()  # a second call adds no second filter
-        for _ in range(3):
-            logger.warning("GPTModel IS DEPRECATED. GPTModel is only accepting critical bug "
-                           "fixes")
-        logger.warning("another notice")
-    finally:
-        logger.removeHandler(handler)
-        logger.filters[:] = filters
-    assert [r.getMessage()[:22] for r in records] == ["GPTModel IS DEPRECATED", "another notice"]
