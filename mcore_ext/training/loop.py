@@ -77,6 +77,7 @@ def pretrain(cfg, config_file: str | None = None) -> None:
                 faults.install_checkpoint_writer_queue(cfg.checkpoint.async_save)
             if dist.get_rank() == 0:
                 resolved = _announce_config(cfg, config_file)
+                _announce_deprecated_model(cfg)
             _Trainer(cfg, signals).run()
     except BaseException:
         if made_save_dir and dist.get_rank() == 0:  # a run refused before its first save
@@ -530,6 +531,15 @@ def _announce_config(cfg, config_file: str | None = None) -> str | None:
         f.write(f"{RESOLVED_MARK}\n{cfg.to_yaml()}")
     print(f"[config] {summary}; resolved configuration in {path}", flush=True)
     return path
+
+
+def _announce_deprecated_model(cfg) -> None:
+    """One console line when the run builds GPTModel on a megatron-core that deprecates it for
+    HybridModel (0.19+; megatron's own notice, logged per GPTModel built, is filtered away)."""
+    if cfg.model.architecture == "gpt" and _mcore_compat.has_hybrid_model():
+        print(f"[config] model.architecture=gpt builds megatron's GPTModel, which megatron-core "
+              f"{_mcore_compat.megatron_core_version()} deprecates (critical fixes only); "
+              "model.architecture=hybrid builds its successor, HybridModel", flush=True)
 
 
 def _resolved_config_path(folder: str, config_file: str | None) -> str | None:

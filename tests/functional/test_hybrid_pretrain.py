@@ -46,6 +46,7 @@ def test_hybrid_run_trains_and_resumes_exactly(hybrid_runs):
     assert full[8] < 0.8 * full[1], full
     assert [resumed[step] for step in range(5, 9)] == [full[step] for step in range(5, 9)]
     assert "resumed from" in hybrid_runs["resumed"].stdout
+    assert "GPTModel" not in hybrid_runs["full"].stdout + hybrid_runs["full"].stderr
     # The checkpoint holds HybridModel's layers: GPT layer 2's MLP is hybrid layer 4.
     saved = (tmp / "full" / "iter_0000008" / ".metadata").read_bytes()
     assert b"decoder.layers.3.mlp.linear_fc1.weight" in saved

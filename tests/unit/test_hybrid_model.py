@@ -188,3 +188,21 @@ def test_launcher_config_refuses_what_hybrid_does_not_build(tmp_path, monkeypatc
     assert str(error.value) == (
         "model.architecture=hybrid needs megatron-core's HybridModel (0.19+), megatron-core "
         "0.18.2 is installed: use model.architecture=gpt, or megatron-core 0.19")
+
+
+def test_launcher_says_once_that_gpt_model_is_deprecated(capsys):
+    """megatron's GPTModel notice is filtered away (logged per model built); the launcher's
+    rank 0 says it once, as its own [config] line, for architecture gpt only."""
+    from mcore_ext import _mcore_compat
+    from mcore_ext.training.config import load_config
+    from mcore_ext.training.loop import _announce_deprecated_model
+
+    tiny = str(test_layer_kinds.__file__).rsplit("/tests/", 1)[0] + "/configs/tiny_cpu.yaml"
+    _announce_deprecated_model(load_config(tiny, world_size=2))
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line == (
+        "[config] model.architecture=gpt builds megatron's GPTModel, which megatron-core "
+        f"{_mcore_compat.megatron_core_version()} deprecates (critical fixes only); "
+        "model.architecture=hybrid builds its successor, HybridModel")
+    _announce_deprecated_model(load_config(tiny, ["model.architecture=hybrid"], world_size=2))
+    assert capsys.readouterr().out == ""
