@@ -23,6 +23,7 @@ from tests.unit import test_gated_attention, test_layer_kinds, test_moe
 
 TOL = 1e-5
 SEQ, BATCH, VOCAB = 8, 2, 64
+WINDOW = test_layer_kinds.WINDOW
 
 
 def _dense_config(tp, ep):
@@ -133,6 +134,64 @@ def test_hybrid_model_matches_gpt_model(run_distributed):
             assert grads <= TOL * 10, (run, grads)
             if control is not None:
                 assert control > 100 * TOL, (run, control)
+
+
+def _pipeline_loss_and_grads(model, tokens, target):
+    """``(logits * target).sum()`` through megatron's pipeline schedule (one micro-batch): the
+    loss on the last stage (None elsewhere) and this stage's gradients."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    positions = torch.arange(SEQ).expand_as(tokens)
+
+    def forward_step(data, chunk):
+        def loss_func(logits):
+            loss = (logits * target).sum()
+            return loss, {"loss": loss.detach()}
+
+        return chunk(tokens, positions, None), loss_func
+
+    out = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter([None]), model=[model],
+        num_microbatches=1, seq_length=SEQ, micro_batch_size=BATCH, forward_only=False)
+    loss = out[0]["loss"].item() if out else None
+    return loss, {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def _pipeline_hybrid_vs_gpt():
+    """Step-3.5's kinds at PP 2 (GPT layers 1-2 | 3-4, megatron's even split of ``*-*-*-*-``):
+    (relative loss diff or None, gradient diff, this stage's layers: hybrid number, GPT
+    number, window)."""
+    import mcore_ext
+    from mcore_ext._cpu_compat import cuda_to_cpu
+
+    mcore_ext.init_parallel(pipeline_model_parallel_size=2)
+    config = _kinds_config(1, 1, pipeline_model_parallel_size=2, pipeline_dtype=torch.float32)
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    target = torch.randn(BATCH, SEQ, VOCAB, generator=gen)
+    build = dict(vocab_size=VOCAB, max_sequence_length=SEQ, backend="sdpa")
+    gpt = mcore_ext.build_gpt_model(config, **build)
+    _randomize(gpt)
+    hybrid = mcore_ext.build_hybrid_model(config, **build)
+    hybrid.load_state_dict({hybrid_name(k): v for k, v in gpt.state_dict().items()}, strict=True)
+    with cuda_to_cpu():  # megatron's schedule allocates on "cuda"
+        expected, gpt_grads = _pipeline_loss_and_grads(gpt, tokens, target)
+        loss, grads = _pipeline_loss_and_grads(hybrid, tokens, target)
+    layers = [(layer.layer_number, layer.gpt_layer_number, layer.config.window_size)
+              for layer in hybrid.decoder.layers]
+    mcore_ext.destroy_parallel()
+    grad_diff = max((grads[hybrid_name(name)] - grad).abs().max().item()
+                    for name, grad in gpt_grads.items())
+    return (None if loss is None else abs(loss - expected) / abs(expected)), grad_diff, layers
+
+
+def test_hybrid_model_matches_gpt_model_at_pp2(run_distributed):
+    first, last = run_distributed(_pipeline_hybrid_vs_gpt, world_size=2, timeout=600)
+    assert first[0] is None and last[0] <= TOL, last
+    assert first[1] <= TOL * 10 and last[1] <= TOL * 10, (first, last)
+    sliding = (WINDOW - 1, 0)
+    assert first[2] == [(1, 1, None), (2, 1, None), (3, 2, sliding), (4, 2, sliding)]
+    assert last[2] == [(5, 3, sliding), (6, 3, sliding), (7, 4, None), (8, 4, None)]
 
 
 @pytest.mark.skipif(test_gated_attention._te_skip_reason() is not None,
