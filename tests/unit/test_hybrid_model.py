@@ -26,19 +26,20 @@ SEQ, BATCH, VOCAB = 8, 2, 64
 WINDOW = test_layer_kinds.WINDOW
 
 
-def _dense_config(tp, ep):
+def _dense_config(tp, ep, cp=1):
     return builders.gated_config(
         num_layers=2, num_query_groups=2, ffn_hidden_size=48, tensor_model_parallel_size=tp,
         sequence_parallel=tp > 1, normalization="RMSNorm", qk_layernorm=True)
 
 
-def _kinds_config(tp, ep, **overrides):
+def _kinds_config(tp, ep, cp=1, **overrides):
     """Step-3.5's full and sliding kinds (window 3 < SEQ, RoPE base and fraction, SwiGLU
     clamps) on dense layers, both kinds of one shape (so that swapped kinds load too)."""
-    return test_layer_kinds._config("mha", tp, sequence_parallel=tp > 1, **overrides)
+    return test_layer_kinds._config("mha", tp, sequence_parallel=tp > 1,
+                                    context_parallel_size=cp, **overrides)
 
 
-def _moe_config(tp, ep):
+def _moe_config(tp, ep, cp=1):
     """Step-3.5's kinds with MoE layers 2-4 (router bias, shared expert, both clamps)."""
     return test_moe.moe_config(tp, ep)
 
@@ -64,29 +65,35 @@ def _randomize(model):
             param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
 
 
-def _logits_and_grads(model, tokens, target):
+def _logits_and_grads(model, tokens, target, positions):
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    positions = torch.arange(SEQ).expand_as(tokens)
     logits = gather_from_tensor_model_parallel_region(model(tokens, positions, None))
     (logits * target).sum().backward()
     return logits.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
 def _hybrid_vs_gpt(runs):
-    """{(case, tp, ep, backend): (logits diff, gradient diff, names compared, control diff)}."""
+    """{(case, tp, ep, cp, backend): (logits diff, gradient diff, parameters of each, control
+    diff, logits scale, seconds)}; under CP each rank compares its load-balanced chunks."""
     import mcore_ext
     from mcore_ext._cpu_compat import cuda_to_cpu
+    from mcore_ext.attention import context_parallel
     from mcore_ext.models.hybrid import gpt_hybrid_pattern
 
     results = {}
-    for case, tp, ep, backend in runs:
+    for case, tp, ep, cp, backend in runs:
         start = time.perf_counter()
-        mcore_ext.init_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
-        config = CONFIGS[case](tp, ep)
+        mcore_ext.init_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                context_parallel_size=cp)
+        config = CONFIGS[case](tp, ep, cp)
         gen = torch.Generator().manual_seed(3)
-        tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
-        target = torch.randn(BATCH, SEQ, VOCAB, generator=gen)
+        batch = dict(tokens=torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen),
+                     target=torch.randn(BATCH, SEQ, VOCAB, generator=gen),
+                     positions=torch.arange(SEQ).expand(BATCH, -1))
+        if cp > 1:
+            batch = context_parallel.get_batch_on_this_cp_rank(batch)
+        inputs = (batch["tokens"], batch["target"], batch["positions"])
         build = dict(vocab_size=VOCAB, max_sequence_length=SEQ, backend=backend)
         with cuda_to_cpu():  # the local backend allocates its masks on "cuda"
             gpt = mcore_ext.build_gpt_model(config, **build)
@@ -94,23 +101,23 @@ def _hybrid_vs_gpt(runs):
             hybrid = mcore_ext.build_hybrid_model(config, **build)
             hybrid.load_state_dict({hybrid_name(k): v for k, v in gpt.state_dict().items()},
                                    strict=True)
-            expected, gpt_grads = _logits_and_grads(gpt, tokens, target)
-            logits, grads = _logits_and_grads(hybrid, tokens, target)
+            expected, gpt_grads = _logits_and_grads(gpt, *inputs)
+            logits, grads = _logits_and_grads(hybrid, *inputs)
         grad_diff = max((grads[hybrid_name(name)] - grad).abs().max().item()
                         for name, grad in gpt_grads.items())
         control = None
         if case == "kinds":  # the kinds swapped: the comparison must see it
             swapped = [{"full_attention": "sliding_attention"}.get(t, "full_attention")
                        for t in config.layer_types]
-            other = _kinds_config(tp, ep, layer_types=swapped)
+            other = _kinds_config(tp, ep, cp, layer_types=swapped)
             assert gpt_hybrid_pattern(other) == "*-*-*-*-"
             with cuda_to_cpu():
                 wrong = mcore_ext.build_hybrid_model(other, **build)
                 wrong.load_state_dict(
                     {hybrid_name(k): v for k, v in gpt.state_dict().items()}, strict=True)
-                control = (_logits_and_grads(wrong, tokens, target)[0] - expected).abs().max()
+                control = (_logits_and_grads(wrong, *inputs)[0] - expected).abs().max()
                 control = control.item()
-        results[(case, tp, ep, backend)] = ((logits - expected).abs().max().item(), grad_diff,
+        results[(case, tp, ep, cp, backend)] = ((logits - expected).abs().max().item(), grad_diff,
                                             len(gpt_grads), len(grads), control,
                                             expected.abs().max().item(),
                                             time.perf_counter() - start)
@@ -118,13 +125,14 @@ def _hybrid_vs_gpt(runs):
     return results
 
 
-RUNS = [("dense", 1, 1, "sdpa"), ("dense", 1, 1, "local"), ("dense", 2, 1, "sdpa"),
-        ("kinds", 1, 1, "sdpa"), ("moe", 1, 2, "sdpa")]
+RUNS = [("dense", 1, 1, 1, "sdpa"), ("dense", 1, 1, 1, "local"), ("dense", 2, 1, 1, "sdpa"),
+        ("kinds", 1, 1, 1, "sdpa"), ("kinds", 1, 1, 2, "sdpa"), ("moe", 1, 2, 1, "sdpa")]
 
 
 def test_hybrid_model_matches_gpt_model(run_distributed):
     """Dense gated model at TP 1 (sdpa, local) and TP 2 with sequence parallelism; Step-3.5's
-    full + sliding kinds (the control: kinds swapped); Step's MoE layers with the kinds at EP 2
+    full + sliding kinds (the control: kinds swapped), also at CP 2 (halo attention for the
+    sliding layers); Step's MoE layers with the kinds at EP 2
     (each run 2-10 s on 2 loaded cores; MoE at TP 2 x SP took 73 s, left out)."""
     for rank_results in run_distributed(_hybrid_vs_gpt, RUNS, world_size=2, timeout=600):
         for run, (logits, grads, n_gpt, n_hybrid, control, scale, _) in rank_results.items():
@@ -198,7 +206,7 @@ def test_hybrid_model_matches_gpt_model_at_pp2(run_distributed):
                     reason=str(test_gated_attention._te_skip_reason()))
 def test_hybrid_model_matches_gpt_model_on_te(run_distributed):
     """The te backend (a GPU with Transformer Engine): Step-3.5's kinds at TP 1."""
-    for rank_results in run_distributed(_hybrid_vs_gpt, [("kinds", 1, 1, "te")], world_size=1):
+    for rank_results in run_distributed(_hybrid_vs_gpt, [("kinds", 1, 1, 1, "te")], world_size=1):
         for run, (logits, grads, *_rest) in rank_results.items():
             assert logits <= TOL and grads <= TOL * 10, (run, logits, grads)
 
