@@ -17,7 +17,7 @@ with warnings.catch_warnings():
     from mcore_ext._cpu_compat import cuda_to_cpu
     from mcore_ext.attention import HeadWiseGatedSelfAttention, SDPAttention
     from mcore_ext.config import GatedTransformerConfig
-    from mcore_ext.models import build_gpt_model
+    from mcore_ext.models import build_gpt_model, build_hybrid_model
     from mcore_ext.runtime import destroy_parallel, device, init_parallel
     from mcore_ext.specs import (
         AttentionBackend,
@@ -31,6 +31,7 @@ __all__ = [
     "AttentionBackend",
     "GatedTransformerConfig",
     "build_gpt_model",
+    "build_hybrid_model",
     "HeadWiseGatedSelfAttention",
     "SDPAttention",
     "cuda_to_cpu",

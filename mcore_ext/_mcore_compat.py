@@ -32,6 +32,9 @@ there were one megatron-core; each shim below says which releases need it and wh
 10. Checkpoint trackers are read by megatron.training's ``read_metadata`` where the wheel ships
     megatron.training (0.17+), by mcore_ext's own small reader on 0.16
     (``read_checkpoint_tracker``).
+11. megatron's MoE spec builds its layer and experts as ``functools.partial``s from 0.19, as
+    ModuleSpecs before (``replace_experts_module``).
+12. ``HybridModel`` (``megatron.core.models.hybrid``) exists from 0.19 (``check_hybrid_model``).
 
 This module adapts megatron-core to other releases; ``_cpu_compat`` adapts it to a CPU.
 """
@@ -576,3 +579,22 @@ def replace_experts_module(moe_spec, old: type, new: type):
         return dataclasses.replace(submodules, experts=experts)
 
     return swap(moe_spec, experts_of)
+
+
+# ------------------------------------------------------------------------ 12. HybridModel
+
+
+def has_hybrid_model() -> bool:
+    """Whether this megatron-core has ``HybridModel`` (``megatron.core.models.hybrid``, 0.19+)."""
+    import importlib.util
+
+    return importlib.util.find_spec("megatron.core.models.hybrid") is not None
+
+
+def check_hybrid_model(field: str = "architecture") -> None:
+    """Refuse ``architecture: hybrid`` on a megatron-core without HybridModel (0.16 - 0.18),
+    naming ``field`` and the installed release."""
+    if not has_hybrid_model():
+        raise ValueError(
+            f"{field}=hybrid needs megatron-core's HybridModel (0.19+), megatron-core "
+            f"{megatron_core_version()} is installed: use {field}=gpt, or megatron-core 0.19")

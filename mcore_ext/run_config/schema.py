@@ -161,6 +161,11 @@ class ModelConfig:
     attention_dropout: float = 0.0
     """Dropout on attention probabilities."""
 
+    architecture: Literal["gpt", "hybrid"] = "gpt"
+    """megatron-core model class: gpt (GPTModel, deprecated from megatron-core 0.19) or hybrid
+    (HybridModel, 0.19+: each layer an attention layer and an MLP / MoE layer, pattern *- / *E;
+    no MTP yet). The same weights compute the same; checkpoints do not load across the two."""
+
     attention_backend: Literal["auto", "sdpa", "local", "te"] = "auto"
     """Attention implementation; auto: Transformer Engine on a GPU if installed, else SDPA."""
 

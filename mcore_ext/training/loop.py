@@ -25,7 +25,7 @@ from mcore_ext._cpu_compat import cuda_to_cpu
 from mcore_ext.moe import is_moe_layer
 from mcore_ext.config import GatedTransformerConfig
 from mcore_ext.runtime import destroy_parallel, device, init_parallel
-from mcore_ext.models import build_gpt_model
+from mcore_ext.models import build_gpt_model, build_hybrid_model
 from mcore_ext.training import checkpointing, faults
 from mcore_ext.training.data import (
     batch_iterator,
@@ -78,6 +78,7 @@ def pretrain(cfg, config_file: str | None = None) -> None:
                 faults.install_checkpoint_writer_queue(cfg.checkpoint.async_save)
             if dist.get_rank() == 0:
                 resolved = _announce_config(cfg, config_file)
+                _announce_deprecated_model(cfg)
             _Trainer(cfg, signals).run()
     except BaseException:
         if made_save_dir and dist.get_rank() == 0:  # a run refused before its first save
@@ -99,9 +100,11 @@ def padded_vocab_size(vocab_size: int, cfg) -> int:
 
 
 def build_model(cfg, vocab_size: int) -> DistributedDataParallel:
-    """This pipeline stage's GPTModel, in the compute dtype, wrapped in megatron's DDP."""
+    """This pipeline stage's GPTModel (or HybridModel: ``model.architecture``), in the compute
+    dtype, wrapped in megatron's DDP."""
     config = transformer_config(cfg)
-    gpt = build_gpt_model(
+    build = build_hybrid_model if cfg.model.architecture == "hybrid" else build_gpt_model
+    gpt = build(
         config,
         vocab_size=vocab_size,
         max_sequence_length=cfg.model.seq_length,
@@ -536,6 +539,15 @@ def _announce_config(cfg, config_file: str | None = None) -> str | None:
         f.write(f"{RESOLVED_MARK}\n{cfg.to_yaml()}")
     print(f"[config] {summary}; resolved configuration in {path}", flush=True)
     return path
+
+
+def _announce_deprecated_model(cfg) -> None:
+    """One console line when the run builds GPTModel on a megatron-core that deprecates it for
+    HybridModel (0.19+; megatron's own notice, logged per GPTModel built, is filtered away)."""
+    if cfg.model.architecture == "gpt" and _mcore_compat.has_hybrid_model():
+        print(f"[config] model.architecture=gpt builds megatron's GPTModel, which megatron-core "
+              f"{_mcore_compat.megatron_core_version()} deprecates (critical fixes only); "
+              "model.architecture=hybrid builds its successor, HybridModel", flush=True)
 
 
 def _resolved_config_path(folder: str, config_file: str | None) -> str | None:

@@ -95,6 +95,9 @@ DECISIONS = {
     "checkpoint.save=runs/ft": Covered(FINE_TUNE),
     "python -m mcore_ext.data.preprocess --input a.jsonl b.txt --output-prefix data/mytext": Covered(
         "tests/functional/test_pretrain.py::test_preprocess_jsonl_and_text"),
+    "torchrun --nproc_per_node=2 launch/pretrain.py --config configs/tiny_cpu.yaml "
+    "model.architecture=hybrid": Covered(
+        "tests/functional/test_hybrid_pretrain.py::test_hybrid_run_trains_and_resumes_exactly"),
     # Step-3.5, CP, MoE, GPU configs
     "torchrun --nproc_per_node=2 launch/pretrain.py --config configs/step35_tiny_cpu.yaml": Check(),
     "torchrun --nproc_per_node=2 launch/pretrain.py --config configs/step35_mtp_tiny_cpu.yaml":

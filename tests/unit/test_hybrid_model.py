@@ -1,0 +1,275 @@
+"""megatron's HybridModel with mcore_ext's layers (``build_hybrid_model``) computes what
+``build_gpt_model`` computes for the same weights.
+
+Each run builds the GPTModel of a config, sets every parameter to seeded random values (named by
+parameter, so TP-replicated ones agree over ranks; zero-centered norms and the gate's bias are
+then visible), builds the HybridModel of the same config and loads the GPT state dict into it
+with GPT layer g's attention and norm as hybrid layer 2g - 1 and its MLP / MoE as 2g (megatron's
+GPT -> hybrid layer map), strictly: every tensor has its place. Both run forward and backward on
+the same tokens with ``(logits * target).sum()``; the full logits and every parameter's gradient
+(this rank's shard) must agree within 1e-5 in fp32 (logits are O(1), gradients O(10)), which a
+layer of the wrong kind (window, heads, RoPE), a missing clamp or a swapped norm exceeds by
+orders of magnitude (the control run swaps the kinds and must differ).
+"""
+
+import re
+import time
+
+import pytest
+import torch
+
+from tests import builders
+from tests.unit import test_gated_attention, test_layer_kinds, test_moe
+
+TOL = 1e-5
+SEQ, BATCH, VOCAB = 8, 2, 64
+WINDOW = test_layer_kinds.WINDOW
+
+
+def _dense_config(tp, ep, cp=1):
+    return builders.gated_config(
+        num_layers=2, num_query_groups=2, ffn_hidden_size=48, tensor_model_parallel_size=tp,
+        sequence_parallel=tp > 1, normalization="RMSNorm", qk_layernorm=True)
+
+
+def _kinds_config(tp, ep, cp=1, **overrides):
+    """Step-3.5's full and sliding kinds (window 3 < SEQ, RoPE base and fraction, SwiGLU
+    clamps) on dense layers, both kinds of one shape (so that swapped kinds load too)."""
+    return test_layer_kinds._config("mha", tp, sequence_parallel=tp > 1,
+                                    context_parallel_size=cp, **overrides)
+
+
+def _moe_config(tp, ep, cp=1):
+    """Step-3.5's kinds with MoE layers 2-4 (router bias, shared expert, both clamps)."""
+    return test_moe.moe_config(tp, ep)
+
+
+CONFIGS = {"dense": _dense_config, "kinds": _kinds_config, "moe": _moe_config}
+
+
+def hybrid_name(gpt_name: str) -> str:
+    """The HybridModel parameter of a GPTModel parameter (local state-dict names): GPT layer g
+    (0-based) -> hybrid layer 2g (attention: input norm, self-attention) or 2g + 1 (the rest)."""
+    match = re.fullmatch(r"decoder\.layers\.(\d+)\.(.*)", gpt_name)
+    if match is None:
+        return gpt_name.replace("decoder.final_layernorm.", "decoder.final_norm.")
+    layer, rest = int(match[1]), match[2]
+    attention = rest.startswith(("input_layernorm.", "self_attention."))
+    return f"decoder.layers.{2 * layer + (0 if attention else 1)}.{rest}"
+
+
+def _randomize(model):
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            gen = torch.Generator().manual_seed(sum(map(ord, name)))
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
+
+
+def _logits_and_grads(model, tokens, target, positions):
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    logits = gather_from_tensor_model_parallel_region(model(tokens, positions, None))
+    (logits * target).sum().backward()
+    return logits.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def _hybrid_vs_gpt(runs):
+    """{(case, tp, ep, cp, backend): (logits diff, gradient diff, parameters of each, control
+    diff, logits scale, seconds)}; under CP each rank compares its load-balanced chunks."""
+    import mcore_ext
+    from mcore_ext._cpu_compat import cuda_to_cpu
+    from mcore_ext.attention import context_parallel
+    from mcore_ext.models.hybrid import gpt_hybrid_pattern
+
+    results = {}
+    for case, tp, ep, cp, backend in runs:
+        start = time.perf_counter()
+        mcore_ext.init_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                context_parallel_size=cp)
+        config = CONFIGS[case](tp, ep, cp)
+        gen = torch.Generator().manual_seed(3)
+        batch = dict(tokens=torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen),
+                     target=torch.randn(BATCH, SEQ, VOCAB, generator=gen),
+                     positions=torch.arange(SEQ).expand(BATCH, -1))
+        if cp > 1:
+            batch = context_parallel.get_batch_on_this_cp_rank(batch)
+        inputs = (batch["tokens"], batch["target"], batch["positions"])
+        build = dict(vocab_size=VOCAB, max_sequence_length=SEQ, backend=backend)
+        with cuda_to_cpu():  # the local backend allocates its masks on "cuda"
+            gpt = mcore_ext.build_gpt_model(config, **build)
+            _randomize(gpt)
+            hybrid = mcore_ext.build_hybrid_model(config, **build)
+            hybrid.load_state_dict({hybrid_name(k): v for k, v in gpt.state_dict().items()},
+                                   strict=True)
+            expected, gpt_grads = _logits_and_grads(gpt, *inputs)
+            logits, grads = _logits_and_grads(hybrid, *inputs)
+        grad_diff = max((grads[hybrid_name(name)] - grad).abs().max().item()
+                        for name, grad in gpt_grads.items())
+        control = None
+        if case == "kinds":  # the kinds swapped: the comparison must see it
+            swapped = [{"full_attention": "sliding_attention"}.get(t, "full_attention")
+                       for t in config.layer_types]
+            other = _kinds_config(tp, ep, cp, layer_types=swapped)
+            assert gpt_hybrid_pattern(other) == "*-*-*-*-"
+            with cuda_to_cpu():
+                wrong = mcore_ext.build_hybrid_model(other, **build)
+                wrong.load_state_dict(
+                    {hybrid_name(k): v for k, v in gpt.state_dict().items()}, strict=True)
+                control = (_logits_and_grads(wrong, *inputs)[0] - expected).abs().max()
+                control = control.item()
+        results[(case, tp, ep, cp, backend)] = ((logits - expected).abs().max().item(), grad_diff,
+                                            len(gpt_grads), len(grads), control,
+                                            expected.abs().max().item(),
+                                            time.perf_counter() - start)
+        mcore_ext.destroy_parallel()
+    return results
+
+
+RUNS = [("dense", 1, 1, 1, "sdpa"), ("dense", 1, 1, 1, "local"), ("dense", 2, 1, 1, "sdpa"),
+        ("kinds", 1, 1, 1, "sdpa"), ("kinds", 1, 1, 2, "sdpa"), ("moe", 1, 2, 1, "sdpa")]
+
+
+def test_hybrid_model_matches_gpt_model(run_distributed):
+    """Dense gated model at TP 1 (sdpa, local) and TP 2 with sequence parallelism; Step-3.5's
+    full + sliding kinds (the control: kinds swapped), also at CP 2 (halo attention for the
+    sliding layers); Step's MoE layers with the kinds at EP 2
+    (each run 2-10 s on 2 loaded cores; MoE at TP 2 x SP took 73 s, left out)."""
+    for rank_results in run_distributed(_hybrid_vs_gpt, RUNS, world_size=2, timeout=600):
+        for run, (logits, grads, n_gpt, n_hybrid, control, scale, _) in rank_results.items():
+            assert n_gpt == n_hybrid, run
+            assert scale > 0.1, run
+            assert logits <= TOL, (run, logits)
+            assert grads <= TOL * 10, (run, grads)
+            if control is not None:
+                assert control > 100 * TOL, (run, control)
+
+
+def _pipeline_loss_and_grads(model, tokens, target):
+    """``(logits * target).sum()`` through megatron's pipeline schedule (one micro-batch): the
+    loss on the last stage (None elsewhere) and this stage's gradients."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    positions = torch.arange(SEQ).expand_as(tokens)
+
+    def forward_step(data, chunk):
+        def loss_func(logits):
+            loss = (logits * target).sum()
+            return loss, {"loss": loss.detach()}
+
+        return chunk(tokens, positions, None), loss_func
+
+    out = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter([None]), model=[model],
+        num_microbatches=1, seq_length=SEQ, micro_batch_size=BATCH, forward_only=False)
+    loss = out[0]["loss"].item() if out else None
+    return loss, {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def _pipeline_hybrid_vs_gpt():
+    """Step-3.5's kinds at PP 2 (GPT layers 1-2 | 3-4, megatron's even split of ``*-*-*-*-``):
+    (relative loss diff or None, gradient diff, this stage's layers: hybrid number, GPT
+    number, window)."""
+    import mcore_ext
+    from mcore_ext._cpu_compat import cuda_to_cpu
+
+    mcore_ext.init_parallel(pipeline_model_parallel_size=2)
+    config = _kinds_config(1, 1, pipeline_model_parallel_size=2, pipeline_dtype=torch.float32)
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    target = torch.randn(BATCH, SEQ, VOCAB, generator=gen)
+    build = dict(vocab_size=VOCAB, max_sequence_length=SEQ, backend="sdpa")
+    gpt = mcore_ext.build_gpt_model(config, **build)
+    _randomize(gpt)
+    hybrid = mcore_ext.build_hybrid_model(config, **build)
+    hybrid.load_state_dict({hybrid_name(k): v for k, v in gpt.state_dict().items()}, strict=True)
+    with cuda_to_cpu():  # megatron's schedule allocates on "cuda"
+        expected, gpt_grads = _pipeline_loss_and_grads(gpt, tokens, target)
+        loss, grads = _pipeline_loss_and_grads(hybrid, tokens, target)
+    layers = [(layer.layer_number, layer.gpt_layer_number, layer.config.window_size)
+              for layer in hybrid.decoder.layers]
+    mcore_ext.destroy_parallel()
+    grad_diff = max((grads[hybrid_name(name)] - grad).abs().max().item()
+                    for name, grad in gpt_grads.items())
+    return (None if loss is None else abs(loss - expected) / abs(expected)), grad_diff, layers
+
+
+def test_hybrid_model_matches_gpt_model_at_pp2(run_distributed):
+    first, last = run_distributed(_pipeline_hybrid_vs_gpt, world_size=2, timeout=600)
+    assert first[0] is None and last[0] <= TOL, last
+    assert first[1] <= TOL * 10 and last[1] <= TOL * 10, (first, last)
+    sliding = (WINDOW - 1, 0)
+    assert first[2] == [(1, 1, None), (2, 1, None), (3, 2, sliding), (4, 2, sliding)]
+    assert last[2] == [(5, 3, sliding), (6, 3, sliding), (7, 4, None), (8, 4, None)]
+
+
+@pytest.mark.skipif(test_gated_attention._te_skip_reason() is not None,
+                    reason=str(test_gated_attention._te_skip_reason()))
+def test_hybrid_model_matches_gpt_model_on_te(run_distributed):
+    """The te backend (a GPU with Transformer Engine): Step-3.5's kinds at TP 1."""
+    for rank_results in run_distributed(_hybrid_vs_gpt, [("kinds", 1, 1, 1, "te")], world_size=1):
+        for run, (logits, grads, *_rest) in rank_results.items():
+            assert logits <= TOL and grads <= TOL * 10, (run, logits, grads)
+
+
+def test_pattern_of_gpt_layers_and_layer_numbers():
+    from mcore_ext.models.hybrid import gpt_hybrid_pattern, gpt_layer_number
+
+    config = test_moe.moe_config()
+    assert gpt_hybrid_pattern(config) == "*-*E*E*E"
+    assert [gpt_layer_number("*-*E|*E*E", n) for n in range(1, 9)] == [1, 1, 2, 2, 3, 3, 4, 4]
+    assert [gpt_layer_number("-**-", n) for n in range(1, 5)] == [1, 1, 2, 2]
+
+
+@pytest.mark.parametrize("pattern, message", [
+    ("*-*M", "hybrid_layer_pattern='*-*M': symbol 'M' is not one of * - E |"),
+    ("*-*-*-", "hybrid_layer_pattern='*-*-*-' has 3 attention layers ('*'), num_layers is 2"),
+    ("*-*-/*-", "hybrid_layer_pattern='*-*-/*-': MTP depths ('/') are not built"),
+])
+def test_bad_pattern_is_refused(pattern, message):
+    from mcore_ext.models.hybrid import check_hybrid_pattern
+
+    with pytest.raises(ValueError) as error:
+        check_hybrid_pattern(pattern, _dense_config(1, 1))
+    assert message in str(error.value)
+
+
+def test_launcher_config_refuses_what_hybrid_does_not_build(tmp_path, monkeypatch):
+    """model.architecture=hybrid: MTP is refused naming the fields; a megatron-core without
+    HybridModel (0.16 - 0.18, stood in for by its version query) names the field and release."""
+    from mcore_ext import _mcore_compat
+    from mcore_ext.training.config import ConfigError, load_config
+
+    path = tmp_path / "run.yaml"
+    path.write_text("data:\n  source: mock\n")
+    hybrid = ["model.architecture=hybrid"]
+    assert load_config(str(path), hybrid, world_size=1).model.architecture == "hybrid"
+    assert load_config(str(path), [], world_size=1).model.architecture == "gpt"
+    with pytest.raises(ConfigError) as error:
+        load_config(str(path), [*hybrid, "model.mtp_num_layers=1"], world_size=1)
+    assert str(error.value).startswith("model.mtp_num_layers=1 is not built on "
+                                       "model.architecture=hybrid yet")
+    monkeypatch.setattr(_mcore_compat, "has_hybrid_model", lambda: False)
+    monkeypatch.setattr(_mcore_compat, "megatron_core_version", lambda: "0.18.2")
+    with pytest.raises(ConfigError) as error:
+        load_config(str(path), hybrid, world_size=1)
+    assert str(error.value) == (
+        "model.architecture=hybrid needs megatron-core's HybridModel (0.19+), megatron-core "
+        "0.18.2 is installed: use model.architecture=gpt, or megatron-core 0.19")
+
+
+def test_launcher_says_once_that_gpt_model_is_deprecated(capsys):
+    """megatron's GPTModel notice is filtered away (logged per model built); the launcher's
+    rank 0 says it once, as its own [config] line, for architecture gpt only."""
+    from mcore_ext import _mcore_compat
+    from mcore_ext.training.config import load_config
+    from mcore_ext.training.loop import _announce_deprecated_model
+
+    tiny = str(test_layer_kinds.__file__).rsplit("/tests/", 1)[0] + "/configs/tiny_cpu.yaml"
+    _announce_deprecated_model(load_config(tiny, world_size=2))
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line == (
+        "[config] model.architecture=gpt builds megatron's GPTModel, which megatron-core "
+        f"{_mcore_compat.megatron_core_version()} deprecates (critical fixes only); "
+        "model.architecture=hybrid builds its successor, HybridModel")
+    _announce_deprecated_model(load_config(tiny, ["model.architecture=hybrid"], world_size=2))
+    assert capsys.readouterr().out == ""
