@@ -251,7 +251,6 @@ def test_hf_export_refuses_a_crafted_checkpoint(run_distributed, crafted_imports
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.slow
 def test_megatron_lm_entry_refuses_a_crafted_checkpoint(crafted, tmp_path, name="common_args"):
     """The payload in the Megatron-LM ``args`` of the common state (its .metadata is read the
     same way as by the other paths; one torchrun of Megatron-LM costs minutes here)."""
@@ -376,10 +375,10 @@ def test_launcher_with_the_key_resumes_a_signed_checkpoint_and_refuses_a_re_crc_
     assert not (signed["recrc"] / "iter_0000003").exists()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("how, key, problem", [
     ("flip", None, "__1_0.distcp checksum mismatch"),
-    ("recrc", "k3y", "mcore_ext_manifest.json signature does not verify"),
+    pytest.param("recrc", "k3y", "mcore_ext_manifest.json signature does not verify",
+                 marks=pytest.mark.slow),
 ])
 def test_megatron_lm_entry_verifies_a_launcher_checkpoint_before_loading(
         signed, tmp_path, monkeypatch, how, key, problem):

@@ -148,7 +148,7 @@ CASES = {  # world size: {name: (damage to iteration 3, iteration 2 truncated to
 }
 
 
-@pytest.mark.parametrize("world", [2, 4],
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)],
                          ids=["2_ranks_tp2", "4_ranks_tp2_dp2_distributed_optimizer"])
 def test_damaged_checkpoint_is_named_and_previous_resumes_exactly(run_distributed, tmp_path,
                                                                   world):

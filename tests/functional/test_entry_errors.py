@@ -62,7 +62,9 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("entry", list(CASES))
+# The hf and schedule cases cost a torchrun start each (the schedule one builds the model too).
+@pytest.mark.parametrize("entry", [pytest.param(e, marks=pytest.mark.slow)
+                                   if e in ("hf", "megatron_lm_schedule") else e for e in CASES])
 def test_mistake_under_torchrun_is_one_line_first_and_exit_2(entry, hf_dir, tmp_path):
     program, args, message = CASES[entry]
     args = [a.format(hf=hf_dir, tmp=tmp_path) for a in args]

@@ -32,7 +32,6 @@ import pytest
 
 from tests.functional.test_pretrain import LAUNCHER, ROOT, TINY, TRACKER, _free_port
 
-pytestmark = pytest.mark.slow
 
 SEED = int(os.environ.get("MCORE_EXT_FAULT_SEED", "12"))
 COMMON = [
@@ -218,7 +217,7 @@ def reference(faults_tmp):
     return {"losses": losses, "data": data, "ckpt": ckpt}
 
 
-@pytest.mark.parametrize("point", ["data", "save"])
+@pytest.mark.parametrize("point", [pytest.param("data", marks=pytest.mark.slow), "save"])
 def test_sigkill_then_relaunch_resumes_exactly(faults_tmp, reference, point):
     """Kill, then the same command again: nothing left behind, the resume is exact."""
     rank, iteration = KILLS[point]
@@ -248,6 +247,7 @@ def test_sigkill_then_relaunch_resumes_exactly(faults_tmp, reference, point):
     assert tracker(ckpt) == "16"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("point", ["step", "eval"])
 def test_max_restarts_resumes_by_itself(faults_tmp, reference, point):
     """``torchrun --max-restarts=1`` and one kill: one command finishes the run with the
@@ -271,6 +271,7 @@ def test_max_restarts_resumes_by_itself(faults_tmp, reference, point):
     assert tracker(ckpt) == "16"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["rank", "torchrun", "torchrun_and_ranks"])
 def test_sigterm_with_exit_on_signal_saves_and_exits_0(faults_tmp, reference, target):
     """Preemption: SIGTERM to one rank, to torchrun (which forwards it to every rank), or to
@@ -315,6 +316,7 @@ def test_sigterm_with_exit_on_signal_saves_and_exits_0(faults_tmp, reference, ta
     assert_exact(second, reference["losses"])
 
 
+@pytest.mark.slow
 def test_finetune_relaunch_resumes_the_runs_own_checkpoint(faults_tmp, reference):
     """checkpoint.load + finetune only start an empty run: killed mid-step 7 (its checkpoint at 4
     complete) and relaunched with the same command, the run resumes from checkpoint.save's step

@@ -75,7 +75,6 @@ def runs(tmp_path_factory):
     return tmp, full, resumed
 
 
-@pytest.mark.slow
 def test_trains_saves_and_resumes_exactly(runs):
     tmp, full, resumed = runs
     full_losses, resumed_losses = losses(full), losses(resumed)

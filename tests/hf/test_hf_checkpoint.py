@@ -226,7 +226,6 @@ def import_train_export(hf_dir, tmp_path, steps, *overrides):
     return result, metrics, out
 
 
-@pytest.mark.slow
 def test_import_train_20_steps_at_tp2_export_loads_in_transformers(hf_dir, tmp_path):
     pytest.importorskip("transformers")
     _, metrics, out = import_train_export(hf_dir, tmp_path, 20, "optimizer.lr_warmup_iters=2",

@@ -83,14 +83,24 @@ def _check(results):
             f"(ratio {planned / measured:.3f})")
 
 
-@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
-@pytest.mark.parametrize("kind", sorted(KINDS))
+def _recompute_cases(kinds, recomputes, default):
+    """(kind, recompute) cases; those not in ``default`` are the slow suite's (-m slow)."""
+    return [pytest.param(kind, recompute, marks=() if (kind, recompute) in default
+                         else pytest.mark.slow)
+            for kind in kinds for recompute in recomputes]
+
+
+# The default run: every kind without recompute, Step-3.5's miniature with each recompute.
+@pytest.mark.parametrize("kind, recompute", _recompute_cases(
+    sorted(KINDS), ["none", "selective", "full"],
+    default={*((kind, "none") for kind in KINDS), ("step35", "selective"), ("step35", "full")}))
 def test_plan_matches_the_measured_peak(run_distributed, kind, recompute):
     _check(run_distributed(_measure_and_plan, kind, recompute, world_size=1))
 
 
-@pytest.mark.parametrize("recompute", ["none", "full"])
-@pytest.mark.parametrize("kind", ["dense", "sliding", "moe"])
+@pytest.mark.parametrize("kind, recompute", _recompute_cases(
+    ["dense", "sliding", "moe"], ["none", "full"],
+    default={("dense", "none"), ("sliding", "none"), ("moe", "none"), ("sliding", "full")}))
 def test_plan_matches_the_measured_peak_at_cp2(run_distributed, kind, recompute):
     _check(run_distributed(_measure_and_plan, kind, recompute, 2, world_size=2))
 
