@@ -35,10 +35,7 @@ def build_gpt_model(
     first / last pipeline stage. Each forward first makes the batch's attention layout
     (``mcore_ext.attention.layout``), shared by every layer.
     """
-    if pre_process is None:
-        pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
-    if post_process is None:
-        post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    pre_process, post_process = stage_ends(pre_process, post_process, vp_stage)
     mtp_block_spec, model_class = None, GPTModel
     if config.mtp_num_layers:
         _mcore_compat.check_mtp_supported(getattr(config, "mtp_step35_heads", False))
@@ -60,6 +57,17 @@ def build_gpt_model(
     )
     # The attention layout of each batch is made here, once per forward, for every layer.
     return attention_layout.install_on(model)
+
+
+def stage_ends(pre_process: Optional[bool], post_process: Optional[bool],
+               vp_stage: Optional[int]) -> tuple[bool, bool]:
+    """(pre_process, post_process): each as given, else whether this rank holds the first /
+    last pipeline stage (of ``vp_stage``)."""
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    return pre_process, post_process
 
 
 def padded_vocab_size(vocab_size: int, multiple: int, tensor_model_parallel_size: int) -> int:

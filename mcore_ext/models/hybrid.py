@@ -17,7 +17,6 @@ import dataclasses
 import functools
 from typing import Optional
 
-from megatron.core import parallel_state
 from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
@@ -25,6 +24,7 @@ from mcore_ext import _mcore_compat
 from mcore_ext.attention import layout as attention_layout
 from mcore_ext.config import GatedTransformerConfig
 from mcore_ext.layer_kinds import KindTransformerLayer
+from mcore_ext.models.gpt import stage_ends
 from mcore_ext.moe import is_moe_layer
 from mcore_ext.specs import _final_norm, get_gpt_layer_spec, resolve_backend
 
@@ -165,10 +165,7 @@ def build_hybrid_model(
         raise ValueError(f"mtp_num_layers={config.mtp_num_layers}: MTP is not built on "
                          "HybridModel yet (docs/known-gaps.md); use architecture gpt")
     pattern = gpt_hybrid_pattern(config) if hybrid_layer_pattern is None else hybrid_layer_pattern
-    if pre_process is None:
-        pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
-    if post_process is None:
-        post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    pre_process, post_process = stage_ends(pre_process, post_process, vp_stage)
     model = HybridModel(
         config,
         hybrid_stack_spec=get_hybrid_stack_spec(config, backend, pattern),
