@@ -1,3 +1,9 @@
+import glob
+import json
+import os
+import resource
+import time
+
 import pytest
 import torch
 
@@ -54,3 +60,44 @@ def pytest_collection_modifyitems(config, items):
         # in a folder named gpu would skip every test).
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+# ------------------------------------------------------------------------- CPU time per test
+#
+# MCORE_EXT_TEST_CPU_LOG=FILE: one JSON line per test with its wall time and the CPU time it used
+# in this process, in the processes it started and waited for (torchrun, subprocesses) and in
+# the gloo worker pools. CPU time, unlike wall time, hardly depends on what else the machine runs,
+# so a loaded machine still tells which tests cost CI its minutes.
+
+
+def _pool_cpu_s() -> float:
+    """CPU seconds of this process's live children (the worker pools are never waited for)."""
+    ticks, me = 0, str(os.getpid())
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[1] == me:  # ppid
+            ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_s() -> float:
+    own, waited = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + waited.ru_utime + waited.ru_stime + _pool_cpu_s()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    log = os.environ.get("MCORE_EXT_TEST_CPU_LOG")
+    if not log:
+        yield
+        return
+    wall, cpu = time.monotonic(), _cpu_s()
+    yield
+    record = {"test": item.nodeid, "wall_s": round(time.monotonic() - wall, 2),
+              "cpu_s": round(_cpu_s() - cpu, 2)}
+    with open(log, "a") as f:
+        f.write(json.dumps(record) + "\n")

@@ -39,32 +39,45 @@ def _copy_of(source, step, target):
     return target
 
 
+def _common(stdlib_prefix):
+    return ["--config", MTP_TINY, f"data.prefix={stdlib_prefix}",
+            f"training.train_iters={STEPS}", "training.eval_interval=null", "logging.log_interval=1"]
+
+
+def _run(tmp, stdlib_prefix, name, *overrides):
+    result = torchrun(*_common(stdlib_prefix), f"logging.metrics_file={tmp / name}.jsonl", *overrides)
+    return check(result, name)
+
+
 @pytest.fixture(scope="module")
-def mtp_runs(tmp_path_factory, stdlib_prefix):
+def mtp_full(tmp_path_factory, stdlib_prefix):
+    """The uninterrupted TP 2 run alone: all that the per-release smoke test needs (the other
+    three runs cost the older releases' smoke runs minutes)."""
     from mcore_ext import _mcore_compat
 
     if _mcore_compat.megatron_core_version().startswith("0.16"):
         pytest.skip("Step's MTP needs megatron-core >= 0.17 (process_mtp_loss); refused on 0.16")
     tmp = tmp_path_factory.mktemp("step35_mtp")
-    common = ["--config", MTP_TINY, f"data.prefix={stdlib_prefix}",
-              f"training.train_iters={STEPS}", "training.eval_interval=null",
-              "logging.log_interval=1"]
+    result = _run(tmp, stdlib_prefix, "full", f"checkpoint.save={tmp / 'full'}",
+                  "checkpoint.load=null", "checkpoint.save_interval=4")
+    return {"tmp": tmp, "full": result, "records": {"full": _records(f"{tmp / 'full'}.jsonl")}}
 
-    def run(name, *overrides):
-        result = torchrun(*common, f"logging.metrics_file={tmp / name}.jsonl", *overrides)
-        return check(result, name)
 
-    out = {"full": run("full", f"checkpoint.save={tmp / 'full'}", "checkpoint.load=null",
-                       "checkpoint.save_interval=4")}
+@pytest.fixture(scope="module")
+def mtp_runs(mtp_full, stdlib_prefix):
+    tmp = mtp_full["tmp"]
+    out = dict(mtp_full)
     resume = _copy_of(tmp / "full", 4, tmp / "resume")
-    out["resumed"] = run("resumed", f"checkpoint.load={resume}", "checkpoint.save=null")
+    out["resumed"] = _run(tmp, stdlib_prefix, "resumed", f"checkpoint.load={resume}",
+                          "checkpoint.save=null")
     pp_source = _copy_of(tmp / "full", 4, tmp / "pp_source")
-    out["pp2"] = run("pp2", f"checkpoint.load={pp_source}", f"checkpoint.save={tmp / 'pp2'}",
-                     "checkpoint.save_interval=2", "parallelism.tensor_model_parallel_size=1",
-                     "parallelism.pipeline_model_parallel_size=2")
+    out["pp2"] = _run(tmp, stdlib_prefix, "pp2", f"checkpoint.load={pp_source}",
+                      f"checkpoint.save={tmp / 'pp2'}", "checkpoint.save_interval=2",
+                      "parallelism.tensor_model_parallel_size=1",
+                      "parallelism.pipeline_model_parallel_size=2")
     from_pp2 = _copy_of(tmp / "pp2", 6, tmp / "from_pp2")
-    out["pp1"] = run("pp1", f"checkpoint.load={from_pp2}", "checkpoint.save=null",
-                     "parallelism.tensor_model_parallel_size=1")
+    out["pp1"] = _run(tmp, stdlib_prefix, "pp1", f"checkpoint.load={from_pp2}",
+                      "checkpoint.save=null", "parallelism.tensor_model_parallel_size=1")
     out["records"] = {name: _records(f"{tmp / name}.jsonl") for name in
                       ("full", "resumed", "pp2", "pp1")}
     return out
@@ -76,14 +89,14 @@ def _losses(record):
 
 @pytest.mark.slow
 @pytest.mark.smoke  # 0.17 / 0.18 pass the TP group differently (_mcore_compat.process_mtp_loss)
-def test_mtp_trains_and_logs_main_and_mtp_losses_apart(mtp_runs):
-    full = mtp_runs["records"]["full"]
+def test_mtp_trains_and_logs_main_and_mtp_losses_apart(mtp_full):
+    full = mtp_full["records"]["full"]
     assert sorted(full) == list(range(1, STEPS + 1))
     first, last = _losses(full[1]), _losses(full[STEPS])
     assert len(first) == 3, full[1]  # main + 2 depths
     for before, after in zip(first, last):
         assert after < before - 0.5, (first, last)
-    assert "| mtp loss " in mtp_runs["full"].stdout
+    assert "| mtp loss " in mtp_full["full"].stdout
     assert len({round(x, 6) for x in first}) == 3, first  # three different losses, not copies
 
 

@@ -1,8 +1,16 @@
 """The multi-process harness itself: failures and hangs must surface as test failures."""
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from tests.distributed import DistributedTestFailure
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _rank_sum():
@@ -72,3 +80,32 @@ def test_a_pool_whose_workers_accumulate_threads_is_replaced(run_distributed):
     after = run_distributed(_pid, world_size=2)
     assert set(after).isdisjoint(before), (before, after)
     assert run_distributed(_rank_sum, world_size=2) == [(0, 3.0), (1, 3.0)]
+
+
+_COST_TESTS = """
+import subprocess, sys, time
+
+def test_burns_cpu_in_a_child():
+    subprocess.run([sys.executable, "-c", "x = 0\\nfor i in range(30_000_000): x += i"], check=True)
+
+def test_sleeps():
+    time.sleep(1.0)
+"""
+
+
+def test_cpu_log_records_what_each_test_costs(tmp_path):
+    """MCORE_EXT_TEST_CPU_LOG (docs/testing.md): a child's CPU seconds count for the test that
+    waited for it; a test that sleeps has wall time and next to no CPU time."""
+    (tmp_path / "test_cost.py").write_text(_COST_TESTS)
+    log = tmp_path / "cost.jsonl"
+    result = subprocess.run(  # the project's conftest as a plugin, over tests outside tests/
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest",
+         "test_cost.py"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "MCORE_EXT_TEST_CPU_LOG": str(log), "PYTHONPATH": str(ROOT)},
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    records = {r["test"].split("::")[-1]: r for r in map(json.loads, log.read_text().splitlines())}
+    burn, sleep = records["test_burns_cpu_in_a_child"], records["test_sleeps"]
+    assert burn["cpu_s"] > 0.5 and burn["cpu_s"] <= burn["wall_s"] * 2 + 0.5, burn
+    assert sleep["wall_s"] >= 1.0 and sleep["cpu_s"] < 0.3, sleep
