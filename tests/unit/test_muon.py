@@ -7,10 +7,14 @@ decay, quintic Newton-Schulz, spectral scale) on the separate global q / k / v /
 fp32 within 1e-5. megatron's own split, which does not know the gate rows, fails the same check.
 """
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from tests import builders
+
+TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml")
 
 SEQ, VOCAB, HIDDEN, HEADS, GROUPS, HEAD_DIM = 8, 64, 32, 4, 2, 8
 LR, MOMENTUM, WEIGHT_DECAY = 0.02, 0.9, 0.1
@@ -154,3 +158,84 @@ def test_gate_unaware_split_fails_the_reference(run_distributed, tp, tp_mode):
     result = run_distributed(_muon_step, tp, tp_mode, gate_aware=False, world_size=2,
                              timeout=300)[0]
     assert _compare(result, blocks_per_rank=False) > 1e-3
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["optimizer.type=sgd"], "optimizer.type"),
+    (["optimizer.type=muon", "optimizer.use_distributed_optimizer=true"],
+     "optimizer.type=muon with optimizer.use_distributed_optimizer=true"),
+    (["optimizer.type=muon", "training.precision=fp16"], "training.precision=fp16"),
+    (["optimizer.type=muon", "lora.rank=4"], "optimizer.type=muon with lora.rank=4"),
+    (["optimizer.type=muon", "optimizer.muon_num_ns_steps=0"], "optimizer.muon_num_ns_steps=0"),
+    (["optimizer.type=muon", "optimizer.muon_momentum=1.0"], "optimizer.muon_momentum=1.0"),
+    (["optimizer.type=muon", "optimizer.muon_coefficient_type=cubic"],
+     "optimizer.muon_coefficient_type='cubic' is not one of simple, quintic"),
+    (["optimizer.type=muon", "model.num_query_groups=1"],
+     "needs num_query_groups (1) >= parallelism.tensor_model_parallel_size (2)"),
+])
+def test_muon_config_errors_name_the_field(overrides, message):
+    from mcore_ext.training.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY, overrides, world_size=2)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_muon_config_reaches_megatron():
+    from mcore_ext.run_config.megatron_configs import optimizer_config
+    from mcore_ext.training.config import load_config
+
+    cfg = load_config(TINY, ["optimizer.type=muon", "optimizer.muon_nesterov=true",
+                             "optimizer.muon_tp_mode=duplicated", "optimizer.muon_num_ns_steps=3"],
+                      world_size=2)
+    megatron = optimizer_config(cfg)
+    assert (megatron.optimizer, megatron.muon_nesterov, megatron.muon_tp_mode,
+            megatron.muon_num_ns_steps, megatron.muon_split_qkv) == ("muon", True, "duplicated",
+                                                                     3, True)
+    assert optimizer_config(load_config(TINY, [], world_size=2)).optimizer == "adam"
+
+
+def _megatron_lm_muon_optimizer():
+    """The Megatron-LM entry's model and the optimizer megatron.training builds for it from
+    ``--optimizer muon`` (its get_megatron_optimizer_config, then get_megatron_optimizer)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.training.training import get_megatron_optimizer_config
+
+    import mcore_ext
+    from mcore_ext._cpu_compat import cuda_to_cpu
+    from mcore_ext.megatron_lm import GatedGPTModelBuilder, gated_gpt_config_from_args
+    from tests.unit.test_megatron_lm import FLAGS, _parse
+
+    args = _parse([*FLAGS, "--optimizer", "muon", "--muon-nesterov"], world_size=2)
+    mcore_ext.init_parallel(tensor_model_parallel_size=2, seed=7)
+    model_config = gated_gpt_config_from_args(args)
+    gpt = GatedGPTModelBuilder(model_config).build_model(
+        ProcessGroupCollection.use_mpu_process_groups())
+    with cuda_to_cpu():
+        model = DistributedDataParallel(model_config.transformer, DistributedDataParallelConfig(),
+                                        gpt)
+        config, overrides = get_megatron_optimizer_config(args)
+        optimizer = get_megatron_optimizer(config, [model], config_overrides=overrides)
+    muon = [inner.optimizer for inner in optimizer.chained_optimizers
+            if isinstance(inner.optimizer, TensorParallelMuon)]
+    assert len(muon) == 1
+    muon_params = {id(p) for group in muon[0].param_groups for p in group["params"]}
+    splits = []
+    for layer in gpt.decoder.layers:
+        weight = layer.self_attention.linear_qkv.weight
+        assert id(weight) in muon_params
+        splits.append(weight.qkv_gate_split)
+    assert TensorParallelMuon.orthogonalize.knows_gate_rows
+    return splits
+
+
+def test_megatron_lm_entry_muon_gets_the_gate_split(run_distributed):
+    """``--optimizer muon`` through megatron.training: the same optimizer path as the launcher's
+    (checked numerically above), on weights tagged with the gate rows: per rank 1 query group of
+    (2 query heads x 16, 16, 16) rows and 2 gate rows, in both layer kinds."""
+    pytest.importorskip("megatron.training.models.gpt", reason="megatron.training >= 0.19")
+    splits = run_distributed(_megatron_lm_muon_optimizer, world_size=2, timeout=300)
+    assert splits == [[(1, (32, 16, 16), 2)] * 2] * 2
