@@ -239,3 +239,17 @@ def test_megatron_lm_entry_muon_gets_the_gate_split(run_distributed):
     pytest.importorskip("megatron.training.models.gpt", reason="megatron.training >= 0.19")
     splits = run_distributed(_megatron_lm_muon_optimizer, world_size=2, timeout=300)
     assert splits == [[(1, (32, 16, 16), 2)] * 2] * 2
+
+
+def test_gate_split_travels_to_main_copies():
+    """bf16: megatron's mixed-precision optimizer gives Muon fp32 main copies of the weights, made
+    with copy_tensor_model_parallel_attributes; the gate split is one of the attributes copied."""
+    from megatron.core.tensor_parallel import copy_tensor_model_parallel_attributes
+
+    import mcore_ext  # noqa: F401 (installs the gate-aware Muon)
+
+    weight = torch.nn.Parameter(torch.zeros(6, 4, dtype=torch.bfloat16))
+    weight.qkv_gate_split = (1, (2, 1, 1), 2)
+    main = weight.detach().clone().float()
+    copy_tensor_model_parallel_attributes(main, weight)
+    assert main.qkv_gate_split == (1, (2, 1, 1), 2)
