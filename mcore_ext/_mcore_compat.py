@@ -35,6 +35,8 @@ there were one megatron-core; each shim below says which releases need it and wh
 11. megatron's MoE spec builds its layer and experts as ``functools.partial``s from 0.19, as
     ModuleSpecs before (``replace_experts_module``).
 12. ``HybridModel`` (``megatron.core.models.hybrid``) exists from 0.19 (``check_hybrid_model``).
+13. Muon (0.19+, with ``emerging-optimizers``) splits ``linear_qkv`` into q, k, v only; the gated
+    layer's gate rows are split off as a fourth matrix (``_install_gate_aware_muon``, ``has_muon``).
 
 This module adapts megatron-core to other releases; ``_cpu_compat`` adapts it to a CPU.
 """
@@ -42,6 +44,7 @@ This module adapts megatron-core to other releases; ``_cpu_compat`` adapts it to
 import contextlib
 import copy
 import dataclasses
+import functools
 import importlib.metadata
 import inspect
 
@@ -598,3 +601,78 @@ def check_hybrid_model(field: str = "architecture") -> None:
         raise ValueError(
             f"{field}=hybrid needs megatron-core's HybridModel (0.19+), megatron-core "
             f"{megatron_core_version()} is installed: use {field}=gpt, or megatron-core 0.19")
+
+
+# ------------------------------------------------------------- 13. Muon and the gate rows
+
+
+def _orthogonalize_qkv_gate(orthogonalize):
+    """``TensorParallelMuon.orthogonalize`` that splits a gated ``linear_qkv`` into q, k, v and
+    gate, each orthogonalised as its own matrix; every other parameter as megatron does."""
+
+    @functools.wraps(orthogonalize)
+    def orthogonalize_qkv_gate(self, p, grad, **kwargs):
+        split = getattr(p, "qkv_gate_split", None)
+        if split is None or not self.split_qkv:
+            return orthogonalize(self, p, grad, **kwargs)
+        groups, sizes, gate_rows = split
+        if groups is None:
+            raise RuntimeError(
+                "Muon on the gated linear_qkv needs num_query_groups >= tensor_model_parallel_size "
+                "(a rank's QKV rows cut through a query group)")
+        # As megatron's orthogonalize: the TP group and, unless blockwise, the dimension the
+        # blocks are gathered along over it (a projection is then one global matrix).
+        tp_group = self.pg_collection.tp if self.pg_collection else None
+        partition_dim = None if self.tp_mode == "blockwise" else getattr(p, "partition_dim", None)
+        if partition_dim == -1:
+            partition_dim = None
+        columns = grad.size(-1)
+        qkv, gate = grad.split([grad.size(0) - gate_rows, gate_rows])
+        parts = qkv.view(groups, sum(sizes), columns).split(sizes, dim=1)
+        parts = [
+            self.scaled_orthogonalize_fn_with_gtp_remat(
+                p, part.reshape(-1, columns), tp_group, partition_dim
+            ).view(part.shape)
+            for part in parts
+        ]
+        gate = self.scaled_orthogonalize_fn_with_gtp_remat(p, gate, tp_group, partition_dim)
+        return torch.cat([torch.cat(parts, dim=1).view(-1, columns), gate])
+
+    orthogonalize_qkv_gate.knows_gate_rows = True
+    return orthogonalize_qkv_gate
+
+
+def _install_gate_aware_muon() -> None:
+    """megatron-core's Muon (0.19+, ``emerging-optimizers``) orthogonalises a ``linear_qkv``
+    weight per projection: its ``qkv_split_shapes`` cut each query group's rows into q, k and v,
+    and the q rows of all groups are one matrix, the k rows one, the v rows one. A gated
+    linear_qkv is ``[QKV_r; Gate_r]`` on each rank: megatron's shapes do not divide its rows (it
+    then orthogonalises the whole fused matrix as one) or, where the counts happen to divide, cut
+    it in the wrong places. HeadWiseGatedSelfAttention tags its weight with ``qkv_gate_split``
+    (local query groups, megatron's (q, k, v) rows per group, gate rows); Muon splits such a
+    weight into q, k, v and gate and orthogonalises each as megatron orthogonalises a
+    projection (its TP mode, scale and Newton-Schulz). The tag is one of megatron's
+    tensor-parallel attributes, so the fp32 main copy of a bf16 weight carries it too.
+    Releases without Muon: nothing to do."""
+    from megatron.core.tensor_parallel import layers
+
+    try:
+        from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
+    except ImportError:  # 0.16 - 0.18
+        return
+    layers._MODEL_PARALLEL_ATTRIBUTE_DEFAULTS.setdefault("qkv_gate_split", None)
+    if not getattr(TensorParallelMuon.orthogonalize, "knows_gate_rows", False):
+        TensorParallelMuon.orthogonalize = _orthogonalize_qkv_gate(TensorParallelMuon.orthogonalize)
+
+
+_install_gate_aware_muon()
+
+
+def has_muon() -> bool:
+    """Whether megatron-core's Muon can run: 0.19+ with the ``emerging-optimizers`` package."""
+    try:
+        from megatron.core.optimizer import emerging_optimizers
+    except ImportError:
+        return False
+    return emerging_optimizers.HAVE_EMERGING_OPTIMIZERS and "muon" in getattr(
+        emerging_optimizers, "_EMERGING_OPTIMIZERS", {})

@@ -87,6 +87,7 @@ class HeadWiseGatedSelfAttention(SelfAttention):
         self.config.attention_output_gate = True
 
         self._init_gate_rows()
+        self._tag_gate_rows_for_muon()
 
     # ---------------------------------------------------------------------------------- forward
 
@@ -212,6 +213,16 @@ class HeadWiseGatedSelfAttention(SelfAttention):
         return sharded
 
     # ------------------------------------------------------------------------------------ init
+
+    def _tag_gate_rows_for_muon(self):
+        """Tell megatron's Muon where q, k, v and the gate rows of this rank's linear_qkv weight
+        are (``_mcore_compat._install_gate_aware_muon``): (local query groups, megatron's (q, k, v)
+        rows per group, gate rows); no groups when a rank's QKV rows cut through a query group."""
+        hn = self.hidden_size_per_attention_head
+        sizes = (self.config.num_attention_heads // self.config.num_query_groups * hn, hn, hn)
+        groups = (self.num_query_groups_per_partition
+                  if self.config.num_query_groups >= self.world_size else None)
+        self.linear_qkv.weight.qkv_gate_split = (groups, sizes, self.gate_rows_per_partition)
 
     def _init_gate_rows(self):
         """Scale this rank's gate weight rows and set its gate bias rows (upstream PR #4848)."""

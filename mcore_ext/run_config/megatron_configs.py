@@ -118,8 +118,15 @@ def ddp_config(cfg) -> DistributedDataParallelConfig:
 def optimizer_config(cfg) -> MegatronOptimizerConfig:
     o = cfg.optimizer
     dtype = compute_dtype(cfg)
+    muon = {}
+    if o.type == "muon":
+        muon = {name: getattr(o, name) for name in (
+            "muon_momentum", "muon_nesterov", "muon_split_qkv", "muon_scale_mode",
+            "muon_extra_scale_factor", "muon_num_ns_steps", "muon_coefficient_type",
+            "muon_fp32_matmul_prec", "muon_tp_mode")}
     return MegatronOptimizerConfig(
-        optimizer="adam",
+        optimizer=o.type,
+        **muon,
         lr=o.lr,
         min_lr=o.min_lr,
         weight_decay=o.weight_decay,

@@ -252,6 +252,12 @@ class TrainingConfig:
 
 @dataclass
 class OptimizerConfig:
+    type: Literal["adam", "muon"] = "adam"
+    """adam: megatron's Adam (AdamW) for every parameter. muon: megatron-core's Muon (0.19+, the
+    emerging-optimizers package) for the 2-D weights of linear layers, Adam for the rest
+    (embeddings, output layer, norms, biases, MoE router); on the gated linear_qkv the q, k, v
+    and gate rows are orthogonalised each as its own matrix (docs/training.md#optimizer)."""
+
     lr: float = 1.0e-3
     """Peak learning rate."""
 
@@ -284,6 +290,38 @@ class OptimizerConfig:
 
     use_distributed_optimizer: bool = False
     """Shard optimizer state over data-parallel ranks (ZeRO-1)."""
+
+    muon_momentum: float = 0.95
+    """Muon: momentum of its internal SGD (megatron's muon_momentum)."""
+
+    muon_nesterov: bool = False
+    """Muon: Nesterov momentum."""
+
+    muon_split_qkv: bool = True
+    """Muon: orthogonalise linear_qkv's q, k, v (and gate) rows each as its own matrix; false:
+    the fused weight as one matrix."""
+
+    muon_scale_mode: Literal["spectral", "unit_rms_norm", "shape_scaling"] = "spectral"
+    """Muon: scale of the orthogonalised update (spectral: sqrt(max(rows, columns)))."""
+
+    muon_extra_scale_factor: float = 1.0
+    """Muon: extra factor on the update (e.g. 0.2 to match AdamW's update RMS)."""
+
+    muon_num_ns_steps: int = 5
+    """Muon: Newton-Schulz iterations."""
+
+    muon_coefficient_type: str = "quintic"
+    """Muon: Newton-Schulz coefficients, as emerging-optimizers names them (quintic, simple,
+    polar_express, cans, aol, deepseekv4)."""
+
+    muon_fp32_matmul_prec: Literal["highest", "high", "medium"] = "medium"
+    """Muon: matmul precision of Newton-Schulz on fp32 (medium: in bf16, as megatron's default;
+    highest: fp32)."""
+
+    muon_tp_mode: Literal["blockwise", "duplicated", "distributed"] = "blockwise"
+    """Muon under TP: blockwise orthogonalises each rank's rows of a projection on their own;
+    duplicated gathers the projection over TP and orthogonalises it whole (TP-independent);
+    distributed runs Newton-Schulz sharded over TP."""
 
     loss_scale: Optional[float] = None
     """fp16 only: static loss scale; null -> dynamic (megatron's: starts at 2^32 and halves on

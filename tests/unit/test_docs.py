@@ -96,6 +96,9 @@ DECISIONS = {
     "python -m mcore_ext.data.preprocess --input a.jsonl b.txt --output-prefix data/mytext": Covered(
         "tests/functional/test_pretrain.py::test_preprocess_jsonl_and_text"),
     "torchrun --nproc_per_node=2 launch/pretrain.py --config configs/tiny_cpu.yaml "
+    "optimizer.type=muon": Covered(
+        "tests/functional/test_muon_pretrain.py::test_muon_run_trains_and_resumes_exactly"),
+    "torchrun --nproc_per_node=2 launch/pretrain.py --config configs/tiny_cpu.yaml "
     "model.architecture=hybrid": Covered(
         "tests/functional/test_hybrid_pretrain.py::test_hybrid_run_trains_and_resumes_exactly"),
     # Step-3.5, CP, MoE, GPU configs

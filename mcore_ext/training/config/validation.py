@@ -186,6 +186,8 @@ def validate(cfg: PretrainConfig, world_size: int) -> None:
     if m.swiglu_limits is not None and any(m.swiglu_limits) and not m.swiglu:
         raise ConfigError("model.swiglu_limits clamps a SwiGLU MLP: it needs model.swiglu=true")
     _validate_lora(cfg)
+    if o.type == "muon":
+        _validate_muon(cfg)
 
     # Last, let megatron's own config reject what it does not support (gate x TP, GQA, ...).
     from mcore_ext.run_config.megatron_configs import transformer_config
@@ -229,6 +231,52 @@ def _validate_lora(cfg: PretrainConfig) -> None:
     if m.attention_backend == "te":
         raise ConfigError("lora.rank > 0 with model.attention_backend=te: Transformer Engine "
                           "fuses the norm into linear_qkv / linear_fc1; use sdpa or local")
+
+
+def _validate_muon(cfg: PretrainConfig) -> None:
+    """optimizer.type=muon: megatron-core's Muon, and the combinations it (or the gate split)
+    cannot do."""
+    from mcore_ext import _mcore_compat
+
+    m, o, tp = cfg.model, cfg.optimizer, cfg.parallelism.tensor_model_parallel_size
+    if not _mcore_compat.has_muon():
+        raise ConfigError(
+            "optimizer.type=muon needs megatron-core 0.19+ with the emerging-optimizers package "
+            f"(megatron-core {_mcore_compat.megatron_core_version()} is installed): use "
+            "optimizer.type=adam")
+    if o.use_distributed_optimizer:
+        raise ConfigError(
+            "optimizer.type=muon with optimizer.use_distributed_optimizer=true: the distributed "
+            "optimizer shards parameters byte-wise and Muon orthogonalises whole matrices; set "
+            "optimizer.use_distributed_optimizer=false")
+    if cfg.training.precision == "fp16":
+        raise ConfigError("optimizer.type=muon with training.precision=fp16: megatron's Muon does "
+                          "not support fp16; use bf16 or fp32")
+    if cfg.lora.rank:
+        raise ConfigError(
+            f"optimizer.type=muon with lora.rank={cfg.lora.rank}: Muon on LoRA adapters is not "
+            "built (docs/known-gaps.md); use optimizer.type=adam for LoRA")
+    if m.num_moe_experts:
+        raise ConfigError(
+            f"optimizer.type=muon with model.num_moe_experts={m.num_moe_experts}: Muon on MoE "
+            "models (router, grouped experts) is not built (docs/known-gaps.md); use "
+            "optimizer.type=adam")
+    groups = min(m.num_query_groups, m.sliding_num_query_groups or m.num_query_groups)
+    if m.head_wise_attn_gate and o.muon_split_qkv and groups < tp:
+        raise ConfigError(
+            f"optimizer.type=muon on the gated linear_qkv needs num_query_groups ({groups}) >= "
+            f"parallelism.tensor_model_parallel_size ({tp}): a rank's rows would cut through a "
+            "query group; lower TP or set optimizer.muon_split_qkv=false")
+    if o.muon_num_ns_steps < 1:
+        raise ConfigError(f"optimizer.muon_num_ns_steps={o.muon_num_ns_steps} must be at least 1")
+    if not 0 <= o.muon_momentum < 1:
+        raise ConfigError(f"optimizer.muon_momentum={o.muon_momentum} must be in [0, 1)")
+    from megatron.core.optimizer.emerging_optimizers import get_supported_coefficient_types
+
+    supported = [name for name in get_supported_coefficient_types() if name != "custom"]
+    if o.muon_coefficient_type not in supported:
+        raise ConfigError(f"optimizer.muon_coefficient_type={o.muon_coefficient_type!r} is not "
+                          f"one of {', '.join(supported)}")
 
 
 def _validate_experts(m, p, world_size: int) -> None:
