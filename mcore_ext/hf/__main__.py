@@ -189,8 +189,7 @@ def _plan(args) -> int:
             return 0
         rows = plan.plan(spec, tp=args.tp, pp=args.pp, ep=args.ep, dp=args.dp, etp=args.etp,
                          distributed_optimizer=not args.no_distributed_optimizer,
-                         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                architecture=args.architecture)
+                         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
     except (OSError, ValueError, HFConfigError) as err:
         return report_error(str(err))
     print(plan.format_plan(spec, rows, tp=args.tp, pp=args.pp, ep=args.ep, dp=args.dp,

@@ -564,14 +564,17 @@ def _hybrid_keys(ckpt):
 
 def test_hybrid_import_and_its_export_write_what_the_gpt_path_writes(run_distributed, hf_dir,
                                                                      tmp_path):
-    """``import --architecture hybrid`` at TP 2 writes megatron's HybridModel keys (GPT layer 1's
-    MLP is hybrid layer 2; the final norm decoder.final_norm) and model.architecture: hybrid;
-    ``export`` of it at PP 2 writes the HF folder of the GPT path (import and export as gpt)
-    file for file, byte for byte, and the HF tensors back bit for bit."""
+    """``python -m mcore_ext.hf import --architecture hybrid`` (one process) writes megatron's
+    HybridModel keys (GPT layer 1's MLP is hybrid layer 3, 0-based; the final norm
+    decoder.final_norm) and model.architecture: hybrid; ``export`` of it at PP 2 writes the HF
+    folder of the GPT path (imported as gpt at TP 2, exported at PP 2) file for file, byte for
+    byte, and the HF tensors back bit for bit."""
     paths = {name: (str(tmp_path / name), str(tmp_path / f"{name}_hf"))
              for name in ("gpt", "hybrid")}
-    for name, (ckpt, out) in paths.items():
-        run_distributed(_import_as, hf_dir, ckpt, 2, name, world_size=2)
+    run_distributed(_import_as, hf_dir, paths["gpt"][0], 2, "gpt", world_size=2)
+    imported = _cli("import", hf_dir, paths["hybrid"][0], "--architecture", "hybrid")
+    assert imported.returncode == 0 and imported.stderr == "", imported.stderr[-3000:]
+    for ckpt, out in paths.values():
         run_distributed(_export, ckpt, out, 1, 2, world_size=2)
     keys = _hybrid_keys(paths["hybrid"][0])
     assert "decoder.layers.3.mlp.linear_fc1.weight" in keys, sorted(keys)[:8]
