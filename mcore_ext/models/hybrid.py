@@ -187,7 +187,6 @@ def build_hybrid_model(
     return attention_layout.install_on(model)
 
 
-
 _GPT_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.*)")
 
 
