@@ -31,6 +31,9 @@ def main(argv=None) -> int:
     imp.add_argument("--seq-length", type=int, default=None,
                      help="the launcher's model.seq_length (default: min(max positions, 4096))")
     imp.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    imp.add_argument("--architecture", choices=["gpt", "hybrid"], default="gpt",
+                     help="the launcher's model.architecture of the checkpoint: megatron's "
+                          "GPTModel or HybridModel (export reads either)")
     exp = sub.add_parser("export", help="launcher checkpoint -> HF Step-3.5 directory")
     exp.add_argument("ckpt_dir")
     exp.add_argument("hf_dir")
@@ -107,7 +110,8 @@ def _run(args) -> str:
             return import_checkpoint(
                 args.hf_dir, args.ckpt_dir, dtype=_DTYPES[args.dtype],
                 seq_length=args.seq_length,
-                make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+                make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                architecture=args.architecture)
         from mcore_ext.hf.checkpoint import export_checkpoint
 
         export_checkpoint(args.ckpt_dir, args.hf_dir, vocab_size=args.vocab_size,

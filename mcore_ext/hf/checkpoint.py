@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from mcore_ext import lora
 from mcore_ext._cpu_compat import cuda_to_cpu
 from mcore_ext.checkpoint import manifest, safe_pickle, saving
+from mcore_ext.checkpoint.architecture import HYBRID, saved_architecture
 from mcore_ext.checkpoint.directory import (
     TRACKER,
     find_checkpoint,
@@ -122,13 +123,16 @@ def copy_tokenizer(hf_dir: str, names: list[str], target: str) -> None:
 
 def import_checkpoint(hf_dir: str, ckpt_dir: str, *, dtype: torch.dtype | None = None,
                       seq_length: int | None = None, make_vocab_size_divisible_by: int = 128,
-                      backend: str = "sdpa") -> str:
+                      backend: str = "sdpa", architecture: str = "gpt") -> str:
     """HF directory -> ``<ckpt_dir>/iter_0000000`` (call after ``init_parallel``, any TP / PP).
 
     Refuses (before writing anything) a ``ckpt_dir`` that already holds a checkpoint, and any
     problem ``load_pretrained`` finds. The HF folder's tokenizer, if it has one, is copied into
     the iteration directory's ``tokenizer/`` (checksummed in its manifest) and becomes the
-    config's ``data.tokenizer``. Returns the iteration directory.
+    config's ``data.tokenizer``. ``architecture`` ``hybrid`` writes megatron's HybridModel
+    (``model.architecture: hybrid`` in the config; the GPTModel that read the HF weights is
+    copied into it, so both are held for a moment; MTP is refused as the launcher refuses it).
+    Returns the iteration directory.
     """
     raw, spec = read_hf_config(hf_dir)
     reader = SafetensorsReader(hf_dir)
@@ -136,6 +140,12 @@ def import_checkpoint(hf_dir: str, ckpt_dir: str, *, dtype: torch.dtype | None =
     file_dtype = check_weights(reader, spec)
     reader.close()
     check_parallel(spec, parallel_state.get_tensor_model_parallel_world_size())
+    if architecture not in ("gpt", "hybrid"):
+        raise HFConfigError(f"--architecture {architecture!r}: expected gpt or hybrid")
+    if architecture == "hybrid" and spec.num_mtp_layers:
+        raise HFConfigError(
+            f"--architecture hybrid: {hf_dir} has {spec.num_mtp_layers} MTP layer(s), "
+            "which are not built on HybridModel yet (docs/known-gaps.md); import it as gpt")
     _refuse_on_every_rank(
         f"{ckpt_dir} already holds a checkpoint ({TRACKER}); choose a new directory"
         if os.path.exists(os.path.join(ckpt_dir, TRACKER)) else None)
@@ -148,7 +158,8 @@ def import_checkpoint(hf_dir: str, ckpt_dir: str, *, dtype: torch.dtype | None =
     data = {"tokenizer": os.path.join(os.path.abspath(directory), TOKENIZER_DIR)
             } if tokenizer else {}
     cfg = build(PretrainConfig, {
-        "model": launcher_model_section(spec, seq_length, make_vocab_size_divisible_by),
+        "model": {**launcher_model_section(spec, seq_length, make_vocab_size_divisible_by),
+                  "architecture": architecture},
         "training": {"precision": precision_of(dtype)},
         "data": data,
         "checkpoint": {"load": os.path.abspath(ckpt_dir), "finetune": True},
@@ -156,6 +167,8 @@ def import_checkpoint(hf_dir: str, ckpt_dir: str, *, dtype: torch.dtype | None =
     model = load_pretrained(hf_dir, backend=backend, dtype=dtype,
                             make_vocab_size_divisible_by=make_vocab_size_divisible_by,
                             max_sequence_length=seq_length)
+    if architecture == "hybrid":
+        model = _as_hybrid(model, seq_length, backend)
     partial = saving.begin(directory)
     state = {
         "model": model.sharded_state_dict(),
@@ -174,6 +187,22 @@ def import_checkpoint(hf_dir: str, ckpt_dir: str, *, dtype: torch.dtype | None =
     saving.publish(partial, directory, root=ckpt_dir, iteration=0, files={
         "config.yaml": cfg.to_yaml(), PROVENANCE_NAME: json.dumps(raw, indent=2)})
     return directory
+
+
+def _as_hybrid(gpt, seq_length: int, backend: str):
+    """The HybridModel of ``gpt``'s config and layout holding its weights (``gpt`` is left
+    behind for the caller to drop)."""
+    from mcore_ext.models import build_hybrid_model
+    from mcore_ext.models.hybrid import copy_weights
+
+    with cuda_to_cpu():
+        hybrid = build_hybrid_model(
+            gpt.config, vocab_size=gpt.vocab_size, max_sequence_length=seq_length,
+            backend=backend,
+            share_embeddings_and_output_weights=gpt.share_embeddings_and_output_weights)
+    hybrid.to(next(gpt.parameters()).device)
+    copy_weights(gpt, hybrid, to_hybrid=True)
+    return hybrid
 
 
 def resolve_iteration_dir(ckpt_dir: str) -> str:
@@ -231,7 +260,8 @@ def export_checkpoint(ckpt_dir: str, hf_dir: str, *, vocab_size: int | None = No
     """
     _refuse_on_every_rank(_target_problem(hf_dir, overwrite))
     from mcore_ext import checkpoint
-    from mcore_ext.models import build_gpt_model
+    from mcore_ext.models import build_gpt_model, build_hybrid_model
+    from mcore_ext.models.hybrid import copy_weights
     from mcore_ext.run_config import ParallelismConfig
     from mcore_ext.run_config.megatron_configs import transformer_config
 
@@ -247,6 +277,10 @@ def export_checkpoint(ckpt_dir: str, hf_dir: str, *, vocab_size: int | None = No
         raise HFConfigError(f"{directory}: --adapter: the checkpoint holds no LoRA adapters "
                             f"(lora.rank={cfg.lora.rank} in its config.yaml)")
     metadata = dist_checkpointing.load_tensors_metadata(directory)
+    hybrid = saved_architecture(metadata) == HYBRID
+    if hybrid and adapters.enabled:
+        raise HFConfigError(f"{directory}: hf export of a hybrid LoRA checkpoint is not built "
+                            "yet (docs/known-gaps.md)")
     embedding = metadata.get("embedding.word_embeddings.weight")
     if embedding is None:
         raise HFConfigError(f"{directory}: no embedding.word_embeddings.weight (not a GPT model)")
@@ -278,14 +312,14 @@ def export_checkpoint(ckpt_dir: str, hf_dir: str, *, vocab_size: int | None = No
     Step35Config.from_transformer_config(config, vocab_size=vocab_size,
                                          max_position_embeddings=cfg.model.seq_length)
 
+    build = dict(
+        vocab_size=embedding.global_shape[0],
+        max_sequence_length=cfg.model.seq_length,
+        backend=backend,
+        share_embeddings_and_output_weights=not cfg.model.untie_embeddings_and_output_weights,
+    )
     with cuda_to_cpu():  # megatron moves tied output weights with .cuda() (no-op on GPUs)
-        model = build_gpt_model(
-            config,
-            vocab_size=embedding.global_shape[0],
-            max_sequence_length=cfg.model.seq_length,
-            backend=backend,
-            share_embeddings_and_output_weights=not cfg.model.untie_embeddings_and_output_weights,
-        )
+        model = (build_hybrid_model if hybrid else build_gpt_model)(config, **build)
     model.to(device())  # loaded where the process computes; save_pretrained gathers on the CPU
     lora.apply_lora(model, adapters)  # a LoRA run's adapters load with the base weights
     loaded = checkpoint.load({"model": model.sharded_state_dict()}, directory, in_place=True)
@@ -295,6 +329,12 @@ def export_checkpoint(ckpt_dir: str, hf_dir: str, *, vocab_size: int | None = No
         raise HFConfigError(f"{directory}: the checkpoint does not fill the model ({err})"
                             ) from None
     del loaded
+    if hybrid:  # the HF layout is written from the GPTModel of the same weights
+        with cuda_to_cpu():
+            gpt = build_gpt_model(config, **build)
+        gpt.to(device())
+        copy_weights(model, gpt, to_hybrid=False)
+        model = gpt
     if adapter:
         from mcore_ext.hf.adapter import save_adapter
 

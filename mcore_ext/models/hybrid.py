@@ -15,7 +15,10 @@ layer 2g - 1, its MLP 2g, as in megatron's GPT -> hybrid translation).
 
 import dataclasses
 import functools
+import re
 from typing import Optional
+
+import torch
 
 from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -183,3 +186,35 @@ def build_hybrid_model(
     # The attention layout of each batch is made here, once per forward, for every layer.
     return attention_layout.install_on(model)
 
+
+_GPT_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.*)")
+
+
+def hybrid_parameter_name(gpt_name: str) -> str:
+    """The name in a HybridModel of the derived pattern (``*-`` / ``*E`` per GPT layer) of a
+    GPTModel state-dict entry (one stage's local names): GPT layer i's input norm and attention
+    are hybrid layer 2i, the rest of it (pre-MLP norm, MLP or MoE) 2i + 1;
+    ``decoder.final_layernorm`` is ``decoder.final_norm``."""
+    match = _GPT_LAYER.fullmatch(gpt_name)
+    if match is None:
+        return gpt_name.replace("decoder.final_layernorm.", "decoder.final_norm.")
+    layer, rest = int(match[1]), match[2]
+    attention = rest.startswith(("input_layernorm.", "self_attention."))
+    return f"decoder.layers.{2 * layer + (0 if attention else 1)}.{rest}"
+
+
+@torch.no_grad()
+def copy_weights(source, target, *, to_hybrid: bool) -> None:
+    """Copy every weight of ``source`` into ``target``, a GPTModel and the HybridModel of the
+    same config and layout (``to_hybrid``: GPT -> hybrid, else hybrid -> GPT), strictly: each
+    entry has its place (``hybrid_parameter_name``). ``target`` takes ``source``'s dtypes (the
+    router's expert bias stays fp32)."""
+    gpt = source if to_hybrid else target
+    rename = {name: hybrid_parameter_name(name) for name in gpt.state_dict()}
+    if not to_hybrid:
+        rename = {hybrid: name for name, hybrid in rename.items()}
+    mapped = {rename.get(name, name): value for name, value in source.state_dict().items()}
+    for name, tensor in [*target.named_parameters(), *target.named_buffers()]:
+        if name in mapped and torch.is_tensor(mapped[name]):
+            tensor.data = tensor.data.to(mapped[name].dtype)
+    target.load_state_dict(mapped, strict=True)

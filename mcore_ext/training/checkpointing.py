@@ -43,7 +43,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTenso
 from torch.distributed.checkpoint.api import CheckpointException
 
 from mcore_ext import checkpoint, lora
-from mcore_ext.checkpoint import content, manifest, safe_pickle, saving
+from mcore_ext.checkpoint import architecture, content, manifest, safe_pickle, saving
 from mcore_ext.checkpoint.directory import (  # noqa: F401  (tests import them here)
     TRACKER,
     Checkpoint,
@@ -199,7 +199,10 @@ def load_checkpoint(cfg, model, optimizer, scheduler, vocab_size: int | None = N
     ``checkpoint.save`` yet) only the model weights are loaded and training starts at 0; an
     imported Hugging Face model (weights only) loads so too. The files are verified against the
     checkpoint's manifest first (``_verified``). ``vocab_size`` (the tokenizer's, unpadded) is
-    checked against the checkpoint's vocabulary rows (``_check_vocabulary``).
+    checked against the checkpoint's vocabulary rows (``_check_vocabulary``). A GPT checkpoint
+    loads into a hybrid run (``model.architecture``) through megatron's load-time translation,
+    model and optimizer state (``mcore_ext.checkpoint.architecture``); a hybrid checkpoint into a
+    GPT run is a ``CheckpointFormatError`` naming both.
     """
     c = cfg.checkpoint
     start = start_point(cfg)
@@ -220,6 +223,9 @@ def load_checkpoint(cfg, model, optimizer, scheduler, vocab_size: int | None = N
         common = content.launcher_common(common, cfg)
         _check_resumable(common, directory, cfg, by_megatron_lm)
 
+    saved_keys = set(dist_checkpointing.load_tensors_metadata(directory))
+    saved, ours = architecture.saved_architecture(saved_keys), cfg.model.architecture
+    architecture.check_loadable(saved, ours, directory)
     model_state = model.module.sharded_state_dict()
     adapters = []
     if finetune:  # the base model's weights; a LoRA run's adapters start fresh (B = 0)
@@ -232,6 +238,12 @@ def load_checkpoint(cfg, model, optimizer, scheduler, vocab_size: int | None = N
         state["optimizer"] = checkpoint.optimizer_sharded_state_dict(
             optimizer, model_state, is_loading=True, metadata=common.get("content_metadata")
         )
+    if saved == architecture.GPT and ours == architecture.HYBRID:
+        # megatron's GPT -> hybrid translation, model and optimizer state alike.
+        for part in ("model", "optimizer"):
+            if part in state:
+                architecture.retarget_to_gpt_checkpoint(
+                    state[part], _hybrid_pattern(model), saved_keys)
     same_layout = common.get("layout") == _layout() and not common.get("no_rng")
     rng_key = content.launcher_rng_key(common)
     if same_layout and not finetune:
@@ -263,6 +275,13 @@ def load_checkpoint(cfg, model, optimizer, scheduler, vocab_size: int | None = N
     change = "" if same_layout else change
     return iteration, common["consumed_samples"], (
         f"{START_MARK} resumed from {directory} (iteration {iteration}{change})" + instead)
+
+
+def _hybrid_pattern(model) -> str:
+    """The layer pattern of the HybridModel inside ``model`` (DDP, Float16Module)."""
+    while not hasattr(model, "hybrid_layer_pattern"):
+        model = model.module
+    return model.hybrid_layer_pattern
 
 
 def _check_resumable(common: dict, directory: str, cfg, by_megatron_lm: bool) -> None:

@@ -546,3 +546,46 @@ def test_a_target_that_holds_files_is_said_once_under_torchrun(tmp_path):
         assert len(errors) == 1 and errors[0].startswith(start), (name, errors)
     assert os.listdir(out) == ["README.md"] and (out / "README.md").read_text() == "mine"
     assert sorted(os.listdir(ckpt)) == ["latest_checkpointed_iteration.txt"]
+
+
+def _import_as(hf, ckpt, tp, architecture):
+    import mcore_ext
+    from mcore_ext.hf import import_checkpoint
+
+    mcore_ext.init_parallel(tensor_model_parallel_size=tp)
+    return import_checkpoint(hf, ckpt, architecture=architecture)
+
+
+def _hybrid_keys(ckpt):
+    from megatron.core import dist_checkpointing
+
+    return set(dist_checkpointing.load_tensors_metadata(os.path.join(ckpt, "iter_0000000")))
+
+
+def test_hybrid_import_and_its_export_write_what_the_gpt_path_writes(run_distributed, hf_dir,
+                                                                     tmp_path):
+    """``python -m mcore_ext.hf import --architecture hybrid`` (one process) writes megatron's
+    HybridModel keys (GPT layer 1's MLP is hybrid layer 3, 0-based; the final norm
+    decoder.final_norm) and model.architecture: hybrid; ``export`` of it at PP 2 writes the HF
+    folder of the GPT path (imported as gpt at TP 2, exported at PP 2) file for file, byte for
+    byte, and the HF tensors back bit for bit."""
+    paths = {name: (str(tmp_path / name), str(tmp_path / f"{name}_hf"))
+             for name in ("gpt", "hybrid")}
+    run_distributed(_import_as, hf_dir, paths["gpt"][0], 2, "gpt", world_size=2)
+    imported = _cli("import", hf_dir, paths["hybrid"][0], "--architecture", "hybrid")
+    assert imported.returncode == 0 and imported.stderr == "", imported.stderr[-3000:]
+    for ckpt, out in paths.values():
+        run_distributed(_export, ckpt, out, 1, 2, world_size=2)
+    keys = _hybrid_keys(paths["hybrid"][0])
+    assert "decoder.layers.3.mlp.linear_fc1.weight" in keys, sorted(keys)[:8]
+    assert "decoder.final_norm.weight" in keys and "decoder.final_layernorm.weight" not in keys
+    assert "decoder.final_layernorm.weight" in _hybrid_keys(paths["gpt"][0])
+    config = open(os.path.join(paths["hybrid"][0], "iter_0000000", "config.yaml")).read()
+    assert "architecture: hybrid" in config
+    gpt_out, hybrid_out = paths["gpt"][1], paths["hybrid"][1]
+    assert sorted(os.listdir(hybrid_out)) == sorted(os.listdir(gpt_out))
+    for name in os.listdir(gpt_out):
+        with open(os.path.join(gpt_out, name), "rb") as a, \
+                open(os.path.join(hybrid_out, name), "rb") as b:
+            assert a.read() == b.read(), name
+    assert_same_tensors(hf_dir, hybrid_out)

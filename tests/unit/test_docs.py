@@ -101,6 +101,10 @@ DECISIONS = {
     "torchrun --nproc_per_node=2 launch/pretrain.py --config configs/tiny_cpu.yaml "
     "model.architecture=hybrid": Covered(
         "tests/functional/test_hybrid_pretrain.py::test_hybrid_run_trains_and_resumes_exactly"),
+    "torchrun --nproc_per_node=2 launch/pretrain.py --config configs/tiny_cpu.yaml "
+    "model.architecture=hybrid checkpoint.load=runs/tiny_cpu/checkpoints "
+    "checkpoint.save=runs/tiny_hybrid/checkpoints": Covered(
+        "tests/functional/test_hybrid_pretrain.py::test_gpt_checkpoint_continues_as_a_hybrid_run"),
     # Step-3.5, CP, MoE, GPU configs
     "torchrun --nproc_per_node=2 launch/pretrain.py --config configs/step35_tiny_cpu.yaml": Check(),
     "torchrun --nproc_per_node=2 launch/pretrain.py --config configs/step35_mtp_tiny_cpu.yaml":
@@ -117,6 +121,9 @@ DECISIONS = {
     "parallelism.tensor_model_parallel_size=4": Check(),
     # Hugging Face
     "python -m mcore_ext.hf import HF_DIR CKPT_DIR": Covered(HF_ROUND_TRIP),
+    "python -m mcore_ext.hf import HF_DIR CKPT_DIR --architecture hybrid": Covered(
+        "tests/hf/test_hf_checkpoint.py::"
+        "test_hybrid_import_and_its_export_write_what_the_gpt_path_writes"),
     "torchrun --nproc_per_node=2 launch/pretrain.py --config CKPT_DIR/iter_0000000/config.yaml "
     "parallelism.tensor_model_parallel_size=2 parallelism.sequence_parallel=true "
     "data.prefix=data/mytext checkpoint.save=runs/ft": Covered(

@@ -273,3 +273,23 @@ def test_launcher_says_once_that_gpt_model_is_deprecated(capsys):
         "model.architecture=hybrid builds its successor, HybridModel")
     _announce_deprecated_model(load_config(tiny, ["model.architecture=hybrid"], world_size=2))
     assert capsys.readouterr().out == ""
+
+
+def test_plan_of_a_hybrid_config_is_the_gpt_plan(capsys):
+    """``python -m mcore_ext.plan`` takes model.architecture=hybrid and prints the GPT config's
+    plan: the hybrid model holds the same tensors (test_hybrid_model_matches_gpt_model loads one
+    into the other strictly) and computes the same activations, layer for layer. Step-3.5's
+    MoE miniature at EP 2, where dense and MoE layers differ."""
+    from mcore_ext.plan.__main__ import main
+
+    config = str(test_layer_kinds.__file__).rsplit("/tests/", 1)[0] + (
+        "/configs/step35_moe_tiny_cpu.yaml")
+    plans = {}
+    for architecture in ("gpt", "hybrid"):
+        assert main(["--config", config, "--dp", "2", f"model.architecture={architecture}",
+                     "model.mtp_num_layers=null", "model.layer_types=[full_attention,"
+                     "sliding_attention,sliding_attention,sliding_attention]",
+                     "model.swiglu_limits=[0,0,0,16.0]", "training.precision=fp32",
+                     "parallelism.expert_model_parallel_size=2"]) == 0
+        plans[architecture] = capsys.readouterr().out
+    assert "params/rank" in plans["gpt"] and plans["hybrid"] == plans["gpt"]
