@@ -37,6 +37,17 @@ Recompute: ``selective`` (megatron's default module, core attention) keeps the c
 inputs, which other modules save anyway, and drops what SDPA saves beyond them; ``full`` keeps
 each layer's input and recomputes one layer at a time in backward.
 
+Packed documents (``Workload.packed``: chat SFT, ``data.document_masking``): a micro-batch of b
+rows of s tokens is one THD sequence of b x s tokens, each document attending only to itself
+(cu_seqlens). Every term above is per token, so a packed row holds what one s-token sequence
+holds: the plan assumes kernels that store no scores (the ``sdpa`` backend's flash SDPA per
+document, ``flex``, ``varlen``, Transformer Engine's fused attention), for which per-document
+attention changes the compute (the sum of t_i^2 over documents instead of s^2 per row), not
+what is saved. A kernel that materialised the scores would hold [heads, t_i, t_i] per document,
+at most ``heads x s^2`` per row, transiently; the plan counts none. The ``masked`` sliding kernel
+is counted at one [s, s] mask (a document as long as the row), and under CP megatron pads every
+document to a multiple of 2 x CP inside the row's s tokens (no more tokens per rank).
+
 Tokens: a rank holds ``s x b / CP`` tokens; norms (and linear inputs after them) hold
 ``1 / TP`` of them under sequence parallelism; a MoE layer's router sees the rank's sequence
 shard, and its experts receive ``T x k x ETP x load`` routed copies (``load`` 1 = balanced,
@@ -104,6 +115,7 @@ class Workload:
     cpu: bool = False  # on a CPU (gloo): CP's causal chunk masks are materialized, and the
     # MoE dispatcher's uneven collectives at TP > 1 pad and copy (mcore_ext._cpu_compat)
     num_microbatches: Optional[int] = None  # caps the micro-batches a pipeline stage holds
+    packed: bool = False  # rows of packed documents (THD, per-document attention): see the module
 
     def __post_init__(self):
         if self.recompute not in RECOMPUTE:
