@@ -214,6 +214,8 @@ DECISIONS = {
     "checkpoint.finetune=true checkpoint.save=runs/ft": Covered(
         "tests/hf/test_hf_sft.py::"
         "test_imported_step35_fine_tunes_on_chat_data_and_exports_what_transformers_decodes"),
+    "python -m mcore_ext.plan --config configs/step35_flash.yaml --vocab-size 128896 --seq "
+    "131072 --cp 8 --recompute full --packed": Run(expect="packed documents"),
     # packed vs one-conversation-per-row SFT (docs/training.md)
     "python benchmarks/bench_sft_packing.py": Skip(BENCHMARK),
     # the memory plan (docs/memory-plan.md)
