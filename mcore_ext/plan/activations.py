@@ -40,15 +40,14 @@ each layer's input and recomputes one layer at a time in backward.
 Packed documents (``Workload.packed``: chat SFT, ``data.document_masking``): a micro-batch of b
 rows of s tokens is one THD sequence of b x s tokens, each document attending only to itself
 (cu_seqlens). Every term above is per token, so a packed row holds what one s-token sequence
-holds: the plan assumes kernels that store no scores (the ``sdpa`` backend's flash SDPA per
-document, ``flex``, ``varlen``, Transformer Engine's fused attention), for which per-document
-attention changes the compute (the sum of t_i^2 over documents instead of s^2 per row), not
-what is saved. On a CPU (``Workload.cpu``) the ``sdpa`` kernel's per-document calls take
-torch's math path, which saves each document's scores: with ``Workload.documents`` (one row's
-document lengths t_i) the plan counts ``heads x sum(t_i^2)`` per row at fp32 + the activation
-dtype on full layers, and on sliding layers for the documents too short to be banded
-(t_i <= 2 B). The ``masked`` sliding kernel
-is counted at one [s, s] mask (a document as long as the row), and under CP megatron pads every
+holds: on a GPU the plan assumes kernels that store no scores (``flex``, ``varlen``, Transformer
+Engine's fused attention), for which per-document attention changes the compute (the sum of
+t_i^2 over documents instead of s^2 per row), not what is saved. On a CPU (``Workload.cpu``)
+the ``sdpa`` kernel's per-document calls take torch's math path, which saves each document's
+scores: with ``Workload.documents`` (one row's document lengths t_i) the plan counts
+``heads x sum(t_i^2)`` per row at fp32 + the activation dtype on full layers, and on sliding
+layers for the documents too short to be banded (t_i <= 2 B). The ``masked`` sliding kernel is
+counted at one [s, s] mask (a document as long as the row), and under CP megatron pads every
 document to a multiple of 2 x CP inside the row's s tokens (no more tokens per rank).
 
 Tokens: a rank holds ``s x b / CP`` tokens; norms (and linear inputs after them) hold
