@@ -125,7 +125,9 @@ def format_plan(shape: ModelShape, rows: list, layout: Layout, work: Workload,
         f"{'on' if layout.sp else 'off'}; distributed optimizer "
         f"{'on' if layout.distributed_optimizer else 'off'}",
         f"micro-batch: {work.micro_batch} x {work.seq} tokens, recompute {work.recompute}, "
-        f"expert load {work.expert_load} x balanced, sliding layers {work.sliding_kernel}",
+        f"expert load {work.expert_load} x balanced, sliding layers {work.sliding_kernel}"
+        + (", packed documents (per-document attention: the same per-token terms, no scores "
+           "stored)" if work.packed else ""),
         f"{'stage':>5} {'layers':>11} {'params/rank':>15} {'weights':>8} {'grads':>8} "
         f"{'main':>8} {'adam':>8} {'act/mb':>8} {'in fl.':>6} {'act peak':>9} {'total GiB':>10}",
     ]

@@ -5,7 +5,8 @@ weights, gradients and optimizer state per pipeline stage, and the activations o
 micro-batch times the micro-batches the stage holds (megatron's 1F1B schedule), at the config's
 layout (TP, PP, CP, EP, ETP, sequence parallelism), ``model.seq_length``,
 ``training.micro_batch_size`` and ``model.recompute_granularity`` unless the options say
-otherwise. ``--search`` lists the layouts with the fewest GPUs that fit. Nothing is built.
+otherwise; packed documents (``--packed``) where the config packs them (``data.source: chat``
+with ``data.pack``, or ``data.document_masking``). ``--search`` lists the layouts with the fewest GPUs that fit. Nothing is built.
 Errors are one ``error:`` line and exit code 2.
 """
 
@@ -36,6 +37,8 @@ def main(argv=None) -> int:
         args.micro_batch = args.micro_batch or cfg.training.micro_batch_size
         args.cp = args.cp or p.context_parallel_size
         args.recompute = args.recompute or cfg.model.recompute_granularity or "none"
+        d = cfg.data
+        args.packed = args.packed or (d.source == "chat" and d.pack) or d.document_masking
         print_plan(shape, args, tp=p.tensor_model_parallel_size,
                    pp=p.pipeline_model_parallel_size, ep=p.expert_model_parallel_size,
                    etp=p.expert_tensor_parallel_size, dp=args.dp, sp=p.sequence_parallel,

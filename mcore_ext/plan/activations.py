@@ -37,6 +37,19 @@ Recompute: ``selective`` (megatron's default module, core attention) keeps the c
 inputs, which other modules save anyway, and drops what SDPA saves beyond them; ``full`` keeps
 each layer's input and recomputes one layer at a time in backward.
 
+Packed documents (``Workload.packed``: chat SFT, ``data.document_masking``): a micro-batch of b
+rows of s tokens is one THD sequence of b x s tokens, each document attending only to itself
+(cu_seqlens). Every term above is per token, so a packed row holds what one s-token sequence
+holds: on a GPU the plan assumes kernels that store no scores (``flex``, ``varlen``, Transformer
+Engine's fused attention), for which per-document attention changes the compute (the sum of
+t_i^2 over documents instead of s^2 per row), not what is saved. On a CPU (``Workload.cpu``)
+the ``sdpa`` kernel's per-document calls take torch's math path, which saves each document's
+scores: with ``Workload.documents`` (one row's document lengths t_i) the plan counts
+``heads x sum(t_i^2)`` per row at fp32 + the activation dtype on full layers, and on sliding
+layers for the documents too short to be banded (t_i <= 2 B). The ``masked`` sliding kernel is
+counted at one [s, s] mask (a document as long as the row), and under CP megatron pads every
+document to a multiple of 2 x CP inside the row's s tokens (no more tokens per rank).
+
 Tokens: a rank holds ``s x b / CP`` tokens; norms (and linear inputs after them) hold
 ``1 / TP`` of them under sequence parallelism; a MoE layer's router sees the rank's sequence
 shard, and its experts receive ``T x k x ETP x load`` routed copies (``load`` 1 = balanced,
@@ -104,6 +117,8 @@ class Workload:
     cpu: bool = False  # on a CPU (gloo): CP's causal chunk masks are materialized, and the
     # MoE dispatcher's uneven collectives at TP > 1 pad and copy (mcore_ext._cpu_compat)
     num_microbatches: Optional[int] = None  # caps the micro-batches a pipeline stage holds
+    packed: bool = False  # rows of packed documents (THD, per-document attention): see the module
+    documents: Optional[tuple] = None  # one packed row's document lengths (the CPU scores term)
 
     def __post_init__(self):
         if self.recompute not in RECOMPUTE:
@@ -186,7 +201,24 @@ def attention_bytes(shape: ModelShape, layer: LayerShape, layout: Layout, work: 
         out.add("log-sum-exp", n * FP32 * heads)
     if layer.gate:
         out.add("gate sigmoid", n * FP32 * heads)
+    if work.packed and work.cpu and work.documents:
+        out.add("packed scores (CPU sdpa)", _packed_scores(layer, layout, work) * (FP32 + b))
     return out
+
+
+def _packed_scores(layer: LayerShape, layout: Layout, work: Workload) -> float:
+    """Score elements the CPU sdpa kernel saves for one micro-batch of packed rows: heads x t^2
+    per document it attends whole (every document of a full layer; a sliding layer's documents
+    too short for the banded kernel)."""
+    from mcore_ext.attention.sliding import block_size
+
+    if layer.sliding and layer.window is not None:
+        short = 2 * block_size(layer.window - 1)
+        lengths = [t for t in work.documents if t <= short]
+    else:
+        lengths = list(work.documents)
+    rows = work.micro_batch / layout.cp
+    return layer.heads / layout.tp * rows * sum(t * t for t in lengths)
 
 
 def mlp_bytes(shape: ModelShape, layer: LayerShape, layout: Layout, work: Workload

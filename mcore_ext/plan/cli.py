@@ -27,6 +27,9 @@ def add_activation_args(parser: argparse.ArgumentParser, defaults: dict | None =
     p.add_argument("--sliding-kernel", choices=("banded", "masked"), default="banded",
                    help="sliding layers: banded (blocks of ~window; halo under CP) or masked "
                         "(one dense window mask per batch)")
+    p.add_argument("--packed", action="store_true", default=d.get("packed", False),
+                   help="rows of packed documents (chat SFT, document masking), each attending "
+                        "only to itself")
     p.add_argument("--breakdown", action="store_true", help="also print each stage's terms")
     p.add_argument("--search", action="store_true",
                    help="list the layouts with the fewest GPUs that fit --gpu-gib with "
@@ -40,7 +43,8 @@ def add_activation_args(parser: argparse.ArgumentParser, defaults: dict | None =
 def workload(args) -> Workload:
     load = args.expert_load if args.expert_load == "worst" else float(args.expert_load)
     return Workload(seq=args.seq, micro_batch=args.micro_batch, recompute=args.recompute,
-                    expert_load=load, sliding_kernel=args.sliding_kernel)
+                    expert_load=load, sliding_kernel=args.sliding_kernel,
+                    packed=args.packed)
 
 
 def print_plan(shape, args, *, tp, pp, ep, etp, dp, sp=None, distributed_optimizer=True) -> None:

@@ -1,25 +1,49 @@
 """Fine-tuning on chat data through the launcher: configs/step35_sft_tiny_cpu.yaml as written (the
 tiny Step-3.5 with MoE + MTP, TP 2 + SP, packed conversations of configs/sft_tiny) on 2 gloo
-ranks, shortened to 8 steps (~1.5 minutes on 2 busy cores); a bad line of chat data under
-torchrun is one error before training; pretraining text with data.document_masking trains.
+ranks, shortened to 8 steps and saving at 4 (~1.5 minutes on 2 busy cores), then resumed from its
+step-4 checkpoint at TP 2 and at TP 1 x DP 2 to step 8 (~40 s each); a bad line of chat data
+under torchrun is one error before training; pretraining text with data.document_masking trains.
 """
 
 import json
+import shutil
 from pathlib import Path
 
-from tests.functional.test_pretrain import ROOT, TINY, check, losses, torchrun
+import pytest
+
+from tests.functional.test_pretrain import ROOT, TINY, TRACKER, check, losses, torchrun
 
 RECIPE = str(ROOT / "configs" / "step35_sft_tiny_cpu.yaml")
 STEPS = 8
 
 
-def test_recipe_fine_tunes_packed_conversations_and_loss_falls(tmp_path):
-    metrics = tmp_path / "metrics.jsonl"
-    result = check(torchrun("--config", RECIPE, f"training.train_iters={STEPS}",
-                            "training.eval_interval=8", "logging.log_interval=1",
-                            f"checkpoint.save={tmp_path / 'ckpt'}", "checkpoint.load=null",
-                            f"logging.metrics_file={metrics}"), "recipe")
-    out = result.stdout
+@pytest.fixture(scope="module")
+def recipe_runs(tmp_path_factory):
+    """The recipe for 8 steps (checkpoints at 4 and 8); a copy of its step-4 checkpoint resumed
+    at the same layout, and the step-4 checkpoint resumed at TP 1 x DP 2 (no SP), both to 8."""
+    tmp = tmp_path_factory.mktemp("sft")
+    common = ["--config", RECIPE, f"training.train_iters={STEPS}", "training.eval_interval=8",
+              "logging.log_interval=1", "checkpoint.save_interval=4"]
+
+    def run(name, *overrides):
+        return check(torchrun(*common, f"logging.metrics_file={tmp / name}.jsonl", *overrides),
+                     name)
+
+    out = {"tmp": tmp}
+    out["full"] = run("full", f"checkpoint.save={tmp / 'ckpt'}", "checkpoint.load=null")
+    resumed = tmp / "resumed"
+    shutil.copytree(tmp / "ckpt" / "iter_0000004", resumed / "iter_0000004")
+    (resumed / TRACKER).write_text("4")
+    out["tp1"] = run("tp1", "checkpoint.save=null", f"checkpoint.load={resumed}",
+                     "parallelism.tensor_model_parallel_size=1",
+                     "parallelism.sequence_parallel=false")
+    out["same"] = run("same", f"checkpoint.save={resumed}", f"checkpoint.load={resumed}")
+    return out
+
+
+def test_recipe_fine_tunes_packed_conversations_and_loss_falls(recipe_runs):
+    tmp_path, metrics = recipe_runs["tmp"], recipe_runs["tmp"] / "full.jsonl"
+    out = recipe_runs["full"].stdout
     assert "configs/sft_tiny/chat.jsonl: 256 conversations" in out, out
     assert out.count("[data] train: ") == 1 and "(packed)" in out, out
     loss = losses(metrics)
@@ -29,7 +53,34 @@ def test_recipe_fine_tunes_packed_conversations_and_loss_falls(tmp_path):
     mtp = [r["mtp_losses"][0] for r in records if r["kind"] == "train"]
     assert mtp[-1] < mtp[0], mtp  # the MTP depth trains on the packed documents too
     assert any(r["kind"] == "valid" for r in records)
-    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == str(STEPS)
+    assert (tmp_path / "ckpt" / TRACKER).read_text() == str(STEPS)
+
+
+def test_resumed_sft_run_reproduces_the_uninterrupted_losses(recipe_runs):
+    """Same layout: the same packed rows in the same order (sample k = iteration x global batch
+    on), weights, Adam, schedule and RNG -> the same floats, the main and the MTP loss."""
+    tmp = recipe_runs["tmp"]
+    full = [json.loads(line) for line in (tmp / "full.jsonl").read_text().splitlines()]
+    same = [json.loads(line) for line in (tmp / "same.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in same if r["kind"] == "train"] == list(range(5, STEPS + 1))
+    for kind in ("train", "valid"):
+        tail = [(r["iteration"], r["loss"], r.get("mtp_losses")) for r in full
+                if r["kind"] == kind and r["iteration"] > 4]
+        assert tail and tail == [(r["iteration"], r["loss"], r.get("mtp_losses")) for r in same
+                                 if r["kind"] == kind], (kind, full, same)
+    out = recipe_runs["same"].stdout
+    assert "resumed from" in out and "(iteration 4)" in out and "RNG not restored" not in out
+
+
+def test_sft_checkpoint_at_tp2_resumes_at_tp1(recipe_runs):
+    """TP 2 + SP -> TP 1 x DP 2: the same rows reach the same losses up to the order of fp32
+    reductions (TP's partial sums, DP's gradient average)."""
+    full = losses(recipe_runs["tmp"] / "full.jsonl")
+    tp1 = losses(recipe_runs["tmp"] / "tp1.jsonl")
+    assert sorted(tp1) == list(range(5, STEPS + 1))
+    for step in range(5, STEPS + 1):
+        assert tp1[step] == pytest.approx(full[step], abs=1e-4, rel=0), (step, tp1, full)
+    assert "TP 1 x PP 1 x DP 2" in recipe_runs["tp1"].stdout
 
 
 def test_bad_chat_line_under_torchrun_is_one_error_before_training(tmp_path):

@@ -193,3 +193,25 @@ def test_document_masking_splits_text_samples_after_each_end_of_document():
     assert batch["max_seqlen"] == 8
     assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 3, 0] + list(range(8))]
     assert batch["tokens"].tolist() == [rows[0] + rows[1]]
+
+
+@pytest.mark.parametrize("split, empty", [("90,10,0", "validation"), ("10,90,0", "training")])
+def test_a_split_left_without_conversations_is_one_error_at_validation(tmp_path, capsys, split,
+                                                                      empty):
+    """Three conversations: megatron's split gives [round(a N), round(b N)) of them to each
+    part, so 90,10,0 leaves validation none (2.7 -> 3 .. 3) and 10,90,0 training none (0 .. 0.3
+    -> 0). Said at --check, naming data.path and data.split, before any rank starts."""
+    from mcore_ext.training import main
+
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(GOOD + "\n" for _ in range(3)))
+    code = main(["--config", str(RECIPE), "--check", "--world-size", "2", f"data.path={path}",
+                 f"data.split={split}", f"checkpoint.save={tmp_path / 'ckpt'}",
+                 f"checkpoint.load={tmp_path / 'ckpt'}"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.count("\n") == 1 and err.startswith("error: "), err
+    assert f"data.split='{split}' leaves the {empty} split of data.path='{path}' no " \
+           "conversation (3 conversations)" in err, err
+    assert not (tmp_path / "ckpt").exists()
+    assert path.read_text().count("\n") == 3

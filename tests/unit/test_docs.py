@@ -218,12 +218,14 @@ DECISIONS = {
     "torchrun --nproc_per_node=2 launch/pretrain.py --config configs/step35_sft_tiny_cpu.yaml":
         Covered("tests/functional/test_sft.py::"
                 "test_recipe_fine_tunes_packed_conversations_and_loss_falls"),
-    "torchrun --nproc_per_node=8 launch/pretrain.py --config runs/step35_ckpt/iter_0000000/"
-    "config.yaml data.source=chat data.path=chat.jsonl "
-    "checkpoint.load=runs/step35_ckpt checkpoint.finetune=true checkpoint.save=runs/ft": Skip(
-        "needs a downloaded Step-3.5-Flash checkpoint, its tokenizer and 8 GPUs; the same entry "
-        "on the tiny model: tests/functional/test_sft.py::"
-        "test_recipe_fine_tunes_packed_conversations_and_loss_falls (docs/known-gaps.md)"),
+    "torchrun --nproc_per_node=2 launch/pretrain.py --config runs/step35_ckpt/iter_0000000/"
+    "config.yaml parallelism.tensor_model_parallel_size=2 parallelism.sequence_parallel=true "
+    "data.source=chat data.path=configs/sft_tiny/chat.jsonl checkpoint.load=runs/step35_ckpt "
+    "checkpoint.finetune=true checkpoint.save=runs/ft": Covered(
+        "tests/hf/test_hf_sft.py::"
+        "test_imported_step35_fine_tunes_on_chat_data_and_exports_what_transformers_decodes"),
+    "python -m mcore_ext.plan --config configs/step35_flash.yaml --vocab-size 128896 --seq "
+    "131072 --cp 8 --recompute full --packed": Run(expect="packed documents"),
     # packed vs one-conversation-per-row SFT (docs/training.md)
     "python benchmarks/bench_sft_packing.py": Skip(BENCHMARK),
     # the memory plan (docs/memory-plan.md)

@@ -380,9 +380,30 @@ def _validate_chat(cfg: PretrainConfig) -> None:
         raise ConfigError(f"data.tokenizer={d.tokenizer!r} has no chat template "
                           "(tokenizer_config.json chat_template or chat_template.jinja)")
     try:
-        load_chat_file(d.path, tokenizer.hf, m.seq_length, d.loss_on, d.overlong)
+        chat = load_chat_file(d.path, tokenizer.hf, m.seq_length, d.loss_on, d.overlong)
     except ChatDataError as err:
         raise ConfigError(str(err)) from None
+    _refuse_empty_splits(cfg, len(chat))
+
+
+def _refuse_empty_splits(cfg: PretrainConfig, count: int) -> None:
+    """A split the run reads (training; validation when evaluation is on) that megatron's
+    builder would leave without a conversation: it gives split i the conversations
+    [round(begin_i x count), round(end_i x count)) of the file."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix, parse_and_normalize_split)
+
+    d, t = cfg.data, cfg.training
+    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(d.split))
+    read = [("training", matrix[0])]
+    if t.eval_interval and t.eval_iters > 0:
+        read.append(("validation", matrix[1]))
+    for name, bookends in read:
+        begin, end = ((int(round(x * count)) for x in bookends) if bookends else (0, 0))
+        if begin >= end:
+            raise ConfigError(
+                f"data.split={d.split!r} leaves the {name} split of data.path={d.path!r} no "
+                f"conversation ({count} conversations); give it a larger share or more data")
 
 
 def _refuse_packed_layouts(p, what: str) -> None:
