@@ -164,8 +164,11 @@ def packed_seq_params(batch: dict, dev) -> PackedSeqParams | None:
     """The ``PackedSeqParams`` (THD) of a packed micro-batch; None for a [b, s] one."""
     if "cu_seqlens" not in batch:
         return None
+    padded = batch.get("cu_seqlens_padded")
+    if padded is not None and torch.equal(padded, batch["cu_seqlens"]):
+        padded = None  # no padding inside documents (CP 1): megatron reads cu_seqlens then
     cu_seqlens = batch["cu_seqlens"].to(dev)
-    padded = batch["cu_seqlens_padded"].to(dev) if "cu_seqlens_padded" in batch else None
+    padded = padded.to(dev) if padded is not None else None
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
                            cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded,
                            max_seqlen_q=batch["max_seqlen"], max_seqlen_kv=batch["max_seqlen"])

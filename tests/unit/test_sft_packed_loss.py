@@ -51,19 +51,20 @@ def _conversations(vocab, lengths):
     return docs
 
 
-def _micro_batches(docs, cp):
+def _micro_batches(docs, cp, pack=True):
+    """The rows of ``docs`` (4 when packed), in micro-batches of 2."""
     from megatron.core.datasets.utils import Split
 
     from mcore_ext.data import chat
     from mcore_ext.training.data import collate_packed
 
     config = chat.ChatDatasetConfig(random_seed=1, sequence_length=SEQ, split="1,0,0",
-                                    tokenizer=None, hf_tokenizer=None,
+                                    tokenizer=None, hf_tokenizer=None, pack=pack,
                                     pad_to_multiple=2 * cp if cp > 1 else 1)
     dataset = chat.ChatDataset(chat.ChatFile("mem", docs, len(docs), 0, 0), "mem",
-                               numpy.arange(len(docs)), 4, Split.train, config)
-    rows = [dataset[i] for i in range(4)]
-    return [collate_packed(rows[:2]), collate_packed(rows[2:])]
+                               numpy.arange(len(docs)), None, Split.train, config)
+    rows = [dataset[i] for i in range(len(dataset))]
+    return [collate_packed(rows[i:i + 2]) for i in range(0, len(rows), 2)]
 
 
 def _schedule(model, batches, forward_only):
@@ -224,3 +225,77 @@ def test_packed_sft_loss_logits_and_gradients_match_per_document_reference(
         assert r["lm_head_diff"] <= TOL and r["embed_diff"] <= TOL, r
         assert r["others_moved"] <= 1e-6 and r["own_moved"] > 1e-3, r
         assert r["moved"]["prompt"] == 0.0 and r["moved"]["answer"] > 1e-4, r
+
+
+
+def _mtp_shift(cp):
+    """megatron's MTP shift (``roll_tensor``: labels and loss mask one token left within each
+    document) of this rank's tokens under CP ``cp``, with the packed batch as the MTP model gives
+    it (``_padded_documents``) and as it comes (real ``cu_seqlens_q``), put back in place."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.transformer.multi_token_prediction import roll_tensor
+
+    import mcore_ext
+    from mcore_ext.models.mtp_model import _padded_documents
+    from mcore_ext.training.data import cp_shard, packed_seq_params
+    from tests.unit.test_layer_kinds import VOCAB
+
+    mcore_ext.init_parallel(context_parallel_size=cp)
+    group = parallel_state.get_context_parallel_group()
+    out = []
+    for batch in _micro_batches(_conversations(VOCAB, CP_LENGTHS), cp):
+        t = batch["tokens"].size(1)
+        slots = cp_shard(dict(batch, tokens=torch.arange(t)[None]))["tokens"][0]
+        local = cp_shard(batch)
+        params = packed_seq_params(batch, "cpu")
+        result = dict(batch=batch)
+        for name, given in (("padded", _padded_documents(params)), ("real", params)):
+            try:
+                shifted = [roll_tensor(local[key].float(), -1, -1, cp_group=group,
+                                       packed_seq_params=given)[0][0]
+                           for key in ("labels", "loss_mask")]
+            except Exception as err:  # noqa: BLE001 (the failure is the result)
+                result[name] = f"{type(err).__name__}: {err}"
+                continue
+            full = []
+            for local_values in shifted:
+                every = [torch.empty_like(local_values) for _ in range(cp)]
+                every_slots = [torch.empty_like(slots) for _ in range(cp)]
+                dist.all_gather(every, local_values, group=group)
+                dist.all_gather(every_slots, slots, group=group)
+                values = torch.zeros(t)
+                values[torch.cat(every_slots)] = torch.cat(every)
+                full.append(values)
+            result[name] = full
+        out.append(result)
+    return out
+
+
+def _shifted_within_documents(batch, key):
+    """The reference: per document, its real tokens' values one slot left, 0 at its last."""
+    values = batch[key][0].float()
+    expected = {}
+    for at, length in zip(batch["cu_seqlens_padded"][:-1].tolist(),
+                          batch["cu_seqlens"].diff().tolist()):
+        for i in range(at, at + length):
+            expected[i] = values[i + 1].item() if i + 1 < at + length else 0.0
+    return expected
+
+
+def test_mtp_shifts_labels_within_each_padded_document_under_cp2(run_distributed):
+    """MTP's labels and loss mask at CP 2: each real token gets its document's next one (the
+    last none), the shift crossing between the ranks' chunks of a document; read with the real
+    ``cu_seqlens_q`` megatron splits the tensor at the wrong slots (the old code's shift)."""
+    for per_rank in run_distributed(_mtp_shift, 2, world_size=2):
+        wrong = 0
+        for r in per_rank:
+            for key, got in zip(("labels", "loss_mask"), r["padded"]):
+                expected = _shifted_within_documents(r["batch"], key)
+                assert {i: got[i].item() for i in expected} == expected, (key, r["batch"])
+            if isinstance(r["real"], str):
+                wrong += 1
+            else:
+                expected = _shifted_within_documents(r["batch"], "labels")
+                wrong += {i: r["real"][0][i].item() for i in expected} != expected
+        assert wrong, per_rank  # the control: the real boundaries shift otherwise
