@@ -248,3 +248,20 @@ def test_context_parallel_pads_every_document_to_a_multiple_of_2_cp():
     assert batch["loss_mask"].tolist() == [[1, 1, 1, 0, 1, 1, 1, 1, 1, 0, 0, 0] + [1] * 8
                                            + [0] * 4]
     assert batch["position_ids"].tolist() == [[0, 1, 2, 3] * 3 + list(range(8)) + [0, 1, 2, 3]]
+
+
+def test_check_takes_chat_data_at_cp2_and_refuses_it_at_pp2(tmp_path, capsys):
+    """The recipe at TP 1 x CP 2 passes validation (the old code refused it: packed documents at
+    context_parallel_size=1 only); PP 2 is still one error naming the field and value, exit 2."""
+    from mcore_ext.training import main
+
+    common = ["--config", str(RECIPE), "--check", "--world-size", "2",
+              "parallelism.tensor_model_parallel_size=1", "parallelism.sequence_parallel=false",
+              f"checkpoint.save={tmp_path / 'ckpt'}", f"checkpoint.load={tmp_path / 'ckpt'}"]
+    assert main(common + ["parallelism.context_parallel_size=2"]) == 0, capsys.readouterr()
+    capsys.readouterr()
+    assert main(common + ["parallelism.pipeline_model_parallel_size=2"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("error: data.source=chat trains packed documents at "
+                   "parallelism.pipeline_model_parallel_size=1 only, got 2\n"), err
+    assert not (tmp_path / "ckpt").exists()
