@@ -208,6 +208,11 @@ DECISIONS = {
     "torchrun --nproc_per_node=2 launch/pretrain.py --config configs/step35_sft_tiny_cpu.yaml":
         Covered("tests/functional/test_sft.py::"
                 "test_recipe_fine_tunes_packed_conversations_and_loss_falls"),
+    "torchrun --nproc_per_node=2 launch/pretrain.py --config configs/step35_sft_tiny_cpu.yaml "
+    "parallelism.tensor_model_parallel_size=1 parallelism.sequence_parallel=false "
+    "parallelism.context_parallel_size=2": Covered(
+        "tests/functional/test_sft.py::"
+        "test_recipe_at_context_parallel_2_trains_packed_conversations"),
     "torchrun --nproc_per_node=8 launch/pretrain.py --config runs/step35_ckpt/iter_0000000/"
     "config.yaml data.source=chat data.path=chat.jsonl "
     "checkpoint.load=runs/step35_ckpt checkpoint.finetune=true checkpoint.save=runs/ft": Skip(
