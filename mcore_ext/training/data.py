@@ -131,11 +131,14 @@ def collate_packed(samples: list, total_multiple: int = 1) -> dict:
         batch["position_ids"][-extra:] = numpy.arange(extra)
         lengths, padded = numpy.append(lengths, extra), numpy.append(padded, extra)
     batch = {key: torch.from_numpy(value)[None] for key, value in batch.items()}
-    cumulative = (lambda x: torch.nn.functional.pad(torch.from_numpy(x).cumsum(0), (1, 0))
-                  .to(torch.int32))
-    batch["cu_seqlens"], batch["cu_seqlens_padded"] = cumulative(lengths), cumulative(padded)
+    batch["cu_seqlens"], batch["cu_seqlens_padded"] = _cumulative(lengths), _cumulative(padded)
     batch["max_seqlen"] = int(padded.max())
     return batch
+
+
+def _cumulative(lengths) -> torch.Tensor:
+    """[n] lengths -> [n + 1] int32 boundaries from 0 (megatron's cu_seqlens)."""
+    return torch.nn.functional.pad(torch.from_numpy(lengths).cumsum(0), (1, 0)).to(torch.int32)
 
 
 def collate_documents(samples: list, multiple: int = 1, total_multiple: int = 1) -> dict:
