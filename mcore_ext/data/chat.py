@@ -17,7 +17,11 @@ longer one than seq_length is truncated to seq_length positions or dropped (``ov
 
 Packing (``pack_documents``) is best-fit in file order: each document goes to the open row with
 the least room that holds it, a new row when none does; the same documents always give the same
-rows. The rest of a row is padding, a document of its own without loss.
+rows. The rest of a row is padding, a document of its own without loss. Under context
+parallelism every document takes a multiple of ``pad_to_multiple`` (2 x CP) slots, megatron's
+convention for a THD batch split per document (``cu_seqlens_*_padded``): its real tokens, then
+slots without loss that attention ignores; packing counts the padded lengths, so a row still
+holds ``seq_length`` slots.
 
 ``ChatDataset`` is a megatron ``MegatronDataset``: megatron's ``BlendedMegatronDatasetBuilder``
 splits the conversations (``data.split``), blends files and sizes the splits; each split packs its
@@ -183,7 +187,8 @@ def read_chat_file(path: str, hf_tokenizer, seq_length: int, loss_on: str = "ass
 
 
 def pack_documents(lengths, seq_length: int, pack: bool = True) -> list:
-    """Rows of document indices: best fit in order (see the module); one per row if not pack."""
+    """Rows of document indices: best fit in order (see the module); one per row if not pack.
+    ``lengths``: the slots each document takes (padded to ``pad_to_multiple``)."""
     if not pack:
         return [[i] for i in range(len(lengths))]
     rows, room = [], []  # room: sorted (free slots, row)
@@ -206,6 +211,8 @@ class ChatDatasetConfig(BlendedMegatronDatasetConfig):
     loss_on: str = "assistant"
     overlong: str = "truncate"
     pack: bool = True
+    pad_to_multiple: int = 1
+    """Every document takes a multiple of this many slots (2 x CP: split per document)."""
     hf_tokenizer: Optional[object] = None
     """The Hugging Face tokenizer (with its chat template) that renders conversations."""
 
@@ -229,8 +236,9 @@ class ChatDataset(MegatronDataset):
     """Packed rows of one split of a chat JSONL file, repeated in a new seeded order per epoch.
 
     ``self[i]``: ``tokens``, ``labels`` (int64), ``loss_mask`` (float32), ``position_ids``
-    (restarting at 0 in every document), each [seq_length], and ``lengths`` (int64: the row's
-    documents, then its padding if any; they sum to seq_length).
+    (restarting at 0 in every document), each [seq_length], ``lengths`` (int64: the row's
+    documents, then its padding if any) and ``padded_lengths`` (the slots each takes, a multiple
+    of ``pad_to_multiple``; they sum to seq_length).
     """
 
     @staticmethod
@@ -245,14 +253,14 @@ class ChatDataset(MegatronDataset):
     @staticmethod
     def _key_config_attributes() -> list:
         return super(ChatDataset, ChatDataset)._key_config_attributes() + [
-            "loss_on", "overlong", "pack"]
+            "loss_on", "overlong", "pack", "pad_to_multiple"]
 
     def __init__(self, dataset, dataset_path, indices, num_samples, index_split, config):
         super().__init__(dataset, dataset_path, indices, num_samples, index_split, config)
         s = config.sequence_length
         documents = [dataset.conversations[i] for i in indices]
         self.rows = [[documents[i] for i in row] for row in pack_documents(
-            [len(d.ids) - 1 for d in documents], s, config.pack)]
+            [self._padded(len(d.ids) - 1) for d in documents], s, config.pack)]
         count = num_samples if num_samples is not None else len(self.rows)
         epochs = -(-count // len(self.rows)) if self.rows else 0
         rng = numpy.random.RandomState(config.random_seed)
@@ -266,19 +274,27 @@ class ChatDataset(MegatronDataset):
         s = self.config.sequence_length
         tokens, labels = numpy.zeros(s, dtype=numpy.int64), numpy.zeros(s, dtype=numpy.int64)
         loss_mask, position_ids = numpy.zeros(s, dtype=numpy.float32), numpy.zeros(s, numpy.int64)
-        lengths, at = [], 0
+        lengths, padded, at = [], [], 0
         for doc in self.rows[self.order[idx]]:
-            n = len(doc.ids) - 1
+            n, slots = len(doc.ids) - 1, self._padded(len(doc.ids) - 1)
             tokens[at:at + n], labels[at:at + n] = doc.ids[:-1], doc.ids[1:]
             loss_mask[at:at + n] = doc.loss[1:]
-            position_ids[at:at + n] = numpy.arange(n)
+            position_ids[at:at + slots] = numpy.arange(slots)
             lengths.append(n)
-            at += n
+            padded.append(slots)
+            at += slots
         if at < s:  # padding: a document of its own, no loss
             position_ids[at:] = numpy.arange(s - at)
             lengths.append(s - at)
+            padded.append(s - at)
         return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask,
-                "position_ids": position_ids, "lengths": numpy.asarray(lengths)}
+                "position_ids": position_ids, "lengths": numpy.asarray(lengths),
+                "padded_lengths": numpy.asarray(padded)}
+
+    def _padded(self, length: int) -> int:
+        """The slots a document of ``length`` positions takes: a multiple of pad_to_multiple."""
+        multiple = self.config.pad_to_multiple
+        return -(-length // multiple) * multiple
 
     def loss_token_share(self) -> float:
         """Loss tokens over all slots of the split's rows (what packing raises)."""

@@ -3,6 +3,8 @@
 Shapes (megatron notation): s sequence, b batch, h hidden, v padded vocab, D = mtp_num_layers.
 """
 
+import dataclasses
+
 import torch
 from megatron.core.models.gpt import GPTModel
 
@@ -40,6 +42,8 @@ class MTPGPTModel(GPTModel):
                      rotary_pos_cos, rotary_pos_sin, mtp_in_postprocess=None, **kwargs):
         if self._step35 and _speculative_decoding(kwargs.get("inference_context")):
             self._refuse_speculative_decoding()
+        if kwargs.get("packed_seq_params") is not None:  # only MTP reads it from here on
+            kwargs["packed_seq_params"] = _padded_documents(kwargs["packed_seq_params"])
         pre_norm, self._pre_norm_hidden = self._pre_norm_hidden, None
         sink = self._mtp_logits_sink
         runs_mtp_here = self._step35 or sink is not None
@@ -159,6 +163,23 @@ class MTPGPTModel(GPTModel):
         except ImportError:  # releases before InferenceMode: an inference context outside training
             return kwargs.get("inference_context") is not None and not self.training
         return InferenceMode.is_active()
+
+
+def _padded_documents(params):
+    """The packed batch as megatron's MTP needs it: documents ending where their padded slots end.
+
+    megatron's MTP shifts the labels, the loss mask and the input ids one token left within each
+    document (``roll_tensor``), reading ``cu_seqlens_q`` as the tensor's own slots (under CP
+    each rank's, ``cu_seqlens_q`` // CP): with documents padded to 2 x CP
+    (``cu_seqlens_q_padded``) those are the padded boundaries. A document's padding has token
+    id 0 and no loss, what the shift puts at a document's last token anyway, and causal
+    attention never lets a real token see the padding after it, so the MTP depths compute the
+    same for every real token.
+    """
+    if params.cu_seqlens_q_padded is None:
+        return params
+    return dataclasses.replace(params, cu_seqlens_q=params.cu_seqlens_q_padded,
+                               cu_seqlens_kv=params.cu_seqlens_kv_padded)
 
 
 def _speculative_decoding(inference_context) -> bool:

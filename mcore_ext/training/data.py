@@ -11,9 +11,12 @@ micro-batch and keeps its 2 chunks of each sequence (``cp_shard``).
 Chat data (``data.source: chat``, ``mcore_ext.data.chat``) gives rows of packed conversations; a
 micro-batch of them is one THD sequence (``collate_packed``): its b rows side by side, the
 documents' boundaries in ``cu_seqlens``, so each attends only to itself and its positions restart.
+Under context parallelism every document is padded to a multiple of 2 x CP
+(``cu_seqlens_padded``) and split on its own into 2 x CP chunks, megatron's THD convention.
 """
 
 import os
+from functools import partial
 
 import numpy
 import torch
@@ -23,7 +26,10 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from mcore_ext.attention.context_parallel import get_batch_on_this_cp_rank
+from mcore_ext.attention.context_parallel import (
+    get_batch_on_this_cp_rank,
+    get_packed_batch_on_this_cp_rank,
+)
 from mcore_ext.data.chat import ChatDataset, ChatDatasetConfig
 from mcore_ext.data.preprocess import preprocess, stdlib_sources
 from mcore_ext.data.tokenizers import load_tokenizer
@@ -82,7 +88,7 @@ def build_datasets(cfg, tokenizer):
 
 def _build_chat_datasets(cfg, tokenizer, sizes):
     """(train, valid) ``ChatDataset``s: megatron's builder splits the file's conversations."""
-    d, t = cfg.data, cfg.training
+    d, t, cp = cfg.data, cfg.training, cfg.parallelism.context_parallel_size
     config = ChatDatasetConfig(
         random_seed=t.seed,
         sequence_length=cfg.model.seq_length,
@@ -93,6 +99,8 @@ def _build_chat_datasets(cfg, tokenizer, sizes):
         loss_on=d.loss_on,
         overlong=d.overlong,
         pack=d.pack,
+        # megatron's THD convention under CP: every document a multiple of 2 x CP (cp_shard)
+        pad_to_multiple=2 * cp if cp > 1 else 1,
     )
     train, valid, _ = BlendedMegatronDatasetBuilder(ChatDataset, sizes, lambda: True,
                                                     config).build()
@@ -106,37 +114,66 @@ def _build_chat_datasets(cfg, tokenizer, sizes):
     return train, valid
 
 
-def collate_packed(samples: list) -> dict:
+def collate_packed(samples: list, total_multiple: int = 1) -> dict:
     """Rows of packed documents -> one THD micro-batch: ``tokens`` / ``labels`` / ``loss_mask`` /
-    ``position_ids`` [1, b x s], the rows side by side, and ``cu_seqlens`` (int32, every row's
-    documents and padding) with ``max_seqlen``."""
-    batch = {key: torch.from_numpy(numpy.concatenate([x[key] for x in samples]))[None]
+    ``position_ids`` [1, t], the rows side by side, ``cu_seqlens`` (int32, every row's documents
+    and padding, real lengths), ``cu_seqlens_padded`` (the slots each takes: ``padded_lengths``,
+    as is without them) and ``max_seqlen`` (the longest padded one). ``total_multiple``: a last
+    padding document makes t a multiple of it (the rows of ``collate_documents`` vary in length).
+    """
+    batch = {key: numpy.concatenate([x[key] for x in samples])
              for key in ("tokens", "labels", "loss_mask", "position_ids")}
-    lengths = torch.from_numpy(numpy.concatenate([x["lengths"] for x in samples]))
-    batch["cu_seqlens"] = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
-    batch["max_seqlen"] = int(lengths.max())
+    lengths = numpy.concatenate([x["lengths"] for x in samples])
+    padded = numpy.concatenate([x.get("padded_lengths", x["lengths"]) for x in samples])
+    extra = -len(batch["tokens"]) % total_multiple
+    if extra:  # a document of its own, no loss
+        batch = {key: numpy.pad(value, (0, extra)) for key, value in batch.items()}
+        batch["position_ids"][-extra:] = numpy.arange(extra)
+        lengths, padded = numpy.append(lengths, extra), numpy.append(padded, extra)
+    batch = {key: torch.from_numpy(value)[None] for key, value in batch.items()}
+    batch["cu_seqlens"], batch["cu_seqlens_padded"] = _cumulative(lengths), _cumulative(padded)
+    batch["max_seqlen"] = int(padded.max())
     return batch
 
 
-def collate_documents(samples: list) -> dict:
+def _cumulative(lengths) -> torch.Tensor:
+    """[n] lengths -> [n + 1] int32 boundaries from 0 (megatron's cu_seqlens)."""
+    return torch.nn.functional.pad(torch.from_numpy(lengths).cumsum(0), (1, 0)).to(torch.int32)
+
+
+def collate_documents(samples: list, multiple: int = 1, total_multiple: int = 1) -> dict:
     """Text samples with restarted positions (``data.document_masking``) -> one THD micro-batch
-    as ``collate_packed`` makes it: a document begins wherever its position is 0."""
+    as ``collate_packed`` makes it: a document begins wherever its position is 0. ``multiple``
+    (2 x CP): each document is followed by slots without loss up to a multiple of it."""
     rows = []
     for sample in samples:
         row = {key: numpy.asarray(sample[key])
                for key in ("tokens", "labels", "loss_mask", "position_ids")}
         starts = numpy.flatnonzero(row["position_ids"] == 0)
-        row["lengths"] = numpy.diff(numpy.append(starts, len(row["position_ids"])))
-        rows.append(row)
-    return collate_packed(rows)
+        lengths = numpy.diff(numpy.append(starts, len(row["position_ids"])))
+        padded = -(-lengths // multiple) * multiple
+        if multiple > 1:  # each document's tokens at its padded offset, zeros after them
+            at = numpy.concatenate([[0], padded.cumsum()[:-1]])
+            slots = numpy.concatenate([a + numpy.arange(n) for a, n in zip(at, lengths)])
+            for key, value in row.items():
+                row[key] = numpy.zeros(int(padded.sum()), value.dtype)
+                row[key][slots] = value
+            row["position_ids"] = numpy.concatenate([numpy.arange(n) for n in padded])
+        rows.append(dict(row, lengths=lengths, padded_lengths=padded))
+    return collate_packed(rows, total_multiple)
 
 
 def packed_seq_params(batch: dict, dev) -> PackedSeqParams | None:
     """The ``PackedSeqParams`` (THD) of a packed micro-batch; None for a [b, s] one."""
     if "cu_seqlens" not in batch:
         return None
+    padded = batch.get("cu_seqlens_padded")
+    if padded is not None and torch.equal(padded, batch["cu_seqlens"]):
+        padded = None  # no padding inside documents (CP 1): megatron reads cu_seqlens then
     cu_seqlens = batch["cu_seqlens"].to(dev)
+    padded = padded.to(dev) if padded is not None else None
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                           cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded,
                            max_seqlen_q=batch["max_seqlen"], max_seqlen_kv=batch["max_seqlen"])
 
 
@@ -172,14 +209,38 @@ def batch_iterator(dataset, cfg, start_sample: int = 0):
         num_workers=cfg.data.num_workers,
         pin_memory=torch.cuda.is_available(),
         persistent_workers=False,
-        collate_fn=(collate_packed if cfg.data.source == "chat" else
-                    collate_documents if cfg.data.document_masking else None),
+        collate_fn=_collate_fn(cfg),
     )
     return iter(loader)
 
 
+def _collate_fn(cfg):
+    """How samples become a micro-batch: THD for chat rows and text with document masking (each
+    document padded to 2 x CP under context parallelism), megatron's default collation else."""
+    if cfg.data.source == "chat":
+        return collate_packed  # the rows hold padded documents already (ChatDataset)
+    if not cfg.data.document_masking:
+        return None
+    p = cfg.parallelism
+    cp = p.context_parallel_size
+    if cp == 1:
+        return collate_documents
+    # each CP rank's share of the micro-batch splits evenly over TP (sequence parallelism)
+    return partial(collate_documents, multiple=2 * cp,
+                   total_multiple=2 * cp * p.tensor_model_parallel_size)
+
+
 def cp_shard(batch: dict) -> dict:
-    """This CP rank's tokens of a micro-batch (megatron's load-balanced split; as is at CP 1)."""
+    """This CP rank's tokens of a micro-batch (megatron's load-balanced split; as is at CP 1).
+
+    A packed (THD) micro-batch is split per document, as megatron splits one with
+    ``cu_seqlens_padded``: every document's 2 x CP chunks r and 2CP-1-r; its ``cu_seqlens*``
+    still describe the whole micro-batch (core attention and RoPE read them so).
+    """
     if parallel_state.get_context_parallel_world_size() == 1:
         return batch
-    return get_batch_on_this_cp_rank(batch)
+    if "cu_seqlens" not in batch:
+        return get_batch_on_this_cp_rank(batch)
+    padded = batch["cu_seqlens_padded"]
+    return dict(batch, **{key: get_packed_batch_on_this_cp_rank(batch[key], padded, dim=1)
+                          for key in ("tokens", "labels", "loss_mask", "position_ids")})

@@ -215,3 +215,75 @@ def test_a_split_left_without_conversations_is_one_error_at_validation(tmp_path,
            "conversation (3 conversations)" in err, err
     assert not (tmp_path / "ckpt").exists()
     assert path.read_text().count("\n") == 3
+
+
+def test_context_parallel_pads_every_document_to_a_multiple_of_2_cp():
+    """Under CP 2 (pad_to_multiple 4, megatron's cu_seqlens_padded convention) a document takes
+    a multiple of 4 slots: its tokens, then slots without loss; packing counts the padded
+    lengths, so a row still holds seq_length slots. Text documents (document_masking) get the
+    same padding at collation, and a last padding document evens the micro-batch out."""
+    from megatron.core.datasets.utils import Split
+
+    from mcore_ext.training.data import collate_documents, collate_packed
+
+    def doc(ids, loss):
+        return chat.Conversation(numpy.array(ids), numpy.array(loss, dtype=bool))
+
+    docs = [doc([10, 11, 12, 13], [0, 0, 1, 1]), doc([20, 21, 22], [0, 1, 1]),
+            doc([30, 31, 32], [0, 1, 1])]
+    config = chat.ChatDatasetConfig(random_seed=1, sequence_length=8, split="1,0,0",
+                                    tokenizer=None, hf_tokenizer=None, pad_to_multiple=4)
+    dataset = chat.ChatDataset(chat.ChatFile("mem", docs, 3, 0, 0), "mem", numpy.arange(3), 2,
+                               Split.train, config)
+    # 3 + 2 positions fit a row of 8 unpadded with the third; padded to 4 each, two do
+    assert [[len(d.ids) - 1 for d in row] for row in dataset.rows] == [[3, 2], [2]]
+    rows = {int(dataset.order[i]): dataset[i] for i in range(2)}
+    first, second = rows[0], rows[1]
+    assert first["tokens"].tolist() == [10, 11, 12, 0, 20, 21, 0, 0]
+    assert first["labels"].tolist() == [11, 12, 13, 0, 21, 22, 0, 0]
+    assert first["loss_mask"].tolist() == [0, 1, 1, 0, 1, 1, 0, 0]
+    assert first["position_ids"].tolist() == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert first["lengths"].tolist() == [3, 2] and first["padded_lengths"].tolist() == [4, 4]
+    assert second["lengths"].tolist() == [2, 4] and second["padded_lengths"].tolist() == [4, 4]
+    batch = collate_packed([first, second])
+    assert batch["cu_seqlens"].tolist() == [0, 3, 5, 7, 11]
+    assert batch["cu_seqlens_padded"].tolist() == [0, 4, 8, 12, 16]
+    assert batch["max_seqlen"] == 4 and batch["tokens"].shape == (1, 16)
+
+    eod = 9
+    text = [[1, 2, eod, 3, 4, 5, eod, 6], [7, 7, 7, 7, 7, 7, 7, eod]]
+    samples = []
+    for row in text:
+        positions, at = [], 0
+        for n in numpy.diff(numpy.append(0, numpy.flatnonzero(numpy.array(row) == eod) + 1)):
+            positions += list(range(n))
+            at += n
+        positions += list(range(len(row) - at))
+        samples.append({"tokens": numpy.array(row), "labels": numpy.roll(row, -1),
+                        "loss_mask": numpy.ones(8, numpy.float32),
+                        "position_ids": numpy.array(positions)})
+    batch = collate_documents(samples, multiple=4, total_multiple=8)  # CP 2 x TP 2
+    assert batch["cu_seqlens"].tolist() == [0, 3, 7, 8, 16, 20]
+    assert batch["cu_seqlens_padded"].tolist() == [0, 4, 8, 12, 20, 24]
+    assert batch["tokens"].tolist() == [[1, 2, eod, 0, 3, 4, 5, eod, 6, 0, 0, 0]
+                                        + text[1] + [0] * 4]
+    assert batch["loss_mask"].tolist() == [[1, 1, 1, 0, 1, 1, 1, 1, 1, 0, 0, 0] + [1] * 8
+                                           + [0] * 4]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 3] * 3 + list(range(8)) + [0, 1, 2, 3]]
+
+
+def test_check_takes_chat_data_at_cp2_and_refuses_it_at_pp2(tmp_path, capsys):
+    """The recipe at TP 1 x CP 2 passes validation (the old code refused it: packed documents at
+    context_parallel_size=1 only); PP 2 is still one error naming the field and value, exit 2."""
+    from mcore_ext.training import main
+
+    common = ["--config", str(RECIPE), "--check", "--world-size", "2",
+              "parallelism.tensor_model_parallel_size=1", "parallelism.sequence_parallel=false",
+              f"checkpoint.save={tmp_path / 'ckpt'}", f"checkpoint.load={tmp_path / 'ckpt'}"]
+    assert main(common + ["parallelism.context_parallel_size=2"]) == 0, capsys.readouterr()
+    capsys.readouterr()
+    assert main(common + ["parallelism.pipeline_model_parallel_size=2"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("error: data.source=chat trains packed documents at "
+                   "parallelism.pipeline_model_parallel_size=1 only, got 2\n"), err
+    assert not (tmp_path / "ckpt").exists()

@@ -226,6 +226,11 @@ DECISIONS = {
         "test_imported_step35_fine_tunes_on_chat_data_and_exports_what_transformers_decodes"),
     "python -m mcore_ext.plan --config configs/step35_flash.yaml --vocab-size 128896 --seq "
     "131072 --cp 8 --recompute full --packed": Run(expect="packed documents"),
+    "torchrun --nproc_per_node=2 launch/pretrain.py --config configs/step35_sft_tiny_cpu.yaml "
+    "parallelism.tensor_model_parallel_size=1 parallelism.sequence_parallel=false "
+    "parallelism.context_parallel_size=2": Covered(
+        "tests/functional/test_sft.py::"
+        "test_recipe_at_context_parallel_2_trains_packed_conversations"),
     # packed vs one-conversation-per-row SFT (docs/training.md)
     "python benchmarks/bench_sft_packing.py": Skip(BENCHMARK),
     # the memory plan (docs/memory-plan.md)

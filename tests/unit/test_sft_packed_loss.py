@@ -1,11 +1,17 @@
-"""The SFT loss of packed rows, at TP 2 with sequence parallelism and micro-batch 2, against plain
-PyTorch written from the formula.
+"""The SFT loss of packed rows, at TP 2 with sequence parallelism and at CP 2, micro-batch 2,
+against plain PyTorch written from the formula.
 
-Seven conversations of 1 to 8 positions (shorter and longer than the sliding window, 3) are packed
-by the launcher's own ``ChatDataset`` into 4 rows of 8 (one full, three with padding) and
-collated by ``collate_packed`` into 2 THD micro-batches of 2 rows; the launcher's
-``_forward_step`` runs them through megatron's schedule on the 4-layer Step-3.5 model of
-``test_layer_kinds`` (both layer kinds, gate, clamps), weights loaded from one global set.
+Conversations of 1 to 8 positions (shorter and longer than the sliding window, 3) are packed by
+the launcher's own ``ChatDataset`` into 4 rows of 8 and collated by ``collate_packed`` into 2 THD
+micro-batches of 2 rows; the launcher's ``_forward_step`` runs them through megatron's schedule
+on the 4-layer Step-3.5 model of ``test_layer_kinds`` (both layer kinds, gate, clamps), weights
+loaded from one global set. At TP 2: seven conversations, three rows with padding. At CP 2 every
+conversation takes a multiple of 2 x CP = 4 slots (megatron's ``cu_seqlens_padded``) and
+``cp_shard`` gives each rank chunks r and 3 - r of every document: six conversations of 1, 2, 3,
+4, 5 and 8 positions, so documents shorter than a CP chunk of a row (2 slots), documents whose
+chunks (1 or 2 slots) are shorter than the window (the sliding layers' halo reaches into the
+other rank's chunks, and stops at the document's start), and padding inside documents; the full
+layers take the all-gather path.
 
 The reference (``tests.reference.step35_logits``) runs each conversation on its own from position
 0, so per-document causal attention and restarted positions are what it means; the loss is
@@ -19,6 +25,7 @@ tokens in ``finalize_model_grads``).
 """
 
 import numpy
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -27,14 +34,16 @@ from tests import builders, reference
 TOL = 1e-5
 SEQ = 8
 LENGTHS = [5, 4, 3, 2, 8, 1, 6]  # best fit: [5, 3], [4, 2, 1 + pad], [8], [6 + pad]
+# At CP 2, padded to 4: [5 -> 8], [3 -> 4, 2 -> 4], [8], [1 -> 4, 4]
+CP_LENGTHS = [5, 3, 2, 8, 1, 4]
 
 
-def _conversations(vocab):
+def _conversations(vocab, lengths):
     from mcore_ext.data import chat
 
     gen = torch.Generator().manual_seed(5)
     docs = []
-    for n in LENGTHS:
+    for n in lengths:
         ids = torch.randint(0, vocab, (n + 1,), generator=gen).numpy()
         loss = (torch.rand(n + 1, generator=gen) < 0.6).numpy()
         loss[-1] = True  # every document has a target
@@ -42,21 +51,24 @@ def _conversations(vocab):
     return docs
 
 
-def _micro_batches(docs):
+def _micro_batches(docs, cp, pack=True):
+    """The rows of ``docs`` (4 when packed), in micro-batches of 2."""
     from megatron.core.datasets.utils import Split
 
     from mcore_ext.data import chat
     from mcore_ext.training.data import collate_packed
 
     config = chat.ChatDatasetConfig(random_seed=1, sequence_length=SEQ, split="1,0,0",
-                                    tokenizer=None, hf_tokenizer=None)
+                                    tokenizer=None, hf_tokenizer=None, pack=pack,
+                                    pad_to_multiple=2 * cp if cp > 1 else 1)
     dataset = chat.ChatDataset(chat.ChatFile("mem", docs, len(docs), 0, 0), "mem",
-                               numpy.arange(len(docs)), 4, Split.train, config)
-    rows = [dataset[i] for i in range(4)]
-    return [collate_packed(rows[:2]), collate_packed(rows[2:])]
+                               numpy.arange(len(docs)), None, Split.train, config)
+    rows = [dataset[i] for i in range(len(dataset))]
+    return [collate_packed(rows[i:i + 2]) for i in range(0, len(rows), 2)]
 
 
 def _schedule(model, batches, forward_only):
+    from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from mcore_ext.training import loop
@@ -66,33 +78,55 @@ def _schedule(model, batches, forward_only):
         forward_step_func=loop._forward_step, data_iterator=iter(batches), model=[model],
         num_microbatches=len(batches), seq_length=SEQ, micro_batch_size=2,
         forward_only=forward_only)
-    total = torch.stack([x["lm loss"] for x in out]).sum(0)
+    total = torch.stack([x["lm loss"] for x in out]).sum(0)  # [loss sum, loss tokens]
+    # each CP rank's own tokens: summed over CP, as the launcher sums them over every rank
+    torch.distributed.all_reduce(total, group=parallel_state.get_context_parallel_group())
     return (total[0] / total[1]).item()
 
 
 def _logits(model, batch):
+    """[t, v] logits of the whole micro-batch: under CP each rank's tokens (``cp_shard``), put
+    back in place from every rank."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    from mcore_ext.training.data import packed_seq_params
+    from mcore_ext.training.data import cp_shard, packed_seq_params
 
+    t = batch["tokens"].size(1)
+    local = cp_shard(batch)
+    # the slots this rank holds: its positions' ids, split as the tokens are
+    local["slots"] = cp_shard(dict(batch, tokens=torch.arange(t)[None]))["tokens"]
     with torch.no_grad():
-        logits = model.module(batch["tokens"], batch["position_ids"], None,
+        logits = model.module(local["tokens"], local["position_ids"], None,
                               packed_seq_params=packed_seq_params(batch, "cpu"))
-    return gather_from_tensor_model_parallel_region(logits)[0]  # [t, v]
+    logits = gather_from_tensor_model_parallel_region(logits)[0]  # [t / CP, v]
+    group = parallel_state.get_context_parallel_group()
+    if group.size() == 1:
+        return logits
+    slots = local["slots"][0]
+    every = [torch.empty_like(logits) for _ in range(group.size())]
+    every_slots = [torch.empty_like(slots) for _ in range(group.size())]
+    dist.all_gather(every, logits, group=group)
+    dist.all_gather(every_slots, slots, group=group)
+    full = logits.new_zeros(t, logits.size(1))
+    full[torch.cat(every_slots)] = torch.cat(every)
+    return full
 
 
-def _packed_sft():
+def _packed_sft(tp, cp, lengths):
     import mcore_ext
     from mcore_ext._cpu_compat import cuda_to_cpu
     from tests.unit.test_layer_kinds import (EPS, VOCAB, _config, _global_weights,
                                              load_global_weights)
 
-    mcore_ext.init_parallel(tensor_model_parallel_size=2)
-    config = _config("gqa", 2, sequence_parallel=True, calculate_per_token_loss=True)
+    mcore_ext.init_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
+    config = _config("gqa", tp, sequence_parallel=tp > 1, context_parallel_size=cp,
+                     calculate_per_token_loss=True)
     layers = builders.reference_layers(config)
     weights = _global_weights(layers)
-    docs = _conversations(VOCAB)
-    batches = _micro_batches(docs)
+    docs = _conversations(VOCAB, lengths)
+    batches = _micro_batches(docs, cp)
 
     # The reference: each document alone, from position 0.
     ref_weights = dict(weights, embed=weights["embed"].clone().requires_grad_(),
@@ -121,15 +155,15 @@ def _packed_sft():
         # Logits of every document in its packed slots against the document alone.
         logit_diff, matched = 0.0, 0
         for batch in batches:
-            logits, at = _logits(model, batch), 0
-            for length in batch["cu_seqlens"].diff().tolist():
+            logits = _logits(model, batch)
+            for at, length in zip(batch["cu_seqlens_padded"][:-1].tolist(),
+                                  batch["cu_seqlens"].diff().tolist()):
                 ids = batch["tokens"][0, at:at + length]
                 for doc, ref in zip(docs, doc_logits):
                     if len(doc.ids) - 1 == length and torch.equal(torch.from_numpy(
                             doc.ids[:-1]), ids):
                         logit_diff = max(logit_diff, (logits[at:at + length] - ref).abs().max())
                         matched += 1
-                at += length
 
         # Control: the row as one sequence (documents attending to those before them, positions
         # running on) gives other logits than the model's, by far more than the tolerance.
@@ -140,7 +174,7 @@ def _packed_sft():
         # Another first document in row 0: the rest of the row keeps its logits.
         before = _logits(model, batches[0])
         changed = dict(batches[0], tokens=batches[0]["tokens"].clone())
-        first = batches[0]["cu_seqlens"][1].item()
+        first = batches[0]["cu_seqlens_padded"][1].item()  # the first document's slots
         changed["tokens"][0, :first] = (changed["tokens"][0, :first] + 1) % VOCAB
         after = _logits(model, changed)
         others_moved = (after[first:] - before[first:]).abs().max().item()
@@ -166,18 +200,102 @@ def _packed_sft():
         grad_scale=ref_weights["lm_head"].grad.abs().max().item(),
         unmasked_diff=unmasked_diff, others_moved=others_moved, own_moved=own_moved, moved=moved,
         rows=[b["cu_seqlens"].tolist() for b in batches],
+        padded=[b["cu_seqlens_padded"].tolist() for b in batches],
     )
 
 
-def test_packed_sft_loss_logits_and_gradients_match_per_document_reference(run_distributed):
-    for r in run_distributed(_packed_sft, world_size=2):
+@pytest.mark.parametrize("tp, cp, lengths, padding, slots", [
+    # TP 2 + SP: two padding documents of 1 and 2 slots, no padding inside documents
+    (2, 1, LENGTHS, [1, 2], [5, 4, 3, 2, 8, 1, 6, 1, 2]),
+    # CP 2: no padding document, every document in a multiple of 4 slots
+    (1, 2, CP_LENGTHS, [], [8, 4, 4, 8, 4, 4]),
+], ids=["tp2_sp", "cp2"])
+def test_packed_sft_loss_logits_and_gradients_match_per_document_reference(
+        run_distributed, tp, cp, lengths, padding, slots):
+    for r in run_distributed(_packed_sft, tp, cp, lengths, world_size=2):
         # The packing under test: documents and padding in both micro-batches.
-        lengths = [b - a for row in r["rows"] for a, b in zip(row, row[1:])]
-        assert sorted(lengths) == sorted(LENGTHS + [1, 2]), r["rows"]  # + 2 padding slots
-        assert r["matched"] == len(LENGTHS), r
+        real = [b - a for row in r["rows"] for a, b in zip(row, row[1:])]
+        assert sorted(real) == sorted(lengths + padding), r["rows"]
+        taken = [b - a for row in r["padded"] for a, b in zip(row, row[1:])]
+        assert sorted(taken) == sorted(slots), r["padded"]
+        assert r["matched"] == len(lengths), r
         assert abs(r["loss"] - r["expected"]) <= TOL, r
         assert r["logit_diff"] <= TOL < r["unmasked_diff"] / 100, r
         assert r["grad_scale"] > 1e-3  # the gradient checks see something
         assert r["lm_head_diff"] <= TOL and r["embed_diff"] <= TOL, r
         assert r["others_moved"] <= 1e-6 and r["own_moved"] > 1e-3, r
         assert r["moved"]["prompt"] == 0.0 and r["moved"]["answer"] > 1e-4, r
+
+
+
+def _mtp_shift(cp):
+    """megatron's MTP shift (``roll_tensor``: labels and loss mask one token left within each
+    document) of this rank's tokens under CP ``cp``, with the packed batch as the MTP model gives
+    it (``_padded_documents``) and as it comes (real ``cu_seqlens_q``), put back in place."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.transformer.multi_token_prediction import roll_tensor
+
+    import mcore_ext
+    from mcore_ext.models.mtp_model import _padded_documents
+    from mcore_ext.training.data import cp_shard, packed_seq_params
+    from tests.unit.test_layer_kinds import VOCAB
+
+    mcore_ext.init_parallel(context_parallel_size=cp)
+    group = parallel_state.get_context_parallel_group()
+    out = []
+    for batch in _micro_batches(_conversations(VOCAB, CP_LENGTHS), cp):
+        t = batch["tokens"].size(1)
+        slots = cp_shard(dict(batch, tokens=torch.arange(t)[None]))["tokens"][0]
+        local = cp_shard(batch)
+        params = packed_seq_params(batch, "cpu")
+        result = dict(batch=batch)
+        for name, given in (("padded", _padded_documents(params)), ("real", params)):
+            try:
+                shifted = [roll_tensor(local[key].float(), -1, -1, cp_group=group,
+                                       packed_seq_params=given)[0][0]
+                           for key in ("labels", "loss_mask")]
+            except Exception as err:  # noqa: BLE001 (the failure is the result)
+                result[name] = f"{type(err).__name__}: {err}"
+                continue
+            full = []
+            for local_values in shifted:
+                every = [torch.empty_like(local_values) for _ in range(cp)]
+                every_slots = [torch.empty_like(slots) for _ in range(cp)]
+                dist.all_gather(every, local_values, group=group)
+                dist.all_gather(every_slots, slots, group=group)
+                values = torch.zeros(t)
+                values[torch.cat(every_slots)] = torch.cat(every)
+                full.append(values)
+            result[name] = full
+        out.append(result)
+    return out
+
+
+def _shifted_within_documents(batch, key):
+    """The reference: per document, its real tokens' values one slot left, 0 at its last."""
+    values = batch[key][0].float()
+    expected = {}
+    for at, length in zip(batch["cu_seqlens_padded"][:-1].tolist(),
+                          batch["cu_seqlens"].diff().tolist()):
+        for i in range(at, at + length):
+            expected[i] = values[i + 1].item() if i + 1 < at + length else 0.0
+    return expected
+
+
+def test_mtp_shifts_labels_within_each_padded_document_under_cp2(run_distributed):
+    """MTP's labels and loss mask at CP 2: each real token gets its document's next one (the
+    last none), the shift crossing between the ranks' chunks of a document; read with the real
+    ``cu_seqlens_q`` megatron splits the tensor at the wrong slots (the old code's shift)."""
+    for per_rank in run_distributed(_mtp_shift, 2, world_size=2):
+        wrong = 0
+        for r in per_rank:
+            for key, got in zip(("labels", "loss_mask"), r["padded"]):
+                expected = _shifted_within_documents(r["batch"], key)
+                assert {i: got[i].item() for i in expected} == expected, (key, r["batch"])
+            if isinstance(r["real"], str):
+                wrong += 1
+            else:
+                expected = _shifted_within_documents(r["batch"], "labels")
+                wrong += {i: r["real"][0][i].item() for i in expected} != expected
+        assert wrong, per_rank  # the control: the real boundaries shift otherwise

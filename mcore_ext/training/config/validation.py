@@ -362,12 +362,13 @@ def _validate_chat(cfg: PretrainConfig) -> None:
             "data.source=chat needs data.tokenizer: a Hugging Face tokenizer directory with a "
             "chat template (the model's own; 'byte' has none)")
     _refuse_packed_layouts(p, "data.source=chat")
-    if p.sequence_parallel and (m.seq_length * cfg.training.micro_batch_size) % (
-            p.tensor_model_parallel_size):
+    cp = p.context_parallel_size
+    if p.sequence_parallel and (m.seq_length * cfg.training.micro_batch_size // cp) % (
+            p.tensor_model_parallel_size):  # a CP rank's tokens of a micro-batch, split over TP
         raise ConfigError(
-            f"data.source=chat with sequence_parallel: micro_batch_size x seq_length "
-            f"({cfg.training.micro_batch_size} x {m.seq_length}) must divide by "
-            f"tensor_model_parallel_size={p.tensor_model_parallel_size}")
+            f"data.source=chat with sequence_parallel: micro_batch_size x seq_length / "
+            f"context_parallel_size ({cfg.training.micro_batch_size} x {m.seq_length} / {cp}) "
+            f"must divide by tensor_model_parallel_size={p.tensor_model_parallel_size}")
     from mcore_ext.data.chat import ChatDataError, load_chat_file
     from mcore_ext.data.tokenizers import load_tokenizer
 
@@ -407,11 +408,10 @@ def _refuse_empty_splits(cfg: PretrainConfig, count: int) -> None:
 
 
 def _refuse_packed_layouts(p, what: str) -> None:
-    for key, value in [("parallelism.context_parallel_size", p.context_parallel_size),
-                       ("parallelism.pipeline_model_parallel_size",
-                        p.pipeline_model_parallel_size)]:
-        if value > 1:  # docs/known-gaps.md: packed documents under CP and PP
-            raise ConfigError(f"{what} trains packed documents at {key}=1 only, got {value}")
+    pp = p.pipeline_model_parallel_size
+    if pp > 1:  # docs/known-gaps.md: packed documents under PP
+        raise ConfigError(f"{what} trains packed documents at "
+                          f"parallelism.pipeline_model_parallel_size=1 only, got {pp}")
 
 
 def _tokenizer_id(name: str) -> str:
