@@ -19,6 +19,7 @@ from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
+from megatron.core.utils import unwrap_model
 
 from mcore_ext import _mcore_compat, lora
 from mcore_ext._cpu_compat import cuda_to_cpu
