@@ -39,7 +39,10 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
-from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+from megatron.core.transformer.utils import (
+    ensure_metadata_has_dp_cp_group,
+    make_sharded_tensors_for_checkpoint,
+)
 from megatron.core.utils import get_pg_rank, get_pg_size
 
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "g_proj", "o_proj")
@@ -182,7 +185,8 @@ class LoraLinear(torch.nn.Module):
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         """B sharded along its rows (column-parallel, an even block of the HF rows) or A along
-        its columns (row-parallel); the rest replicated over TP."""
+        its columns (row-parallel); the rest replicated over TP. Replicas over data (and
+        context) parallelism are told apart by their DP rank, so one of them writes."""
         state = {}
         axes = {}
         for name, target in self.targets.items():
@@ -193,8 +197,10 @@ class LoraLinear(torch.nn.Module):
                 axes[f"{key}.lora_A"] = 1
             elif target.rows is None:
                 axes[f"{key}.lora_B"] = 0
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
         return make_sharded_tensors_for_checkpoint(state, prefix, axes, sharded_offsets,
-                                                   tp_group=self.tp_group)
+                                                   tp_group=self.tp_group,
+                                                   dp_cp_group=metadata["dp_cp_group"])
 
 
 def _hook(adapter: LoraLinear):

@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from mcore_ext import lora
 from mcore_ext._cpu_compat import cuda_to_cpu
+from mcore_ext.checkpoint import adapters as adapter_checkpoint
 from mcore_ext.checkpoint import manifest, safe_pickle, saving
 from mcore_ext.checkpoint.architecture import HYBRID, saved_architecture
 from mcore_ext.checkpoint.directory import (
@@ -256,7 +257,8 @@ def export_checkpoint(ckpt_dir: str, hf_dir: str, *, vocab_size: int | None = No
 
     A LoRA run's checkpoint (its config.yaml's ``lora.rank`` > 0) exports the merged model
     (W + (alpha / r) B A); with ``adapter`` the adapters alone in PEFT's format
-    (``mcore_ext.hf.adapter``).
+    (``mcore_ext.hf.adapter``). Its adapters-only checkpoint takes the base weights from the base
+    checkpoint it refers to (``mcore_ext.checkpoint.adapters``), which must be unchanged.
     """
     _refuse_on_every_rank(_target_problem(hf_dir, overwrite))
     from mcore_ext import checkpoint
@@ -276,7 +278,12 @@ def export_checkpoint(ckpt_dir: str, hf_dir: str, *, vocab_size: int | None = No
     if adapter and not adapters.enabled:
         raise HFConfigError(f"{directory}: --adapter: the checkpoint holds no LoRA adapters "
                             f"(lora.rank={cfg.lora.rank} in its config.yaml)")
-    metadata = dist_checkpointing.load_tensors_metadata(directory)
+    # An adapters-only checkpoint (a LoRA run over a base): the model's weights are the base's.
+    reference = dist_checkpointing.load_common_state_dict(directory).get(
+        adapter_checkpoint.BASE_KEY)
+    base_dir = directory if reference is None else adapter_checkpoint.find_base(
+        reference, directory, cfg.checkpoint.load)
+    metadata = dist_checkpointing.load_tensors_metadata(base_dir)
     hybrid = saved_architecture(metadata) == HYBRID
     if hybrid and adapters.enabled:
         raise HFConfigError(f"{directory}: hf export of a hybrid LoRA checkpoint is not built "
@@ -322,7 +329,15 @@ def export_checkpoint(ckpt_dir: str, hf_dir: str, *, vocab_size: int | None = No
         model = (build_hybrid_model if hybrid else build_gpt_model)(config, **build)
     model.to(device())  # loaded where the process computes; save_pretrained gathers on the CPU
     lora.apply_lora(model, adapters)  # a LoRA run's adapters load with the base weights
-    loaded = checkpoint.load({"model": model.sharded_state_dict()}, directory, in_place=True)
+    state = model.sharded_state_dict()
+    if reference is None:
+        loaded = checkpoint.load({"model": state}, directory, in_place=True)
+    else:
+        loaded = checkpoint.load({"model": {k: v for k, v in state.items()
+                                            if lora.ADAPTER_KEY in k}}, directory, in_place=True)
+        loaded["model"].update(checkpoint.load(
+            {"model": {k: v for k, v in state.items() if lora.ADAPTER_KEY not in k}}, base_dir,
+            in_place=True)["model"])
     try:  # strict: a parameter left out would be exported uninitialised
         model.load_state_dict(loaded["model"], strict=True)
     except RuntimeError as err:

@@ -433,6 +433,12 @@ class LoraConfig:
     v_proj, g_proj (the head-wise gate), o_proj, gate_proj, up_proj, down_proj (dense MLPs), as
     a list or one space-separated string; all-linear = every one of them."""
 
+    init_from: Optional[str] = None
+    """A PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors, made by
+    peft or ``hf export --adapter``) whose A and B the adapters start from instead of B = 0, when
+    the run starts (not when it resumes its own checkpoint). Its r, lora_alpha and
+    target_modules must be rank, alpha and targets."""
+
 
 @dataclass
 class LoggingConfig:

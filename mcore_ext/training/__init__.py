@@ -42,6 +42,7 @@ def main(argv=None) -> int:
         one_line,
     )
     from mcore_ext.cli import is_first_rank, quiet_known_noise, report_error
+    from mcore_ext.hf.adapter import AdapterError
     from mcore_ext.training.faults import die_with_torchrun
 
     die_with_torchrun()  # a SIGKILL of torchrun ends its ranks too
@@ -75,7 +76,7 @@ def main(argv=None) -> int:
         print(f"error: [rank {os.environ.get('RANK', '0')}] {err}", file=sys.stderr, flush=True)
         return 1
     except (CheckpointNotFoundError, CheckpointLoadError, CheckpointFormatError,
-            GateLayoutMismatch) as err:
+            GateLayoutMismatch, AdapterError) as err:
         # Found on every rank alike, before training: said once, nothing was written.
         return report_error(one_line(err))
     return 0

@@ -43,7 +43,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTenso
 from torch.distributed.checkpoint.api import CheckpointException
 
 from mcore_ext import checkpoint, lora
-from mcore_ext.checkpoint import architecture, content, manifest, safe_pickle, saving
+from mcore_ext.checkpoint import adapters, architecture, content, manifest, safe_pickle, saving
 from mcore_ext.checkpoint.directory import (  # noqa: F401  (tests import them here)
     TRACKER,
     Checkpoint,
@@ -124,6 +124,9 @@ def save_checkpoint(
     partial = saving.begin(directory)
 
     model_state = model.module.sharded_state_dict()
+    base = getattr(model, "lora_base", None)
+    if base is not None:  # a LoRA run over a base checkpoint: the adapters and their reference
+        model_state = {k: v for k, v in model_state.items() if lora.ADAPTER_KEY in k}
     metadata = content.content_metadata(cfg.optimizer.use_distributed_optimizer)
     state = {
         "model": model_state,
@@ -137,6 +140,8 @@ def save_checkpoint(
         "distributed_optimizer": cfg.optimizer.use_distributed_optimizer,
         content.LAUNCHER_RNG_KEY: _rng_state(),
     }
+    if base is not None:
+        state[adapters.BASE_KEY] = base
     # What megatron.training's load reads too (args, scheduler in samples, its RNG shape).
     state.update(content.megatron_lm_content(
         cfg, iteration, consumed_samples, scheduler.state_dict()
@@ -227,12 +232,22 @@ def load_checkpoint(cfg, model, optimizer, scheduler, vocab_size: int | None = N
     saved, ours = architecture.saved_architecture(saved_keys), cfg.model.architecture
     architecture.check_loadable(saved, ours, directory)
     model_state = model.module.sharded_state_dict()
-    adapters = []
+    adapter_keys = [k for k in model_state if lora.ADAPTER_KEY in k]
+    reference = common.get(adapters.BASE_KEY)
+    if reference is not None and (finetune or not adapter_keys):
+        raise CheckpointFormatError(
+            f"{directory} holds LoRA adapters only (over the base checkpoint "
+            f"{reference['directory']}): resume it with its lora section, or fine-tune from "
+            "that base (checkpoint.load)")
+    base_dir, base_state = directory, {}
     if finetune:  # the base model's weights; a LoRA run's adapters start fresh (B = 0)
-        adapters = [k for k in model_state if lora.ADAPTER_KEY in k]
-        model_state = {k: v for k, v in model_state.items() if k not in adapters}
+        model_state = {k: v for k, v in model_state.items() if k not in adapter_keys}
+    elif reference is not None:  # the frozen weights from the base, the adapters from here
+        base_dir = adapters.find_base(reference, directory, c.load)
+        base_state = {k: v for k, v in model_state.items() if k not in adapter_keys}
+        model_state = {k: model_state[k] for k in adapter_keys}
     if vocab_size is not None:
-        _check_vocabulary(directory, model_state, vocab_size)
+        _check_vocabulary(base_dir, base_state or model_state, vocab_size)
     state = {"model": model_state}
     if not finetune:
         state["optimizer"] = checkpoint.optimizer_sharded_state_dict(
@@ -253,8 +268,13 @@ def load_checkpoint(cfg, model, optimizer, scheduler, vocab_size: int | None = N
     loaded = checkpoint.load(
         state, directory, init_missing_gates=c.init_missing_gates
     )
+    if base_state:
+        base = checkpoint.load({"model": base_state}, base_dir,
+                               init_missing_gates=c.init_missing_gates)
+        loaded["model"].update(base["model"])
+        model.lora_base = reference  # the run's next saves refer to the same base
 
-    if adapters:
+    if finetune and adapter_keys:
         missing, unexpected = model.module.load_state_dict(loaded["model"], strict=False)
         left = [k for k in missing if lora.ADAPTER_KEY not in k] + list(unexpected)
         if left:
@@ -262,6 +282,8 @@ def load_checkpoint(cfg, model, optimizer, scheduler, vocab_size: int | None = N
     else:
         model.module.load_state_dict(loaded["model"])
     if finetune:
+        if adapter_keys:  # the run saves its adapters and a reference to this base
+            model.lora_base = adapters.base_reference(directory, common.get("iteration"))
         return 0, 0, (f"{START_MARK} finetune: loaded the model weights of {directory}; "
                       "iteration 0, with a new optimizer and schedule" + instead)
     checkpoint.load_optimizer_state_dict(optimizer, loaded["optimizer"])
@@ -273,8 +295,9 @@ def load_checkpoint(cfg, model, optimizer, scheduler, vocab_size: int | None = N
     iteration = common["iteration"]
     change = f", layout {common.get('layout')} -> {_layout()}, RNG not restored"
     change = "" if same_layout else change
+    over = f", the base weights from {base_dir}" if base_state else ""
     return iteration, common["consumed_samples"], (
-        f"{START_MARK} resumed from {directory} (iteration {iteration}{change})" + instead)
+        f"{START_MARK} resumed from {directory} (iteration {iteration}{change}{over})" + instead)
 
 
 def _hybrid_pattern(model) -> str:

@@ -19,6 +19,7 @@ from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
+from megatron.core.utils import unwrap_model
 
 from mcore_ext import _mcore_compat, lora
 from mcore_ext._cpu_compat import cuda_to_cpu
@@ -245,9 +246,15 @@ class _Trainer:
         )
         # The run's own checkpoint in checkpoint.save, else checkpoint.load, else from scratch;
         # the line that says which is printed last before training.
+        own = checkpointing.start_point(cfg).own
         self.iteration, consumed, self.start_line = checkpointing.load_checkpoint(
             cfg, self.model, self.optimizer, self.scheduler, vocab_size=tokenizer.vocab_size
         )
+        if cfg.lora.init_from and not own:  # a new run's adapters start from a PEFT adapter
+            from mcore_ext.hf.adapter import load_adapter
+
+            load_adapter(unwrap_model(self.model), cfg.lora.init_from, lora_config(cfg))
+            self.start_line += f"; LoRA adapters from {cfg.lora.init_from}"
         self.train_data, self.valid_data = build_datasets(cfg, tokenizer)
         self.train_iterator = batch_iterator(self.train_data, cfg, start_sample=consumed)
 

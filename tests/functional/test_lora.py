@@ -1,13 +1,24 @@
-"""LoRA through the launcher: torchrun, 2 gloo ranks, TP 2 + SP, the tiny gated config.
+"""LoRA through the launcher: torchrun, 2 gloo ranks, TP 2 + SP, the tiny gated config with 1
+query group (so at TP 2 q / k / v's B is kept whole on each rank; g_proj's B and o_proj's A are
+TP-sharded).
 
-A base run (6 steps, full training) saves a checkpoint; a LoRA run fine-tunes it
-(``checkpoint.finetune``, ``lora.rank=8``, every target) for 16 steps and saves its own. The LoRA
-run's validation loss is below the base's (same batches), its checkpoint holds the base weights unchanged (bit for bit) beside trained
-adapters (every B moved from its zero init), and the optimizer state covers the adapters only.
-About a minute on 2 cores.
+A base run (6 steps, full training, checkpoints at 3 and 6) saves a checkpoint; a LoRA run
+fine-tunes its iteration 6 (``checkpoint.finetune``, ``lora.rank=8``, every target) for 16 steps,
+saving at 8 and 16. The LoRA run's validation loss is below the base's (same batches); its
+checkpoints hold the adapters, their optimizer state and a reference to the base (not the frozen
+weights); the base's files are untouched. A copy of its iteration 8 resumes to the uninterrupted
+run's losses bit for bit; another goes TP 2 -> TP 1 (x DP 2) -> TP 2 over 9..12 and 13..16 with
+the same losses within 1e-4 (fp32). A base changed since the adapters were saved is one line,
+exit code 2. The run's iteration-16 adapters, written in PEFT's format, start a new run
+(``lora.init_from``) at the LoRA run's validation loss. Seven torchrun runs: about 15 minutes on
+the shared, loaded 2 cores where it was written.
 """
 
 import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +26,8 @@ import torch
 
 from tests.functional.test_megatron_lm_pretrain import checkpoint_tensors
 from tests.functional.test_pretrain import stdlib_prefix  # noqa: F401  (the shared dataset fixture)
-from tests.functional.test_pretrain import TINY, check, launcher, losses, torchrun
+from tests.functional.test_pretrain import (
+    LAUNCHER, ROOT, TIMEOUT_S, TINY, TRACKER, _free_port, check, launcher, losses, torchrun)
 
 ADAPTER = "_lora."
 
@@ -25,27 +37,42 @@ def valid_losses(path) -> dict:
     return {r["iteration"]: r["loss"] for r in records if r["kind"] == "valid"}
 
 
+def copy_checkpoint(source_root, iteration, root):
+    """A save directory holding a copy of ``source_root``'s iteration (as tracked)."""
+    name = f"iter_{iteration:07d}"
+    shutil.copytree(Path(source_root) / name, Path(root) / name)
+    (Path(root) / TRACKER).write_text(str(iteration))
+
+
+def quiet_torchrun(*args) -> subprocess.CompletedProcess:
+    """``python -m mcore_ext.torchrun`` (a user's mistake: exit code 2, said once)."""
+    return subprocess.run(
+        [sys.executable, "-m", "mcore_ext.torchrun", "--nproc_per_node=2",
+         "--master_addr=127.0.0.1", f"--master_port={_free_port()}", LAUNCHER, *args],
+        capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
 @pytest.fixture(scope="module")
 def lora_runs(tmp_path_factory, stdlib_prefix):
     tmp = tmp_path_factory.mktemp("lora")
     # Evaluated at the end only (the same validation batches in both runs).
     common = ["--config", TINY, f"data.prefix={stdlib_prefix}", "training.eval_interval=100",
               "logging.log_interval=1", "parallelism.sequence_parallel=true",
-              "optimizer.lr_warmup_iters=2"]
-    check(torchrun(*common, "training.train_iters=6", f"checkpoint.save={tmp / 'base'}",
-                   f"checkpoint.load={tmp / 'base'}", f"logging.metrics_file={tmp / 'base.jsonl'}"),
-          "base")
-    result = check(torchrun(
-        *common, "training.train_iters=16", f"checkpoint.load={tmp / 'base'}",
-        "checkpoint.finetune=true", f"checkpoint.save={tmp / 'lora'}",
-        "lora.rank=8", "lora.alpha=16", "lora.targets=all-linear", "optimizer.lr=1e-2",
-        "optimizer.lr_decay_style=constant",
-        f"logging.metrics_file={tmp / 'lora.jsonl'}"), "lora")
-    return tmp, result
+              "optimizer.lr_warmup_iters=2", "model.num_query_groups=1"]
+    check(torchrun(*common, "training.train_iters=6", "checkpoint.save_interval=3",
+                   f"checkpoint.save={tmp / 'base'}", f"checkpoint.load={tmp / 'base'}",
+                   f"logging.metrics_file={tmp / 'base.jsonl'}"), "base")
+    lora = [*common, f"checkpoint.load={tmp / 'base'}", "checkpoint.finetune=true",
+            "lora.rank=8", "lora.alpha=16", "lora.targets=all-linear", "optimizer.lr=1e-2",
+            "optimizer.lr_decay_style=constant", "checkpoint.save_interval=8"]
+    result = check(torchrun(*lora, "training.train_iters=16", f"checkpoint.save={tmp / 'lora'}",
+                            f"logging.metrics_file={tmp / 'lora.jsonl'}"), "lora")
+    return tmp, result, lora
 
 
 def test_lora_run_trains_adapters_only(lora_runs):
-    tmp, result = lora_runs
+    tmp, result, _ = lora_runs
     assert "LoRA adapter parameters trained, r 8" in result.stdout, result.stdout[-2000:]
     assert sorted(losses(tmp / "lora.jsonl")) == list(range(1, 17))
     # The adapters lower the frozen base's validation loss (training losses are too noisy over
@@ -56,29 +83,127 @@ def test_lora_run_trains_adapters_only(lora_runs):
 
     base = checkpoint_tensors(tmp / "base" / "iter_0000006")
     tuned = checkpoint_tensors(tmp / "lora" / "iter_0000016")
-    # Model tensors: every key but the optimizer's (the layers stacked along a leading axis).
-    base_weights = {k: v for k, v in base.items() if not k.startswith("optimizer.")}
-    tuned_weights = {k: v for k, v in tuned.items() if not k.startswith("optimizer.")}
-    adapters = {k: v for k, v in tuned_weights.items() if ADAPTER in k}
-    assert "embedding.word_embeddings.weight" in base_weights
-    assert set(tuned_weights) - set(adapters) == set(base_weights)
-    changed = [k for k in base_weights if not torch.equal(base_weights[k], tuned_weights[k])]
-    assert changed == [], changed
+    assert "embedding.word_embeddings.weight" in base
+    # The adapters and their optimizer state only: no frozen weight is saved again.
+    weights = {k: v for k, v in tuned.items() if not k.startswith("optimizer.")}
+    assert weights and all(ADAPTER in k for k in weights), sorted(weights)[:5]
     # 8 targets x (A, B); every B trained away from zero in every layer.
-    assert len(adapters) == 16, sorted(adapters)
-    assert all(v.flatten(1).abs().amax(1).min() > 0 for k, v in adapters.items()
-               if k.endswith("lora_B")), adapters
+    assert len(weights) == 16, sorted(weights)
+    assert all(v.flatten(1).abs().amax(1).min() > 0 for k, v in weights.items()
+               if k.endswith("lora_B")), weights
     # Adam's moments exist for the adapters only.
     moments = [k for k in tuned if k.startswith("optimizer.") and "exp_avg" in k]
     assert moments and all(ADAPTER in k for k in moments), moments[:5]
+    # The reference to the base: its iteration directory and iteration.
+    from megatron.core import dist_checkpointing
+
+    common = dist_checkpointing.load_common_state_dict(str(tmp / "lora" / "iter_0000016"))
+    assert common["lora_base"]["directory"] == str(tmp / "base" / "iter_0000006")
+    assert common["lora_base"]["iteration"] == 6
+    # A copy of the adapters checkpoint is far smaller than the base's.
+    size = {name: sum(f.stat().st_size for f in (tmp / name / it).iterdir())
+            for name, it in (("base", "iter_0000006"), ("lora", "iter_0000016"))}
+    assert size["lora"] < size["base"] / 2, size
 
 
-@pytest.mark.parametrize("override, message", [
-    ("lora.rank=-2", "lora.rank must be an integer >= 0, got -2"),
-    ("lora.targets=q_proj w_proj", "lora.targets: unknown target(s) ['w_proj']"),
+def test_lora_run_resumes_exactly_from_its_adapters(lora_runs):
+    tmp, _, lora = lora_runs
+    copy_checkpoint(tmp / "lora", 8, tmp / "resumed")
+    result = check(torchrun(*lora, "training.train_iters=16", f"checkpoint.save={tmp / 'resumed'}",
+                            f"logging.metrics_file={tmp / 'resumed.jsonl'}"), "resumed")
+    assert f"the base weights from {tmp / 'base' / 'iter_0000006'}" in result.stdout, \
+        result.stdout[-2000:]
+    full, resumed = losses(tmp / "lora.jsonl"), losses(tmp / "resumed.jsonl")
+    assert sorted(resumed) == list(range(9, 17))
+    assert {it: full[it] for it in resumed} == resumed  # bit for bit
+
+
+def test_lora_adapters_reshard_tp2_tp1_tp2(lora_runs):
+    """Iteration 8 (TP 2: q / k / v's B whole on each rank) resumed at TP 1 x DP 2 to 12 (B one
+    shard), then at TP 2 to 16: the uninterrupted run's losses within 1e-4 (fp32; the TP and DP
+    reductions sum in another order)."""
+    tmp, _, lora = lora_runs
+    copy_checkpoint(tmp / "lora", 8, tmp / "reshard")
+    out = [f"checkpoint.save={tmp / 'reshard'}", f"logging.metrics_file={tmp / 'reshard.jsonl'}"]
+    tp1 = check(torchrun(*lora, *out, "training.train_iters=12",
+                         "parallelism.tensor_model_parallel_size=1",
+                         "parallelism.sequence_parallel=false"), "tp1")
+    assert "TP 1 x PP 1 x DP 2" in tp1.stdout
+    check(torchrun(*lora, *out, "training.train_iters=16"), "tp2")
+    full, resharded = losses(tmp / "lora.jsonl"), losses(tmp / "reshard.jsonl")
+    assert sorted(resharded) == list(range(9, 17))
+    for it, loss in resharded.items():
+        assert loss == pytest.approx(full[it], abs=1e-4, rel=0), (it, resharded, full)
+
+
+def test_a_changed_base_is_refused_in_one_line(lora_runs):
+    """The base's iteration 6 replaced by its iteration 3 (a valid checkpoint, other weights):
+    resuming the adapters is one line, exit code 2, nothing written."""
+    tmp, _, lora = lora_runs
+    copy_checkpoint(tmp / "lora", 16, tmp / "changed")
+    base = tmp / "base" / "iter_0000006"
+    base.rename(tmp / "base_6")
+    try:
+        shutil.copytree(tmp / "base" / "iter_0000003", base)
+        result = quiet_torchrun(*lora, "training.train_iters=20",
+                                f"checkpoint.save={tmp / 'changed'}")
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+        (tmp / "base_6").rename(base)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.count("error: ") == 1, result.stderr
+    assert (f"the LoRA adapters in {tmp / 'changed' / 'iter_0000016'} were trained on the base "
+            f"checkpoint {base} (iteration 6), which has changed since they were saved"
+            in result.stderr), result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    assert sorted(os.listdir(tmp / "changed")) == ["iter_0000016", TRACKER]
+
+
+_PEFT_MODULE = {"self_attention.linear_qkv_lora": "self_attn",
+                "self_attention.linear_proj_lora": "self_attn",
+                "mlp.linear_fc1_lora": "mlp", "mlp.linear_fc2_lora": "mlp"}
+
+
+def test_a_new_run_starts_from_a_peft_adapter(lora_runs):
+    """The LoRA run's iteration-16 adapters written in PEFT's format by the test (the
+    checkpoint's global tensors under transformers' module names); a new run over the same base
+    with ``lora.init_from`` and lr 0 validates after its one step to the LoRA run's loss at 16."""
+    from safetensors.torch import save_file
+
+    tmp, _, lora = lora_runs
+    adapter = tmp / "peft"
+    adapter.mkdir()
+    tensors = {}
+    for key, value in checkpoint_tensors(tmp / "lora" / "iter_0000016").items():
+        if key.startswith("optimizer.") or ADAPTER not in key:
+            continue
+        local, _, rest = key.removeprefix("decoder.layers.").partition(".targets.")
+        for layer, tensor in enumerate(value):  # layers stacked along a leading axis
+            tensors[f"base_model.model.model.layers.{layer}.{_PEFT_MODULE[local]}.{rest}.weight"] = (
+                tensor.contiguous())
+    save_file(tensors, adapter / "adapter_model.safetensors")
+    targets = ["q_proj", "k_proj", "v_proj", "g_proj", "o_proj", "gate_proj", "up_proj",
+               "down_proj"]
+    (adapter / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": targets}))
+    result = check(torchrun(*lora, "training.train_iters=1", "optimizer.lr=0",
+                            "optimizer.lr_warmup_iters=0",
+                            "optimizer.min_lr=0", f"lora.init_from={adapter}",
+                            f"checkpoint.save={tmp / 'from_peft'}",
+                            f"logging.metrics_file={tmp / 'from_peft.jsonl'}"), "from_peft")
+    assert f"LoRA adapters from {adapter}" in result.stdout, result.stdout[-2000:]
+    started, trained = (valid_losses(tmp / f"{n}.jsonl") for n in ("from_peft", "lora"))
+    assert started[1] == pytest.approx(trained[16], abs=1e-6, rel=0), (started, trained)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["lora.rank=-2"], "lora.rank must be an integer >= 0, got -2"),
+    (["lora.targets=q_proj w_proj"], "lora.targets: unknown target(s) ['w_proj']"),
+    (["lora.rank=8", "lora.init_from=/no/adapter"],
+     "lora.init_from: /no/adapter is not a PEFT adapter (no adapter_config.json"),
 ])
-def test_lora_config_errors_name_the_field(override, message):
-    result = launcher("--config", TINY, override, "--check", "--world-size", "2")
+def test_lora_config_errors_name_the_field(overrides, message):
+    result = launcher("--config", TINY, *overrides, "--check", "--world-size", "2")
     assert result.returncode == 2
     assert message in result.stderr, result.stderr
     assert "Traceback" not in result.stderr + result.stdout

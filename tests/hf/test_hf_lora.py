@@ -150,3 +150,79 @@ def test_launcher_lora_run_exports_merged_and_peft_adapter_that_agree(tmp_path):
     assert last.startswith("error: ") and "--adapter: the checkpoint holds no LoRA" in last
     assert "Traceback" not in refused.stderr and not (tmp_path / "none").exists()
 
+
+
+# ----------------------------------------------------------------- a PEFT adapter, imported
+
+
+def _import(hf_dir, adapter_dir, tokens, tp, targets):
+    import mcore_ext
+    from mcore_ext import lora
+    from mcore_ext.hf import load_pretrained
+    from mcore_ext.hf.adapter import load_adapter
+
+    mcore_ext.init_parallel(tensor_model_parallel_size=tp)
+    model = load_pretrained(hf_dir, backend="sdpa").eval()
+    cfg = lora.LoraConfig(rank=RANK, alpha=ALPHA, targets=targets)
+    lora.apply_lora(model, cfg)
+    load_adapter(model, adapter_dir, cfg)
+    return _full_logits(model, tokens)[..., : models.VOCAB]
+
+
+def _peft_adapter(config, directory, targets, seed=3):
+    """An adapter made by ``peft`` itself over transformers' model: A and B random
+    (init_lora_weights=False, so B is not zero)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    peft_model = get_peft_model(models.build(config), LoraConfig(
+        r=RANK, lora_alpha=ALPHA, target_modules=targets, init_lora_weights=False))
+    peft_model.save_pretrained(directory)
+    return peft_model.eval()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_peft_made_adapter_imports_with_peft_logits(run_distributed_shared, tmp_path, tp):
+    """peft's random adapter on every target over the tiny Step-3.5 model (1 query group at TP 2:
+    q / k / v's B whole on each rank), loaded into megatron with ``load_adapter``: the logits of
+    peft's model within 2e-5 (fp32), not the base's."""
+    pytest.importorskip("peft")
+    config = models.tiny_config(num_key_value_heads=1, sliding_kv_heads=2)
+    hf_dir = models.save_released(models.build(config), str(tmp_path / "hf"))
+    targets = ["q_proj", "k_proj", "v_proj", "g_proj", "o_proj", "gate_proj", "up_proj",
+               "down_proj"]
+    peft_model = _peft_adapter(config, str(tmp_path / "adapter"), targets)
+    tokens = models.tokens()
+    with torch.no_grad():
+        peft_logits, base_logits = peft_model(tokens), models.build(config)(tokens)
+    logits = run_distributed_shared(_import, hf_dir, str(tmp_path / "adapter"), tokens, tp,
+                                    "all-linear", world_size=2)[0]
+    assert (logits - peft_logits).abs().max().item() <= TOL
+    assert (peft_logits - base_logits).abs().max().item() > 100 * TOL  # the adapter acts
+
+
+def _refused(hf_dir, adapter_dir, targets):
+    from mcore_ext.hf.adapter import AdapterError
+
+    try:
+        _import(hf_dir, adapter_dir, models.tokens(), 1, targets)
+    except AdapterError as err:
+        return str(err)
+    return None
+
+
+def test_a_peft_adapter_the_project_cannot_place_is_refused_by_name(run_distributed_shared,
+                                                                    tmp_path):
+    """lm_head among peft's targets: refused naming it; r other than lora.rank: refused naming
+    both."""
+    pytest.importorskip("peft")
+    config = models.tiny_config()
+    hf_dir = models.save_released(models.build(config), str(tmp_path / "hf"))
+    _peft_adapter(config, str(tmp_path / "head"), ["q_proj", "lm_head"])
+    _peft_adapter(config, str(tmp_path / "q"), ["q_proj"])
+    head, other = run_distributed_shared(_refused, hf_dir, str(tmp_path / "head"), "q_proj",
+                                         world_size=1)[0], \
+        run_distributed_shared(_refused, hf_dir, str(tmp_path / "q"), "q_proj k_proj",
+                               world_size=1)[0]
+    assert head is not None and "target_modules lm_head: the project cannot place" in head, head
+    assert other is not None and "target_modules=['q_proj'] but lora.targets=" in other, other

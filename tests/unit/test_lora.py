@@ -247,3 +247,62 @@ def test_lora_config_all_linear_and_rank_zero():
     assert LoraConfig(rank=8, alpha=16, targets="v_proj q_proj").targets == ("q_proj", "v_proj")
     assert LoraConfig(rank=8, alpha=16).scaling == 2.0
     assert not LoraConfig(rank=0).enabled
+
+
+def _optimizer_holds_adapters_only(distributed):
+    """bf16 GPTModel at TP 2 with every target adapted, megatron's DDP and Adam (fp32 main
+    params), one training step: what has a gradient buffer, a main copy and Adam state."""
+    import mcore_ext
+    from mcore_ext import lora as lora_mod
+    from mcore_ext._cpu_compat import cuda_to_cpu
+
+    mcore_ext.init_parallel(tensor_model_parallel_size=2)
+    with cuda_to_cpu():  # megatron's mixed-precision optimizer allocates on "cuda" literally
+        return _adapters_only_state(distributed)
+
+
+def _adapters_only_state(distributed):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+
+    from mcore_ext import lora as lora_mod
+
+    torch.manual_seed(0)
+    config = builders.gated_config(tensor_model_parallel_size=2, params_dtype=torch.bfloat16,
+                                   bf16=True, ffn_hidden_size=FFN)
+    gpt = builders.build_gpt(config)
+    total = sum(p.numel() for p in gpt.parameters())
+    lora_mod.apply_lora(gpt, lora_mod.LoraConfig(rank=RANK, targets="all-linear"))
+    adapters = {n: p for n, p in gpt.named_parameters() if lora_mod.ADAPTER_KEY in n}
+    model = DistributedDataParallel(
+        config, DistributedDataParallelConfig(use_distributed_optimizer=distributed),
+        Float16Module(config, gpt))
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=1e-3, bf16=True, use_distributed_optimizer=distributed), [model])
+    builders.train_step(model, optimizer, torch.randint(0, 64, (2, 17),
+                                                        generator=torch.Generator().manual_seed(0)))
+    buffered = sorted(n for n, p in gpt.named_parameters() if hasattr(p, "main_grad"))
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    main = [p for o in chained for g in o.optimizer.param_groups for p in g["params"]]
+    state = [s for o in chained for s in o.optimizer.state.values()]
+    return dict(
+        buffered=buffered, adapters=sorted(adapters),
+        adapter_numel=sum(p.numel() for p in adapters.values()), total=total,
+        main_numel=sum(p.numel() for p in main), main_dtypes={str(p.dtype) for p in main},
+        moment_numel=sum(s["exp_avg"].numel() for s in state),
+        base_dtypes={str(p.dtype) for n, p in gpt.named_parameters() if n not in adapters})
+
+
+@pytest.mark.parametrize("distributed", [False, True], ids=["adam", "distributed"])
+def test_frozen_base_has_no_gradient_buffer_main_copy_or_adam_state(run_distributed,
+                                                                   distributed):
+    """The memory LoRA saves: only the adapters get a gradient buffer, an fp32 main copy and
+    Adam's moments (the distributed optimizer at DP 1 holds all of them); the base stays bf16."""
+    for got in run_distributed(_optimizer_holds_adapters_only, distributed, world_size=2):
+        assert got["buffered"] == got["adapters"], got["buffered"]
+        assert got["main_numel"] == got["adapter_numel"], got
+        assert got["moment_numel"] == got["adapter_numel"], got
+        assert got["main_dtypes"] == {"torch.float32"}
+        assert got["base_dtypes"] == {"torch.bfloat16"}
+        assert got["main_numel"] < got["total"] / 2, got  # the base (most weights) is not there

@@ -217,7 +217,17 @@ def _validate_lora(cfg: PretrainConfig) -> None:
 
     adapters = lora_config(cfg)
     if not adapters.enabled:
+        if cfg.lora.init_from:
+            raise ConfigError(f"lora.init_from={cfg.lora.init_from} needs lora.rank > 0 (the "
+                              "adapter's r)")
         return
+    if cfg.lora.init_from:  # a PEFT adapter: read and checked here, loaded when the run starts
+        from mcore_ext.hf.adapter import AdapterError, read_adapter_config
+
+        try:
+            read_adapter_config(cfg.lora.init_from)
+        except AdapterError as err:
+            raise ConfigError(f"lora.init_from: {err}") from None
     m = cfg.model
     if m.mtp_num_layers:
         raise ConfigError(f"lora.rank={adapters.rank} with model.mtp_num_layers="
