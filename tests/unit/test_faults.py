@@ -51,6 +51,9 @@ _SIGNALS = """
 import os, signal, time
 from mcore_ext.training.faults import ExitSignalHandler
 
+# As an interactive process starts: a shell's background job (a CI script started with &)
+# inherits SIGINT ignored, and the handler rightly restores what it found.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 # A window far wider than the real one: on a loaded machine the two handlers below may run
 # seconds apart, and this checks the rule, not the machine's speed.
 ExitSignalHandler.REPEAT_WINDOW_S = 600.0
