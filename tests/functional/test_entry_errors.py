@@ -119,7 +119,8 @@ sys.exit(report_error("the same mistake on every rank"))
 """
 
 
-@pytest.mark.parametrize("wrapper", [True, False], ids=["mcore_ext.torchrun", "torchrun"])
+@pytest.mark.parametrize("wrapper", [True, pytest.param(False, marks=pytest.mark.slow)],
+                         ids=["mcore_ext.torchrun", "torchrun"])
 def test_the_message_survives_a_first_rank_that_finds_it_last(tmp_path, wrapper):
     """Before, the other ranks exited at once; torchrun's agent then stopped the first rank
     before it printed: exit 2 and no line at all (seen in CI under load)."""

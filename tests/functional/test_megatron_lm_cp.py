@@ -5,7 +5,7 @@ through megatron.training's own ``pretrain()`` on gloo, mock data, fp32, no drop
     cp2      2 ranks, --context-parallel-size 2 and otherwise the same flags (so Megatron-LM's
              defaults: --cp-comm-type p2p, an attention mask made by the dataloader)
     tp2      2 ranks, TP 2, CP 1
-    tp2_cp2  4 ranks, TP 2 x CP 2
+    tp2_cp2  4 ranks, TP 2 x CP 2 (tp2 and tp2_cp2: opt-in, -m slow)
 
 Every layout reads the same samples (DP 1). Per iteration the loss and the pre-clipping grad norm
 of cp2 must equal cp1's and tp2_cp2's tp2's (megatron initialises each TP shard from its own RNG
@@ -42,20 +42,33 @@ def run(*flags, nproc):
     return torchrun(*MODEL, *TRAINING, *flags, nproc=nproc, program=EXACT_LOG, timeout=TIMEOUT_S)
 
 
+RUNS = {
+    "cp1": ((), 1),
+    "cp2": (("--context-parallel-size", "2"), 2),
+    "tp2": (("--tensor-model-parallel-size", "2"), 2),
+    "tp2_cp2": (("--context-parallel-size", "2", "--tensor-model-parallel-size", "2"), 4),
+}
+
+
 @pytest.fixture(scope="module")
 def cp_runs():
-    return {
-        "cp1": check(run(nproc=1), "cp1"),
-        "cp2": check(run("--context-parallel-size", "2", nproc=2), "cp2"),
-        "tp2": check(run("--tensor-model-parallel-size", "2", nproc=2), "tp2"),
-        "tp2_cp2": check(run("--context-parallel-size", "2", "--tensor-model-parallel-size", "2",
-                             nproc=4), "tp2_cp2"),
-    }
+    """``cp_runs(name)``: each layout runs once, when a test first asks for it (the TP 2 pair is
+    opt-in, so the default run makes two of the four)."""
+    done = {}
+
+    def get(name):
+        if name not in done:
+            flags, nproc = RUNS[name]
+            done[name] = check(run(*flags, nproc=nproc), name)
+        return done[name]
+
+    return get
 
 
-@pytest.mark.parametrize("name, cp1_name", [("cp2", "cp1"), ("tp2_cp2", "tp2")])
+@pytest.mark.parametrize("name, cp1_name", [
+    ("cp2", "cp1"), pytest.param("tp2_cp2", "tp2", marks=pytest.mark.slow)])
 def test_cp_losses_and_grad_norms_match_cp1(cp_runs, name, cp1_name):
-    reference, run_ = exact(cp_runs[cp1_name]), exact(cp_runs[name])
+    reference, run_ = exact(cp_runs(cp1_name)), exact(cp_runs(name))
     assert sorted(reference) == sorted(run_) == [1, 2, 3], (reference, run_)
     for iteration in (1, 2, 3):
         (loss1, norm1), (loss, norm) = reference[iteration], run_[iteration]
@@ -66,7 +79,7 @@ def test_cp_losses_and_grad_norms_match_cp1(cp_runs, name, cp1_name):
 def test_cp_says_once_what_it_changed(cp_runs):
     """Megatron-LM's default --cp-comm-type p2p runs as the sdpa backend's all-gather, and the
     dataloader's causal-only mask is not made: each said once, by rank 0."""
-    out = cp_runs["tp2_cp2"].stdout + cp_runs["tp2_cp2"].stderr
+    out = cp_runs("cp2").stdout + cp_runs("cp2").stderr
     assert out.count("--cp-comm-type p2p") == 1, out[-3000:]
     assert out.count("attention mask") == 1, out[-3000:]
 

@@ -176,7 +176,10 @@ BF16_LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module", params=list(BF16_LAYOUTS))
+# TP 2 in bf16 is opt-in (-m slow; ~2 minutes of CI): the gated layer's bf16 numerics at TP 2 are
+# tested against the reference in tests/unit, and the exact bf16 resume here at DP 2.
+@pytest.fixture(scope="module", params=[pytest.param("tp2", marks=pytest.mark.slow),
+                                        "dp2_distributed_optimizer"])
 def bf16_runs(request, tmp_path_factory, stdlib_prefix):
     """bf16 (megatron's Float16Module + mixed-precision optimizer), 30 steps: uninterrupted, and
     stopped at 15 by exit_interval then resumed. Only the interrupted job saves."""
@@ -228,6 +231,7 @@ def test_bf16_resume_is_exact(bf16_runs):
     assert "RNG not restored" not in stdout
 
 
+@pytest.mark.slow  # fp16 (megatron's loss scaler; bf16 is what these models train in)
 def test_fp16_skips_overflowing_steps_then_trains(tmp_path, stdlib_prefix):
     """fp16 with megatron's dynamic loss scale: it starts at 2^32 and halves on each overflow, so
     the first steps are skipped, without advancing the LR schedule; then the loss falls."""
@@ -303,6 +307,7 @@ def test_launcher_trains_on_each_attention_backend(backend_runs, backend):
 
 
 @pytest.mark.smoke
+@pytest.mark.slow  # on 0.19 the bf16 runs resume exactly with the distributed optimizer (above)
 def test_ten_steps_resume_exactly_with_the_distributed_optimizer(tmp_path):
     """10 steps at TP 2 with the distributed optimizer, checkpoints at 5 and 10; a copy of the
     step-5 checkpoint resumed to step 10 reaches the same losses (weights, Adam state incl. its

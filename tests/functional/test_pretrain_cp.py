@@ -34,6 +34,8 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def cp_runs(tmp_path_factory):
+    """``cp_runs(name)`` -> the run's result; each run once, when a test first asks for it (the
+    two resumes are opt-in, -m slow: the default run makes three of the five)."""
     tmp = tmp_path_factory.mktemp("pretrain_cp")
     common = [
         "--config", TINY, f"data.prefix={tmp / 'data' / 'stdlib_byte'}",
@@ -42,29 +44,34 @@ def cp_runs(tmp_path_factory):
         "training.train_iters=10", "training.eval_interval=null", "checkpoint.save_interval=5",
         "logging.log_interval=1", "optimizer.lr_warmup_iters=2",
     ]
+    cp2 = "parallelism.context_parallel_size=2"
+    layouts = {  # name: (overrides, ranks)
+        "cp1": ([f"checkpoint.save={tmp / 'cp1'}", "checkpoint.load=null"], 2),
+        "cp2": ([cp2, f"checkpoint.save={tmp / 'cp2'}", "checkpoint.load=null"], 2),
+        "cp2_dp2": ([cp2, "checkpoint.save=null", "checkpoint.load=null"], 4),
+        "cp1_from": ([], 2),
+        "tp2_cp2": (["parallelism.tensor_model_parallel_size=2", cp2], 4),
+    }
+    done = {}
 
-    def run(name, *overrides, nproc=2):
+    def get(name):
+        if name in done:
+            return done[name]
+        overrides, nproc = layouts[name]
+        if name in ("cp1_from", "tp2_cp2"):  # resume cp2's step-5 checkpoint
+            get("cp2")
+            resumed = tmp / name
+            shutil.copytree(tmp / "cp2" / "iter_0000005", resumed / "iter_0000005")
+            (resumed / TRACKER).write_text("5")
+            overrides = [*overrides, f"checkpoint.save={resumed}", f"checkpoint.load={resumed}",
+                         "checkpoint.save_interval=null"]
         result = torchrun(*common, f"logging.metrics_file={tmp / name}.jsonl", *overrides,
                           nproc=nproc)
-        return check(result, name)
+        done[name] = check(result, name)
+        return done[name]
 
-    out = {"tmp": tmp}
-    out["cp1"] = run("cp1", f"checkpoint.save={tmp / 'cp1'}", "checkpoint.load=null")
-    out["cp2"] = run("cp2", "parallelism.context_parallel_size=2", f"checkpoint.save={tmp / 'cp2'}",
-                     "checkpoint.load=null")
-    out["cp2_dp2"] = run("cp2_dp2", "parallelism.context_parallel_size=2", "checkpoint.save=null",
-                         "checkpoint.load=null", nproc=4)
-    for name, nproc, layout in (
-        ("cp1_from", 2, []),
-        ("tp2_cp2", 4, ["parallelism.tensor_model_parallel_size=2",
-                        "parallelism.context_parallel_size=2"]),
-    ):
-        resumed = tmp / name
-        shutil.copytree(tmp / "cp2" / "iter_0000005", resumed / "iter_0000005")
-        (resumed / TRACKER).write_text("5")
-        out[name] = run(name, *layout, f"checkpoint.save={resumed}", f"checkpoint.load={resumed}",
-                        "checkpoint.save_interval=null", nproc=nproc)
-    return out
+    get.tmp = tmp
+    return get
 
 
 def grad_norms(path) -> dict[int, float]:
@@ -77,21 +84,23 @@ def grad_norms(path) -> dict[int, float]:
 def test_cp_losses_and_grad_norms_match_cp1(cp_runs, name, layout):
     """Per step, the loss and the (pre-clipping) grad norm of CP 2 equal CP 1's (abs 1e-5 and
     rel 1e-5: reduction order only)."""
-    cp1, cp = (losses(cp_runs["tmp"] / f"{n}.jsonl") for n in ("cp1", name))
-    norms1, norms = (grad_norms(cp_runs["tmp"] / f"{n}.jsonl") for n in ("cp1", name))
+    cp_runs("cp1"), cp_runs(name)
+    cp1, cp = (losses(cp_runs.tmp / f"{n}.jsonl") for n in ("cp1", name))
+    norms1, norms = (grad_norms(cp_runs.tmp / f"{n}.jsonl") for n in ("cp1", name))
     assert sorted(cp) == list(range(1, 11)) and cp[10] < cp[1] - 0.5, cp
     assert sorted(norms) == list(range(1, 11)) and min(norms.values()) > 0.01, norms
     for step in range(1, 11):
         assert cp[step] == pytest.approx(cp1[step], abs=TOL, rel=0), (step, cp, cp1)
         assert norms[step] == pytest.approx(norms1[step], rel=TOL), (step, norms, norms1)
-    assert layout in cp_runs[name].stdout
+    assert layout in cp_runs(name).stdout
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["cp1_from", "tp2_cp2"])
 def test_cp2_checkpoint_resumes_at_another_layout(cp_runs, name):
-    cp2, resumed = (losses(cp_runs["tmp"] / f"{n}.jsonl") for n in ("cp2", name))
+    cp_runs(name)
+    cp2, resumed = (losses(cp_runs.tmp / f"{n}.jsonl") for n in ("cp2", name))
     assert sorted(resumed) == list(range(6, 11)), resumed
     for step in range(6, 11):
         assert resumed[step] == pytest.approx(cp2[step], abs=TOL, rel=0), (step, resumed, cp2)
-    assert "resumed from" in cp_runs[name].stdout
+    assert "resumed from" in cp_runs(name).stdout

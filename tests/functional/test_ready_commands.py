@@ -28,6 +28,7 @@ def test_pretrain_megatron_lm_script_trains_and_saves(tmp_path):
     assert (tmp_path / "train.log").read_text() == result.stdout
 
 
+@pytest.mark.slow  # the entry's one-line error under torchrun: tests/functional/test_entry_errors.py
 def test_pretrain_megatron_lm_script_reports_a_bad_flag_once(tmp_path):
     result = _script(tmp_path, "--no-such-flag")
     assert result.returncode == 2

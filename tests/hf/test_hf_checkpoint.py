@@ -524,6 +524,7 @@ def test_export_into_a_symlinked_folder_writes_where_the_link_points(run_distrib
     assert os.listdir(target.parent) == ["tiny"]
 
 
+@pytest.mark.slow  # the one-process form: test_export_refuses_a_folder_with_files_...
 def test_a_target_that_holds_files_is_said_once_under_torchrun(tmp_path):
     """Every rank finds the same existing target: one error line (the first rank's), exit 2, for
     an export into a folder with files and an import into a folder with a tracker (before: one
