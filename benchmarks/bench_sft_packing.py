@@ -43,9 +43,11 @@ def rows_of(conversations, seq_length: int, pack: bool) -> list[dict]:
 
     rows = [[conversations[i] for i in row] for row in pack_documents(
         [len(c.ids) - 1 for c in conversations], seq_length, pack)]
-    dataset = types.SimpleNamespace(config=types.SimpleNamespace(sequence_length=seq_length),
-                                    rows=rows, order=list(range(len(rows))))
-    return [ChatDataset.__getitem__(dataset, i) for i in range(len(rows))]
+    # The dataset's rows without megatron's index building around them (no splits, no shuffle).
+    dataset = ChatDataset.__new__(ChatDataset)
+    dataset.config = types.SimpleNamespace(sequence_length=seq_length, pad_to_multiple=1)
+    dataset.rows, dataset.order = rows, list(range(len(rows)))
+    return [dataset[i] for i in range(len(rows))]
 
 
 def batches_of(rows, micro_batch: int) -> list[dict]:
