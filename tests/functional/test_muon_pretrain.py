@@ -13,7 +13,8 @@ import shutil
 import pytest
 
 from tests.functional.test_pretrain import (  # noqa: F401 (stdlib_prefix: a fixture)
-    TINY, TRACKER, check, launcher, losses, stdlib_prefix, torchrun)
+    TINY, TRACKER, check, check_exact_resume, launcher, losses, stdlib_prefix,
+    torchrun)
 
 SMALL = ["model.seq_length=64", "training.micro_batch_size=4", "training.global_batch_size=8",
          "training.eval_interval=100", "logging.log_interval=1", "optimizer.lr_warmup_iters=2"]
@@ -44,11 +45,7 @@ def muon_runs(tmp_path_factory, stdlib_prefix):
 
 def test_muon_run_trains_and_resumes_exactly(muon_runs):
     tmp = muon_runs["tmp"]
-    full, resumed = losses(tmp / "full.jsonl"), losses(tmp / "resumed.jsonl")
-    assert sorted(full) == list(range(1, 9)) and sorted(resumed) == list(range(5, 9))
-    assert full[8] < 0.8 * full[1], full
-    assert [resumed[step] for step in range(5, 9)] == [full[step] for step in range(5, 9)]
-    assert "resumed from" in muon_runs["resumed"].stdout
+    check_exact_resume(tmp, muon_runs["resumed"])
     # Muon's momentum is in the checkpoint, the gated linear_qkv's as its QKV and gate tensors
     # (TP-reshardable); Adam's moments for the embedding, norms and biases only.
     import torch.distributed.checkpoint as dcp

@@ -69,6 +69,18 @@ def check(result, name):
     return result
 
 
+def check_exact_resume(tmp, resumed, steps: int = 8, saved_at: int = 4) -> None:
+    """``tmp``/full.jsonl trained ``steps`` steps (its loss below 0.8 x its first), and
+    ``tmp``/resumed.jsonl, the run ``resumed`` from full's step ``saved_at``, logged the same
+    losses to the last bit."""
+    full, again = losses(tmp / "full.jsonl"), losses(tmp / "resumed.jsonl")
+    after = range(saved_at + 1, steps + 1)
+    assert sorted(full) == list(range(1, steps + 1)) and sorted(again) == list(after)
+    assert full[steps] < 0.8 * full[1], full
+    assert [again[step] for step in after] == [full[step] for step in after]
+    assert "resumed from" in resumed.stdout
+
+
 @pytest.fixture(scope="session")
 def stdlib_prefix(tmp_path_factory):
     """One byte-level stdlib dataset for every run (built by the first run that uses it)."""
