@@ -133,7 +133,7 @@ def _measure(args, cp, dtype, on_gpu, recompute):
         window_size=(args.window - 1, 0) if args.window else None,
     )
     dev = mcore_ext.device()
-    block = TransformerBlock(config, mcore_ext.get_gpt_block_spec(config, "sdpa")).to(dev).train()
+    block = TransformerBlock(config, mcore_ext.get_gpt_block_spec(config, "sdpa")).to(dev, dtype).train()
     g = torch.Generator().manual_seed(0)
     x = torch.randn(args.batch, args.seq, args.hidden, generator=g)  # [b, s, h] for the split
     if cp > 1:

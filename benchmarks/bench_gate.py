@@ -280,7 +280,9 @@ def build(opts, variant, scope, dtype, backend):
         del layer  # only the attention module is kept (and measured)
     else:
         module = TransformerBlock(config, mcore_ext.get_gpt_block_spec(config, backend))
-    return module.to(device=mcore_ext.device()).train()
+    # All of it in the training dtype, as megatron's Float16Module casts a model (norm weights
+    # included: CUDA's layer_norm refuses fp32 weights on bf16 input).
+    return module.to(device=mcore_ext.device(), dtype=dtype).train()
 
 
 def forward(module, scope, x):

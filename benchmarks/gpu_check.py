@@ -74,7 +74,8 @@ def _launcher(config, gate, iters, name, extra=()):
         command=["{py}", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
                  "launch/pretrain.py", "--config", f"configs/{config}",
                  f"model.head_wise_attn_gate={'true' if gate else 'false'}",
-                 f"training.train_iters={iters}", "training.eval_interval=null",
+                 f"training.train_iters={iters}", "optimizer.lr_warmup_iters=2",
+                 "training.eval_interval=null",
                  "checkpoint.save=null", "checkpoint.load=null", "logging.log_interval=1",
                  f"logging.metrics_file={{work}}/{name}.jsonl", *extra],
         compare_with=name.replace("gate-on", "gate-off") if gate else None,
@@ -119,8 +120,9 @@ STEPS = [
     # ---------------------------------------- stage 2: the gate's cost, attention kernels, MoE
     Step("gate-cost", 2, "bench_gate.py --preset gpu: head-wise gate vs none vs megatron's "
          "attention_output_gate, one layer and a 4-layer block (bf16, hidden 4096, 32 heads, "
-         "seq 4096, forward + backward)",
-         ["{py}", "benchmarks/bench_gate.py", "--preset", "gpu", "--json", "{work}/bench_gate.json"],
+         "seq 4096, forward + backward), and the ops whose device time differs (torch profiler)",
+         ["{py}", "benchmarks/bench_gate.py", "--preset", "gpu", "--profile",
+          "--json", "{work}/bench_gate.json"],
          timeout_s=200, script="benchmarks/bench_gate.py", figures="bench_gate",
          json_name="bench_gate.json"),
     *[_attention(f"attention-32k-packed-{k}", k, 32768, 2, extra=("--packed", "8"))
@@ -186,10 +188,12 @@ def environment() -> dict:
 
 
 def _commit() -> str | None:
-    """This tree's commit: from git here, from the wheels' manifest on the device (no .git)."""
+    """This tree's commit (``-dirty`` with uncommitted changes): from git here, from the wheels'
+    manifest on the device (no .git; the manifest is written by ``prepare``)."""
     manifest = os.path.join(WHEELS, "manifest.json")
     try:
-        return subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], check=True,
+        return subprocess.run(["git", "-C", ROOT, "describe", "--always", "--dirty",
+                               "--abbrev=7"], check=True,
                               capture_output=True, text=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         if os.path.exists(manifest):
@@ -206,9 +210,18 @@ def device_slug(name: str) -> str:
 # ----------------------------------------------------------------------------------- stages
 
 
-def run_stage(stage: int, out: str, budget_s: float = STAGE_BUDGET_S) -> dict:
+def run_stage(stage: int, out: str, budget_s: float = STAGE_BUDGET_S,
+              only: list | None = None) -> dict:
     """Run the stage's steps in order within ``budget_s``; write ``out/gpu_check-stageN.json``
-    after each step. Returns that JSON's content."""
+    after each step. Returns that JSON's content. ``only``: run just these steps of the stage
+    (a lease shorter than the three stages' 30 minutes picks the steps that matter most)."""
+    steps = [s for s in STEPS if s.stage == stage]
+    if only:
+        unknown = sorted(set(only) - {s.name for s in steps})
+        if unknown:
+            raise SystemExit(f"error: --steps: stage {stage} has no step {', '.join(unknown)}; "
+                             f"its steps: {', '.join(s.name for s in steps)}")
+        steps = [s for s in steps if s.name in only]
     import torch
 
     os.makedirs(out, exist_ok=True)
@@ -220,7 +233,7 @@ def run_stage(stage: int, out: str, budget_s: float = STAGE_BUDGET_S) -> dict:
     help_cache: dict = {}
     with tempfile.TemporaryDirectory(prefix=f"gpu_check_stage{stage}_") as work, \
             open(log_path, "w") as log:
-        for step in [s for s in STEPS if s.stage == stage]:
+        for step in steps:
             result = dict(name=step.name, stage=stage, what=step.what,
                           command=" ".join(_fill(step.command, work=work)))
             reason = _skip_reason(step, gpus, deadline, help_cache)
@@ -248,7 +261,7 @@ def _skip_reason(step: Step, gpus: int, deadline: float, help_cache: dict) -> st
         return (f"needs {step.min_gpus} GPUs (one NCCL rank per GPU; NCCL refuses two ranks on "
                 f"one GPU), this machine has {gpus}")
     if time.monotonic() + MIN_STEP_S > deadline:
-        return f"the stage's time budget ({STAGE_BUDGET_S} s) is spent"
+        return "the stage's time budget (--budget) is spent"
     if step.script:
         if not os.path.exists(os.path.join(ROOT, step.script)):
             return f"{step.script} does not exist in this tree (yet)"
@@ -377,7 +390,9 @@ def _bench_gate(path) -> dict:
                 (hw["time_ratio"] - 1) / overhead if overhead > 0 else None)
             targets["tenth_of_full"] = overhead > 0 and hw["time_ratio"] - 1 <= overhead / 10
         scopes[key] = dict(figures, targets_met=targets)
-    return dict(device=payload.get("device"), options=payload.get("options"), scopes=scopes)
+    # The ops whose device time differs most between no gate and the head-wise gate (one layer).
+    return dict(device=payload.get("device"), options=payload.get("options"), scopes=scopes,
+                profile=payload.get("profile"))
 
 
 def _bench_json(path) -> dict:
@@ -517,6 +532,8 @@ def main(argv=None) -> int:
     stage.add_argument("--out", default=os.environ.get("OUT") or os.path.join(RESULTS, "parts"),
                        help="folder for gpu_check-stageN.json and its log (default: $OUT)")
     stage.add_argument("--budget", type=float, default=STAGE_BUDGET_S, help="seconds for the stage")
+    stage.add_argument("--steps", type=lambda v: [n for n in v.split(",") if n],
+                       help="comma-separated step names: run only these (default: all)")
     col = sub.add_parser("collect", help="merge stage JSONs into benchmarks/results/")
     col.add_argument("parts", nargs="+", help="stage JSON files or folders holding them")
     col.add_argument("--results", default=RESULTS)
@@ -529,7 +546,7 @@ def main(argv=None) -> int:
     if args.command == "prepare":
         prepare(args.wheels)
     elif args.command == "stage":
-        run_stage(args.stage, args.out, args.budget)
+        run_stage(args.stage, args.out, args.budget, args.steps)
         print(f"[gpu_check] wrote {os.path.join(args.out, f'gpu_check-stage{args.stage}.json')}")
     elif args.command == "collect":
         print(f"[gpu_check] wrote {collect(args.parts, args.results)}")

@@ -110,6 +110,11 @@ def _flex_attention(q, k, v, block_mask, scale):
             "CPU backward): train with attention_kernel='sdpa' on a CPU, or on a GPU"
         )
     if q.is_cuda:
+        if min(q.size(-1), v.size(-1)) < 16:  # else an InductorError deep inside torch.compile
+            raise NotImplementedError(
+                f"attention_kernel='flex' on CUDA needs a head dim (kv_channels) of at least 16 "
+                f"(torch's flex kernel); this layer's is {q.size(-1)}: use attention_kernel='sdpa'"
+            )
         if _compiled_flex is None:
             _compiled_flex = torch.compile(flex_attention, dynamic=True)
         fn = _compiled_flex

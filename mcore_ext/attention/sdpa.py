@@ -118,6 +118,8 @@ class SDPAttention(MegatronModule):
             if dropout_p > 0 and not self.config.sequence_parallel
             else contextlib.nullcontext()
         )
+        if query.is_cuda:
+            query, key, value = (kernel_aligned(x) for x in (query, key, value))
         packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
         layout = layout_for(packed_seq_params if packed else None)
         causal = mask_type in _CAUSAL
@@ -199,6 +201,28 @@ class SDPAttention(MegatronModule):
             out[rows_q] = self._attend(q, k, v, None, None, causal, dropout_p,
                                        layout).transpose(0, 1)
         return out.reshape(out.size(0), -1)
+
+
+# CUDA's fused attention kernels read rows 16 bytes at a time.
+KERNEL_ALIGNMENT_BYTES = 16
+
+
+def kernel_aligned(x: torch.Tensor) -> torch.Tensor:
+    """``x``, or a contiguous copy of it where its start or a stride is not a multiple of 16 bytes.
+
+    The gated layer hands q, k and v over as views of linear_qkv's output, whose row stride is
+    ``qkv_r + np_r`` elements: not 16-byte aligned when a rank's head count is not a multiple of 8
+    (bf16). On an H200 (torch 2.11), the Step-3.5 test model in bf16 gave logits off by up to
+    3.8 (RMS 0.8) under SDPA's default kernels with such a view (row stride 132), and the right ones
+    under the math kernel; contiguous q, k, v were right under every kernel (issue 34).
+    """
+    size = x.element_size()
+    if x.data_ptr() % KERNEL_ALIGNMENT_BYTES == 0 and all(
+        stride * size % KERNEL_ALIGNMENT_BYTES == 0 or dim == 1
+        for stride, dim in zip(x.stride()[:-1], x.shape[:-1])
+    ):
+        return x
+    return x.contiguous()
 
 
 def position_mask(layout, sq, sk, causal, window, dtype, device):

@@ -10,6 +10,9 @@ An unpacked batch [s, b] is b documents of length s.
 Shapes: query [t, np, hn], key / value [t, ng, hn] -> [t, np * hn]; [s, b, n, hn] unpacked.
 """
 
+import functools
+import inspect
+
 import torch
 
 
@@ -48,9 +51,19 @@ def _varlen(q, k, v, cu_q, cu_kv, max_q, max_kv, causal, window, scale):
     left, right = window if window is not None else (-1, -1)
     if causal:
         right = 0
+    gqa = {}
+    if q.size(1) != k.size(1):
+        if _takes_enable_gqa(varlen_attn):
+            gqa = dict(enable_gqa=True)
+        else:  # torch 2.10 / 2.11: no GQA argument; each query head gets its group's K / V
+            k, v = (x.repeat_interleave(q.size(1) // k.size(1), dim=1) for x in (k, v))
     return varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu_q, cu_kv, max_q,
-                       max_kv, scale=scale, window_size=(left, right),
-                       enable_gqa=q.size(1) != k.size(1))
+                       max_kv, scale=scale, window_size=(left, right), **gqa)
+
+
+@functools.cache
+def _takes_enable_gqa(fn) -> bool:
+    return "enable_gqa" in inspect.signature(fn).parameters
 
 
 def _boundaries(layout, device):

@@ -393,3 +393,30 @@ def test_varlen_kernel_on_a_cpu_says_why():
     with pytest.raises(NotImplementedError, match="needs CUDA"):
         varlen.batched(q[:, None], q[:, None], q[:, None], layout.AttentionLayout(), True,
                        None, None)
+
+
+def test_kernel_aligned_copies_only_views_whose_rows_break_16_bytes():
+    """The gated layer's q / k / v are views of linear_qkv's output ([QKV_r; Gate_r] per token).
+    With 4 heads of 16 (GQA, 2 groups) a token's row is 128 + 4 = 132 bf16 elements: 264 bytes,
+    not a multiple of 16: on an H200 such views gave wrong bf16 attention (issue 34). At 8 heads
+    and 4 groups a row is 256 + 8 = 264 elements, 528 bytes: aligned, passed through as it is."""
+    from mcore_ext.attention.sdpa import kernel_aligned
+
+    for heads, copied in ((4, True), (8, False)):
+        groups, hn = heads // 2, 16
+        row = (heads + 2 * groups) * hn + heads
+        mixed = torch.randn(6, 2, row, dtype=torch.bfloat16)  # [s, b, qkv_r + np_r]
+        # v of group 0: after its query heads and its key, hn wide, one group's width apart.
+        width = (heads // groups + 2) * hn
+        v = mixed[..., : groups * width].unflatten(-1, (groups, width))[..., -hn:]
+        out = kernel_aligned(v)
+        assert torch.equal(out, v)
+        assert (out.data_ptr() != v.data_ptr()) is copied, (heads, v.stride())
+        if copied:
+            assert out.is_contiguous()
+        else:
+            assert out is v
+    # A dim of size 1 may have any stride (kernels never step along it).
+    one = torch.randn(3, 1, 2, 16, dtype=torch.bfloat16)[:, :, :, :]
+    strided_one = one.as_strided(one.shape, (32, 7, 16, 1))
+    assert kernel_aligned(strided_one) is strided_one

@@ -118,3 +118,26 @@ def test_gpu_skip_follows_the_marker_not_a_folder_named_gpu(tmp_path):
                             text=True, cwd=folder, timeout=300,
                             env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
     assert "1 passed, 1 skipped" in result.stdout, result.stdout[-2000:]
+
+
+def test_launcher_steps_are_configs_the_launcher_accepts():
+    """Each training step's overrides pass the launcher's validation (its 15 / 30 steps once
+    stopped at the configs' 100 warm-up iterations, on an H200, before any step ran)."""
+    from mcore_ext.training.config import load_config
+
+    steps = [s for s in gpu_check.STEPS if "launch/pretrain.py" in s.command]
+    assert steps
+    for step in steps:
+        args = step.command[step.command.index("launch/pretrain.py") + 1:]
+        config = args[args.index("--config") + 1]
+        overrides = [a for a in args if "=" in a and not a.startswith("-")]
+        overrides = [a.replace("{work}", "/tmp") for a in overrides]
+        cfg = load_config(str(ROOT / config), overrides, world_size=1)
+        assert cfg.optimizer.lr_warmup_iters < cfg.training.train_iters, step.name
+
+
+def test_stage_runs_only_the_steps_asked_for(tmp_path):
+    report = gpu_check.run_stage(2, str(tmp_path), budget_s=60, only=["gate-cost"])
+    assert [s["name"] for s in report["steps"]] == ["gate-cost"]
+    with pytest.raises(SystemExit, match="stage 2 has no step train-1b-gate-on"):
+        gpu_check.run_stage(2, str(tmp_path), only=["train-1b-gate-on"])
