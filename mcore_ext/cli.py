@@ -41,6 +41,19 @@ def report_error(message: str, seen_by_every_rank: bool = True) -> int:
     return USAGE_ERROR
 
 
+def gpt_deprecation_notice(how_to_switch: str) -> str | None:
+    """The line an entry point prints once (its first rank) when a user's choice builds megatron's
+    GPTModel on a megatron-core that deprecates it (0.19+, which has HybridModel); None on older
+    releases. ``how_to_switch``: that entry point's way to HybridModel. megatron's own notice,
+    logged per GPTModel built (per rank, per model in a test), stays filtered away."""
+    from mcore_ext import _mcore_compat
+
+    if not _mcore_compat.has_hybrid_model():
+        return None
+    return (f"GPTModel is deprecated in megatron-core {_mcore_compat.megatron_core_version()} "
+            f"(critical fixes only); {how_to_switch}")
+
+
 class _DropMessages(logging.Filter):
     def __init__(self, *prefixes):
         super().__init__()

@@ -6,6 +6,8 @@
   ``GatedTransformerConfig`` adds, plus ``--mcore-ext-backend``.
 - ``GatedGPTModelConfig`` / ``GatedGPTModelBuilder``: megatron.training's model config and builder
   for mcore_ext's GPT; ``gated_gpt_config_from_args`` builds the config from parsed flags.
+- ``GatedHybridModelConfig`` / ``GatedHybridModelBuilder``: the same for mcore_ext's HybridModel,
+  chosen by Megatron-LM's ``--hybrid-layer-pattern`` (``gated_hybrid_config_from_args``).
 - ``pretrain_gpt``: the entry point (forward step, dataset provider, main).
 
 The checkpoint content both this entry and the YAML launcher write is megatron.training's own;
@@ -23,6 +25,9 @@ _EXPORTS = {
     "GatedGPTModelBuilder": "model",
     "GatedGPTModelConfig": "model",
     "gated_gpt_config_from_args": "model",
+    "GatedHybridModelBuilder": "model",
+    "GatedHybridModelConfig": "model",
+    "gated_hybrid_config_from_args": "model",
 }
 
 __all__ = sorted(_EXPORTS)

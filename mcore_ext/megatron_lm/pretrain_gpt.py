@@ -1,7 +1,14 @@
 """Megatron-LM's GPT pretraining with mcore_ext's model: Megatron-LM's flags plus the gate's.
 
     torchrun --nproc_per_node=8 -m mcore_ext.megatron_lm.pretrain_gpt \\
-        <Megatron-LM pretrain_gpt.py flags> --head-wise-attn-gate [--mcore-ext-backend te]
+        <Megatron-LM pretrain_gpt.py flags> --head-wise-attn-gate [--mcore-ext-backend te] \\
+        [--hybrid-layer-pattern '*-*-']
+
+The model is megatron's GPTModel, or with Megatron-LM's own ``--hybrid-layer-pattern`` its
+successor HybridModel (megatron.training's choice, as its ``inference_cfg_container_from_args``
+makes it): ``*`` attention, ``-`` dense MLP, ``E`` MoE, ``|`` pipeline stages, each ``*`` one of
+the GPT layers the mcore_ext flags describe (model.py). A run that builds GPTModel on a
+megatron-core deprecating it is told so once, by the first rank.
 
 megatron.training (in the megatron-core wheel, >= 0.19 here) parses the flags, builds the
 optimizer, schedules, data loaders and checkpoints, and runs its training loop; this module gives
@@ -39,7 +46,7 @@ import torch
 
 import mcore_ext  # noqa: F401  (refuses a megatron-core with a native gate first)
 from mcore_ext import _cpu_compat, _mcore_compat
-from mcore_ext.cli import is_first_rank, quiet_known_noise, report_error
+from mcore_ext.cli import gpt_deprecation_notice, is_first_rank, quiet_known_noise, report_error
 
 if __name__ == "__main__":  # the entry point, not a library import: before megatron.training's
     quiet_known_noise()
@@ -67,7 +74,10 @@ from mcore_ext.checkpoint import manifest  # noqa: E402
 from mcore_ext.checkpoint.errors import (  # noqa: E402
     CheckpointCorruptError, one_line, refusal_in)
 from mcore_ext.megatron_lm.arguments import add_mcore_ext_args  # noqa: E402
-from mcore_ext.megatron_lm.model import gated_gpt_config_from_args  # noqa: E402
+from mcore_ext.megatron_lm.model import (  # noqa: E402
+    gated_gpt_config_from_args,
+    gated_hybrid_config_from_args,
+)
 from mcore_ext.specs import AttentionBackend, resolve_backend  # noqa: E402
 
 
@@ -282,12 +292,18 @@ def main(argv=None) -> int:
             )
             notes = attention_flags(args)
             check_learning_rate_schedule(args)
-            model_config = gated_gpt_config_from_args(args)
+            if args.hybrid_layer_pattern is not None:
+                model_config = gated_hybrid_config_from_args(args, given_num_layers(sys.argv[1:]))
+            else:
+                model_config = gated_gpt_config_from_args(args)
+                notes.append(gpt_deprecation_notice(
+                    "--hybrid-layer-pattern (one '*-' per layer, '*E' for a MoE layer) builds "
+                    "its successor, HybridModel"))
             container = pretrain_cfg_container_from_args(args, model_config)
         except (AssertionError, ValueError) as err:  # megatron's checks of the flags, and ours
             return report_error(_message(err))
         if is_first_rank():
-            for note in notes:
+            for note in filter(None, notes):
                 print(f"mcore_ext: {note}", flush=True)
         try:
             with verified_loads():
@@ -305,6 +321,16 @@ def main(argv=None) -> int:
                 raise
             return report_error(one_line(refused))
     return 0
+
+
+def given_num_layers(argv) -> int | None:
+    """The ``--num-layers`` in ``argv`` (megatron's parser takes no abbreviations), if any:
+    megatron's validation replaces it with ``--hybrid-layer-pattern``'s layer count."""
+    import argparse
+
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--num-layers", type=int)  # megatron's parser has accepted its value
+    return parser.parse_known_args(argv)[0].num_layers
 
 
 def _default_tokenizer(argv) -> dict:
