@@ -1,0 +1,81 @@
+"""The Megatron-LM entry's HybridModel (``--hybrid-layer-pattern``) through megatron.training's
+``pretrain()``: ``torchrun -m mcore_ext.megatron_lm.pretrain_gpt``, mock data, the flags of
+test_megatron_lm_pretrain plus the pattern of its 2 gated GPT layers.
+
+Default suite (one process, TP 1, about 40 CPU seconds): 3 iterations, the loss falls, the
+checkpoint is HybridModel's with the gate. Slow (2 CPU ranks at TP 2, 142 CPU seconds, 5 minutes
+on the shared cores):
+
+    full     5 iterations, checkpoints at 2 and 4 (and the final one at 5)
+    resumed  loads full's iteration-2 checkpoint (--ckpt-step 2) and trains 3..5
+
+As there: the resumed run gives the uninterrupted one's losses of the iterations megatron prints
+alone (3 and 5), and at iteration 5 the same weights and Adam moments bit for bit (torch's DCP
+reader). The checkpoint is HybridModel's (``decoder.final_norm``, hybrid layer numbers) with the
+gate's keys. That the model is build_hybrid_model's, computing the GPT entry's logits for the
+same weights: tests/unit/test_megatron_lm.py (test_hybrid_flags_build_the_hybrid_model_on_two_ranks).
+Neither run prints the GPTModel deprecation notice (test_megatron_lm_pretrain: once, for GPT).
+"""
+
+import pytest
+import torch
+
+from tests.functional.test_megatron_lm_pretrain import (
+    MEGATRON_LM,
+    MODEL,
+    TIMEOUT_S,
+    TRAINING,
+    checkpoint_tensors,
+    losses,
+    pretrain_gpt,
+)
+from tests.functional.test_pretrain import check, torchrun
+
+pytest.importorskip("megatron.core.models.hybrid", reason="megatron-core >= 0.19")
+
+HYBRID = ("--hybrid-layer-pattern", "*-*-")
+
+
+def _hybrid_checkpoint_keys(keys) -> None:
+    assert any(key.startswith("decoder.final_norm.") for key in keys)  # HybridModel's keys
+    assert not any("final_layernorm" in key for key in keys)
+    assert any("linear_qkv.weight._gate" in key for key in keys)  # the gate
+    assert any("exp_avg_sq" in key for key in keys)  # Adam's moments
+
+
+def test_hybrid_model_trains_through_pretrain_on_one_rank(tmp_path):
+    run = check(torchrun(*MODEL, *TRAINING, *HYBRID, "--tensor-model-parallel-size", "1",
+                         "--train-iters", "3", "--save", str(tmp_path), nproc=1,
+                         program=MEGATRON_LM, timeout=TIMEOUT_S), "pretrain_gpt hybrid")
+    trained = losses(run)
+    assert sorted(trained) == [1, 2, 3] and float(trained[3]) < float(trained[1])
+    assert "GPTModel is deprecated" not in run.stdout + run.stderr
+    _hybrid_checkpoint_keys(checkpoint_tensors(tmp_path / "iter_0000003"))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("megatron_lm_hybrid")
+    full = pretrain_gpt(*HYBRID, "--save", str(tmp / "full"))
+    resumed = pretrain_gpt(
+        *HYBRID, "--load", str(tmp / "full"), "--ckpt-step", "2", "--save", str(tmp / "resumed")
+    )
+    return tmp, full, resumed
+
+
+@pytest.mark.slow
+def test_hybrid_model_trains_saves_and_resumes_exactly(runs):
+    tmp, full, resumed = runs
+    full_losses, resumed_losses = losses(full), losses(resumed)
+    assert sorted(full_losses) == [1, 2, 3, 4, 5] and sorted(resumed_losses) == [3, 4, 5]
+    assert float(full_losses[5]) < float(full_losses[1])
+    assert f"loading distributed checkpoint from {tmp / 'full'} at iteration 2" in resumed.stdout
+    assert resumed_losses[3] == full_losses[3] and resumed_losses[5] == full_losses[5]
+    for run in (full, resumed):
+        assert "GPTModel is deprecated" not in run.stdout + run.stderr
+
+    a = checkpoint_tensors(tmp / "full" / "iter_0000005")
+    b = checkpoint_tensors(tmp / "resumed" / "iter_0000005")
+    assert a.keys() == b.keys()
+    _hybrid_checkpoint_keys(a)
+    assert [key for key in a if not torch.equal(a[key], b[key])] == []
