@@ -14,7 +14,7 @@ import os
 import sys
 import time
 
-from mcore_ext.cli import quiet_known_noise, report_error
+from mcore_ext.cli import gpt_deprecation_notice, is_first_rank, quiet_known_noise, report_error
 from mcore_ext.precision import DTYPES
 
 _DTYPES = {"auto": None, **DTYPES}
@@ -93,6 +93,11 @@ def main(argv=None) -> int:
     finally:
         mcore_ext.destroy_parallel()
     print(f"[hf] {args.command}: wrote {out} in {time.perf_counter() - start:.1f}s")
+    if args.command == "import" and args.architecture == "gpt" and is_first_rank():
+        notice = gpt_deprecation_notice(
+            "--architecture hybrid writes a HybridModel checkpoint (model.architecture: hybrid)")
+        if notice:
+            print(f"[hf] import --architecture gpt: {notice}", flush=True)
     return 0
 
 

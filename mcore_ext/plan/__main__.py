@@ -43,10 +43,22 @@ def main(argv=None) -> int:
                    pp=p.pipeline_model_parallel_size, ep=p.expert_model_parallel_size,
                    etp=p.expert_tensor_parallel_size, dp=args.dp, sp=p.sequence_parallel,
                    distributed_optimizer=cfg.optimizer.use_distributed_optimizer)
+        _note_deprecated_model(cfg)
     except (OSError, ValueError, PlanError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0
+
+
+def _note_deprecated_model(cfg) -> None:
+    """The launcher's GPTModel notice for a config it would build GPTModel from, on stderr (the
+    plan on stdout stays the plan: the same for either architecture)."""
+    from mcore_ext.cli import gpt_deprecation_notice
+
+    notice = cfg.model.architecture == "gpt" and gpt_deprecation_notice(
+        "model.architecture: hybrid builds its successor, HybridModel (the same plan)")
+    if notice:
+        print(f"note: model.architecture=gpt: {notice}", file=sys.stderr)
 
 
 def _load(args):

@@ -23,6 +23,7 @@ from megatron.core.utils import unwrap_model
 
 from mcore_ext import _mcore_compat, lora
 from mcore_ext._cpu_compat import cuda_to_cpu
+from mcore_ext.cli import gpt_deprecation_notice
 from mcore_ext.moe import is_moe_layer
 from mcore_ext.config import GatedTransformerConfig
 from mcore_ext.runtime import destroy_parallel, device, init_parallel
@@ -551,10 +552,11 @@ def _announce_config(cfg, config_file: str | None = None) -> str | None:
 def _announce_deprecated_model(cfg) -> None:
     """One console line when the run builds GPTModel on a megatron-core that deprecates it for
     HybridModel (0.19+; megatron's own notice, logged per GPTModel built, is filtered away)."""
-    if cfg.model.architecture == "gpt" and _mcore_compat.has_hybrid_model():
-        print(f"[config] model.architecture=gpt builds megatron's GPTModel, which megatron-core "
-              f"{_mcore_compat.megatron_core_version()} deprecates (critical fixes only); "
-              "model.architecture=hybrid builds its successor, HybridModel", flush=True)
+    if cfg.model.architecture == "gpt":
+        notice = gpt_deprecation_notice(
+            "model.architecture: hybrid builds its successor, HybridModel")
+        if notice:
+            print(f"[config] model.architecture=gpt: {notice}", flush=True)
 
 
 def _resolved_config_path(folder: str, config_file: str | None) -> str | None:

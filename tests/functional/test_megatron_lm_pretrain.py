@@ -6,9 +6,11 @@
 
 The resumed run must reproduce the uninterrupted one: the same losses and, at iteration 5, the
 same weights and Adam moments bit for bit (read back from both torch_dist checkpoints with torch's
-own DCP reader). Megatron prints the first iteration of every run without resetting its loss
-average, so its second printed loss is the mean of two iterations: the test compares the
-iterations printed alone (3 and 5 in both runs).
+own DCP reader). Each run says once (rank 0's line of the two ranks' output) that GPTModel is
+deprecated and how to build HybridModel; megatron's own per-model notice stays filtered.
+Megatron prints the first iteration of every run without resetting its loss average, so its
+second printed loss is the mean of two iterations: the test compares the iterations printed
+alone (3 and 5 in both runs).
 
 Dropout is 0: on a CPU the "CUDA" RNG of dropout is the CPU generator, which torch's DataLoader
 also draws its worker seed from when megatron builds the loaders, after a resume but before the
@@ -82,6 +84,13 @@ def test_trains_saves_and_resumes_exactly(runs):
     assert float(full_losses[5]) < float(full_losses[1])
     assert f"loading distributed checkpoint from {tmp / 'full'} at iteration 2" in resumed.stdout
     assert resumed_losses[3] == full_losses[3] and resumed_losses[5] == full_losses[5]
+    notice = re.compile(r"^mcore_ext: GPTModel is deprecated in megatron-core \S+ \(critical "
+                        r"fixes only\); --hybrid-layer-pattern .* builds its successor, "
+                        r"HybridModel$", re.MULTILINE)
+    for run in (full, resumed):
+        output = run.stdout + run.stderr
+        assert len(notice.findall(output)) == 1 and output.count("GPTModel is deprecated") == 1
+        assert "GPTModel IS DEPRECATED" not in output  # megatron's, per model built
 
     saved = sorted(p.name for p in (tmp / "full").iterdir())
     assert saved == ["iter_0000002", "iter_0000004", "iter_0000005",

@@ -268,9 +268,9 @@ def test_launcher_says_once_that_gpt_model_is_deprecated(capsys):
     _announce_deprecated_model(load_config(tiny, world_size=2))
     (line,) = capsys.readouterr().out.splitlines()
     assert line == (
-        "[config] model.architecture=gpt builds megatron's GPTModel, which megatron-core "
-        f"{_mcore_compat.megatron_core_version()} deprecates (critical fixes only); "
-        "model.architecture=hybrid builds its successor, HybridModel")
+        "[config] model.architecture=gpt: GPTModel is deprecated in megatron-core "
+        f"{_mcore_compat.megatron_core_version()} (critical fixes only); "
+        "model.architecture: hybrid builds its successor, HybridModel")
     _announce_deprecated_model(load_config(tiny, ["model.architecture=hybrid"], world_size=2))
     assert capsys.readouterr().out == ""
 
@@ -280,6 +280,7 @@ def test_plan_of_a_hybrid_config_is_the_gpt_plan(capsys):
     plan: the hybrid model holds the same tensors (test_hybrid_model_matches_gpt_model loads one
     into the other strictly) and computes the same activations, layer for layer. Step-3.5's
     MoE miniature at EP 2, where dense and MoE layers differ."""
+    from mcore_ext import _mcore_compat
     from mcore_ext.plan.__main__ import main
 
     config = str(test_layer_kinds.__file__).rsplit("/tests/", 1)[0] + (
@@ -291,5 +292,11 @@ def test_plan_of_a_hybrid_config_is_the_gpt_plan(capsys):
                      "sliding_attention,sliding_attention,sliding_attention]",
                      "model.swiglu_limits=[0,0,0,16.0]", "training.precision=fp32",
                      "parallelism.expert_model_parallel_size=2"]) == 0
-        plans[architecture] = capsys.readouterr().out
-    assert "params/rank" in plans["gpt"] and plans["hybrid"] == plans["gpt"]
+        plans[architecture] = capsys.readouterr()
+    assert "params/rank" in plans["gpt"].out and plans["hybrid"].out == plans["gpt"].out
+    # The GPTModel notice, on stderr for a gpt config only (the plan itself is the same).
+    assert plans["gpt"].err.splitlines() == [
+        "note: model.architecture=gpt: GPTModel is deprecated in megatron-core "
+        f"{_mcore_compat.megatron_core_version()} (critical fixes only); model.architecture: "
+        "hybrid builds its successor, HybridModel (the same plan)"]
+    assert plans["hybrid"].err == ""
