@@ -179,6 +179,11 @@ DECISIONS = {
     "bash scripts/gpu_check.sh prepare": Skip(
         "downloads wheels for the GPU machine (network); its fit under the carry limit: "
         "tests/unit/test_gpu_check.py::test_stages_fit_the_device_calls"),
+    # Megatron-LM's HybridModel (docs/megatron-lm.md): a template of the user's own flags
+    "torchrun --nproc_per_node=8 -m mcore_ext.megatron_lm.pretrain_gpt <your Megatron-LM "
+    "pretrain_gpt.py flags> --head-wise-attn-gate --hybrid-layer-pattern *-*-*-*-": Covered(
+        "tests/functional/test_megatron_lm_hybrid.py::"
+        "test_hybrid_model_trains_saves_and_resumes_exactly"),
     # Megatron-LM under CP (docs/megatron-lm.md): a template of the user's own flags
     "torchrun --nproc_per_node=8 -m mcore_ext.megatron_lm.pretrain_gpt <your Megatron-LM "
     "pretrain_gpt.py flags> --head-wise-attn-gate --context-parallel-size 2 "
