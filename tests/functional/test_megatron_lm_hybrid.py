@@ -9,6 +9,9 @@ on the shared cores):
     full     5 iterations, checkpoints at 2 and 4 (and the final one at 5)
     resumed  loads full's iteration-2 checkpoint (--ckpt-step 2) and trains 3..5
 
+and (slow, one process) a GPT run's iteration-2 checkpoint continued as the hybrid model gives
+the GPT run's own iterations 3 to 5 (megatron.training's GPT -> hybrid translation at load).
+
 As there: the resumed run gives the uninterrupted one's losses of the iterations megatron prints
 alone (3 and 5), and at iteration 5 the same weights and Adam moments bit for bit (torch's DCP
 reader). The checkpoint is HybridModel's (``decoder.final_norm``, hybrid layer numbers) with the
@@ -16,6 +19,8 @@ gate's keys. That the model is build_hybrid_model's, computing the GPT entry's l
 same weights: tests/unit/test_megatron_lm.py (test_hybrid_flags_build_the_hybrid_model_on_two_ranks).
 Neither run prints the GPTModel deprecation notice (test_megatron_lm_pretrain: once, for GPT).
 """
+
+import re
 
 import pytest
 import torch
@@ -79,3 +84,32 @@ def test_hybrid_model_trains_saves_and_resumes_exactly(runs):
     assert a.keys() == b.keys()
     _hybrid_checkpoint_keys(a)
     assert [key for key in a if not torch.equal(a[key], b[key])] == []
+
+
+@pytest.mark.slow
+def test_gpt_checkpoint_continues_as_the_hybrid_model(tmp_path):
+    """megatron.training's own GPT -> hybrid translation at load (megatron-core's
+    gpt_checkpoint_interop) takes the GPT entry's checkpoint, gate keys and Adam moments: a GPT
+    run of 5 iterations, its iteration-2 checkpoint continued with --hybrid-layer-pattern, gives
+    the GPT run's own losses of the iterations megatron prints alone (3 and 5: the first printed
+    after a resume is averaged with the next, see test_megatron_lm_pretrain) and grad norms of 3
+    to 5. One process at TP 1, about 70 CPU seconds."""
+    common = [*MODEL, *TRAINING, "--tensor-model-parallel-size", "1"]
+    gpt = check(torchrun(*common, "--save", str(tmp_path / "gpt"), nproc=1, program=MEGATRON_LM,
+                         timeout=TIMEOUT_S), "pretrain_gpt")
+    hybrid = check(torchrun(*common, *HYBRID, "--load", str(tmp_path / "gpt"), "--ckpt-step", "2",
+                            "--save", str(tmp_path / "hybrid"), nproc=1, program=MEGATRON_LM,
+                            timeout=TIMEOUT_S), "pretrain_gpt hybrid from gpt")
+    assert "loading a GPT checkpoint into the hybrid model" in hybrid.stdout
+    uninterrupted, continued = _logged(gpt), _logged(hybrid)
+    assert sorted(continued) == [3, 4, 5]
+    assert [continued[step][0] for step in (3, 5)] == [uninterrupted[step][0] for step in (3, 5)]
+    assert [continued[step][1] for step in (3, 4, 5)] == [
+        uninterrupted[step][1] for step in (3, 4, 5)]
+
+
+def _logged(result) -> dict[int, tuple[str, str]]:
+    """{iteration: (lm loss, grad norm)} as megatron printed them."""
+    return {int(step): (loss, norm) for step, loss, norm in re.findall(
+        r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+) \|.*?grad norm: ([0-9.]+)",
+        result.stdout)}
