@@ -31,6 +31,7 @@ from tests.unit import test_moe
 RANK, ALPHA = 2, 6.0
 TARGETS = ["all-linear", "experts.gate_up_proj", "experts.down_proj"]
 TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml")
+MOE_TINY = str(Path(__file__).resolve().parents[2] / "configs" / "step35_moe_tiny_cpu.yaml")
 
 
 def _global_adapters(layers, gen):
@@ -269,10 +270,14 @@ def test_mtp_layers_lora_matches_formula_and_only_adapters_get_gradients(run_dis
       "parallelism.tensor_model_parallel_size=2", "parallelism.sequence_parallel=true"],
      "with expert tensor parallelism 2 (parallelism.expert_tensor_parallel_size, default the TP "
      "size): routed experts' adapters need parallelism.expert_tensor_parallel_size=1"),
+    (["--config", MOE_TINY, "parallelism.expert_model_parallel_size=2"],
+     "lora.rank=4 with model.moe_router_bias_update_rate=0.001: the router's expert bias is a "
+     "frozen base weight in a LoRA run"),
 ])
 def test_routed_expert_targets_the_model_cannot_take_are_one_line(overrides, message):
     from mcore_ext.training.config import ConfigError, load_config
 
     with pytest.raises(ConfigError) as err:
-        load_config(TINY, ["lora.rank=4", *overrides], world_size=2)
+        config = overrides[1] if overrides[0] == "--config" else TINY
+        load_config(config, ["lora.rank=4", *overrides[2 * (config != TINY):]], world_size=2)
     assert message in str(err.value) and "\n" not in str(err.value), str(err.value)

@@ -213,7 +213,8 @@ def lora_config(cfg: PretrainConfig):
 
 def _validate_lora(cfg: PretrainConfig) -> None:
     """What LoRA cannot adapt: routed experts where there are none or at expert TP > 1, the te
-    backend's layernorm-fused linears."""
+    backend's layernorm-fused linears; and an expert-bias update, which would change a frozen
+    base weight."""
     from mcore_ext.lora import EXPERT_TARGETS
 
     adapters = lora_config(cfg)
@@ -230,6 +231,11 @@ def _validate_lora(cfg: PretrainConfig) -> None:
         except AdapterError as err:
             raise ConfigError(f"lora.init_from: {err}") from None
     m, p = cfg.model, cfg.parallelism
+    if m.num_moe_experts and m.moe_router_bias_update_rate:
+        raise ConfigError(f"lora.rank={adapters.rank} with model.moe_router_bias_update_rate="
+                          f"{m.moe_router_bias_update_rate}: the router's expert bias is a frozen "
+                          "base weight in a LoRA run (its adapters-only checkpoint would not "
+                          "keep the updates); set model.moe_router_bias_update_rate=0")
     experts = [t for t in adapters.targets if t in EXPERT_TARGETS]
     if experts and not m.num_moe_experts:
         raise ConfigError(f"lora.targets: {' '.join(experts)} adapt routed experts, and "
