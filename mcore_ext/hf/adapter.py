@@ -210,12 +210,13 @@ def load_adapter(model, directory: str, cfg: "lora.LoraConfig") -> None:
     if not isinstance(targets, (list, tuple)) or not isinstance(parameters, (list, tuple)):
         raise AdapterError(f"{path}: target_modules={targets!r}, target_parameters="
                            f"{parameters!r}: lists of names load (of {', '.join(lora.TARGETS)})")
-    modules = lora.ATTENTION_TARGETS + lora.MLP_TARGETS
-    unknown = sorted(t for t in set(targets) if t not in modules) + sorted(
-        t for t in set(parameters) if t not in lora.EXPERT_TARGETS)
-    if unknown:
-        raise AdapterError(f"{path}: target_modules / target_parameters {', '.join(unknown)}: "
-                           f"the project cannot place them (it adapts {', '.join(lora.TARGETS)})")
+    for field, names, known in (("target_modules", targets,
+                                 lora.ATTENTION_TARGETS + lora.MLP_TARGETS),
+                                ("target_parameters", parameters, lora.EXPERT_TARGETS)):
+        unknown = sorted(t for t in set(names) if t not in known)
+        if unknown:
+            raise AdapterError(f"{path}: {field} {', '.join(unknown)}: the project cannot place "
+                               f"them (it adapts {', '.join(lora.TARGETS)})")
     targets = sorted(set(targets) | set(parameters))
     for field, theirs, ours in (("r", config.get("r"), cfg.rank),
                                 ("lora_alpha", config.get("lora_alpha"), cfg.alpha),

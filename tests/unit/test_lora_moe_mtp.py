@@ -17,7 +17,8 @@ Adam (fp32) hold gradient buffers and optimizer state for the adapters only, the
 adapters in the expert-parallel optimizer of the chain.
 
 MTP: test_mtp's model (2 Step-3.5 depths), every all-linear target adapted on the main and MTP
-layers, each depth's logits vs ``reference.step35_mtp_logits`` on the effective weights (1e-5).
+layers, each depth's logits vs ``reference.step35_mtp_logits`` on the effective weights (1e-5);
+their export in PEFT's format is refused in one line (transformers' model has no MTP layers).
 """
 
 from pathlib import Path
@@ -213,6 +214,7 @@ def _mtp_lora_vs_formula():
     ``reference.step35_mtp_logits`` on the effective weights, and the gradients' owners."""
     import mcore_ext
     from mcore_ext import lora
+    from mcore_ext.hf import adapter as peft_format
     from mcore_ext.models import mtp_logits
     from tests.unit import test_mtp
 
@@ -241,7 +243,12 @@ def _mtp_lora_vs_formula():
         base = reference.step35_mtp_logits(tokens, weights, main_layers, mtp_layers,
                                            test_mtp.EPS)
     valid = [slice(None, test_mtp.SEQ - k - 1) for k in range(len(got))]
-    return dict(
+    try:  # transformers' model has no MTP layers: PEFT's format cannot hold their adapters
+        peft_format.adapter_tensors(model, cfg)
+        refused = None
+    except peft_format.AdapterError as err:
+        refused = str(err)
+    return dict(refused=refused,
         diffs=[(g[:, v] - e[:, v]).abs().max().item() for g, e, v in zip(got, expected, valid)],
         moved=[(e[:, v] - b[:, v]).abs().max().item() for e, b, v in zip(expected, base, valid)],
         mtp_adapters=sorted(n for n in lora.lora_adapters(model) if n.startswith("mtp.")),
@@ -253,7 +260,8 @@ def _mtp_lora_vs_formula():
 
 def test_mtp_layers_lora_matches_formula_and_only_adapters_get_gradients(run_distributed):
     """The MTP depths' attention and MLP carry adapters that act as the formula says (test_mtp's
-    1e-5 on O(1) logits), and the MTP loss's gradients reach those adapters, no base weight."""
+    1e-5 on O(1) logits), and the MTP loss's gradients reach those adapters, no base weight;
+    PEFT's format cannot hold them (one line naming them)."""
     from tests.unit import test_mtp
 
     r = run_distributed(_mtp_lora_vs_formula, world_size=1)[0]
@@ -261,6 +269,9 @@ def test_mtp_layers_lora_matches_formula_and_only_adapters_get_gradients(run_dis
     assert all(m > 100 * test_mtp.TOL for m in r["moved"]), r["moved"]
     assert len(r["mtp_adapters"]) == 2 * 4, r["mtp_adapters"]  # 2 depths x qkv, proj, fc1, fc2
     assert r["with_grad"] == r["mtp_adapter_params"] and r["with_grad"], r["with_grad"]
+    assert r["refused"] is not None and r["refused"].startswith(
+        "the MTP layers' adapters (mtp.layers.0."), r["refused"]
+    assert "export the merged model (without --adapter)" in r["refused"]
 
 
 @pytest.mark.parametrize("overrides, message", [
