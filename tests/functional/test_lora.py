@@ -11,7 +11,8 @@ run's losses bit for bit; another goes TP 2 -> TP 1 (x DP 2) -> TP 2 over 9..12 
 the same losses within 1e-4 (fp32). A base changed since the adapters were saved is one line,
 exit code 2. The run's iteration-16 adapters, written in PEFT's format, start a new run
 (``lora.init_from``) at the LoRA run's validation loss. Seven torchrun runs: 2.5 minutes on 2
-idle cores (15 on the loaded ones where it was written).
+idle cores (15 on the loaded ones where it was written). The MoE + MTP test at the end (routed
+experts' adapters saved at EP 2, resumed at EP 1) runs the launcher in process: 35 CPU seconds.
 """
 
 import json
@@ -218,7 +219,8 @@ def test_lora_config_errors_name_the_field(overrides, message, capsys):
 
 MOE_LORA = ["--config", str(ROOT / "configs" / "step35_moe_tiny_cpu.yaml"), "data.source=mock",
             "parallelism.expert_model_parallel_size=2", "training.eval_interval=null",
-            "logging.log_interval=1", "optimizer.lr_warmup_iters=1", "checkpoint.save_interval=2"]
+            "logging.log_interval=1", "optimizer.lr_warmup_iters=1", "checkpoint.save_interval=2",
+            "training.global_batch_size=4"]
 
 
 def _moe_lora_runs(tmp):
