@@ -13,8 +13,9 @@ stack.
 The specs use it on the ``sdpa`` and ``local`` backends when ``moe_grouped_gemm`` is set (the
 ``te`` backend keeps megatron's ``TEGroupedMLP``). Where torch's grouped GEMM does not run (its
 device / dtype, probed once), or for what the loop handles and this does not (expert biases, FP8
-/ FP4 padding, probabilities applied on the input, delayed weight gradients, a fused activation),
-the forward is ``SequentialMLP``'s loop.
+/ FP4 padding, probabilities applied on the input, delayed weight gradients, a fused activation,
+a forward hook on an expert linear: LoRA's expert adapters), the forward is ``SequentialMLP``'s
+loop.
 
 Shapes: N routed tokens sorted by local expert, h hidden, f the expert width on this expert-TP
 rank, E the local experts.
@@ -71,6 +72,8 @@ class GroupedGemmSequentialMLP(SequentialMLP):
             and not config.moe_apply_probs_on_input
             and not getattr(config, "delay_wgrad_compute", False)
             and (expert.config.use_te_activation_func or not expert.config.bias_activation_fusion)
+            and not any(e.linear_fc1._forward_hooks or e.linear_fc2._forward_hooks
+                        for e in self.local_experts)
             and grouped_mm_runs(x.device.type, x.dtype)
         )
 

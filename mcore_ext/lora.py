@@ -5,7 +5,14 @@
 Targets are named as PEFT names the modules of transformers' Step-3.5 model: ``q_proj``,
 ``k_proj``, ``v_proj``, ``g_proj`` (the head-wise gate) on the fused ``linear_qkv``; ``o_proj`` on
 ``linear_proj``; ``gate_proj`` / ``up_proj`` (the two halves of ``linear_fc1``) and ``down_proj``
-(``linear_fc2``) on the dense MLP. Each target has its own A [r, in] and B [out_t, r].
+(``linear_fc2``) on the dense MLPs and the MoE layers' shared experts; ``all-linear`` is all of
+these, as PEFT's ``all-linear`` on transformers' model (whose routed experts are 3-D parameters,
+not linears). Routed experts are adapted when ``experts.gate_up_proj`` / ``experts.down_proj``
+(PEFT's ``target_parameters`` names of transformers' fused expert weights) are named: each
+expert gets its own A and B on its ``linear_fc1`` (the whole ``[gate ; up]`` output, one
+adapter as transformers' ``gate_up_proj``) and ``linear_fc2``, local experts under EP. The MTP
+layers' attention and MLP are adapted as the decoder's. Each target has its own A [r, in] and B
+[out_t, r].
 
 Tensor parallelism follows the base linear:
 - column-parallel (linear_qkv, linear_fc1): A replicated, B holds the rows of the target that this
@@ -25,7 +32,10 @@ Tensor parallelism follows the base linear:
 
 The adapters hang beside their linear (``self_attention.linear_qkv_lora``, ...) and add to its
 output through a forward hook, so the base weights keep their checkpoint keys. ``apply_lora``
-freezes every base parameter. Shapes: s sequence (s/tp under SP), b batch, r rank.
+freezes every base parameter. Routed experts' adapters need megatron's ``SequentialMLP`` (or
+mcore_ext's grouped-GEMM form of it, which runs its loop while a linear has a hook) at expert
+TP 1: the dispatcher, not the expert linears, does the expert-TP communication, which the
+adapters' mappings here do not follow. Shapes: s sequence (s/tp under SP), b batch, r rank.
 """
 
 import dataclasses
@@ -47,8 +57,10 @@ from megatron.core.utils import get_pg_rank, get_pg_size
 
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "g_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
-TARGETS = ATTENTION_TARGETS + MLP_TARGETS
-ALL_LINEAR = "all-linear"
+# Routed experts, as PEFT's target_parameters names transformers' fused [E, out, in] weights.
+EXPERT_TARGETS = ("experts.gate_up_proj", "experts.down_proj")
+TARGETS = ATTENTION_TARGETS + MLP_TARGETS + EXPERT_TARGETS
+ALL_LINEAR = "all-linear"  # the attention and MLP linears, not the routed experts (as PEFT's)
 # In every adapter parameter's name (``...linear_qkv_lora.targets.q_proj.lora_A``), none other's.
 ADAPTER_KEY = "_lora."
 
@@ -67,7 +79,8 @@ class LoraConfig:
     """lora_dropout: dropout on the adapter's input (training only)."""
 
     targets: tuple = ALL_LINEAR
-    """PEFT module names (``TARGETS``) or ``all-linear`` (every one of them)."""
+    """PEFT module names (``TARGETS``); ``all-linear`` = every attention and MLP one (not the
+    routed experts', which it may be named with)."""
 
     def __post_init__(self):
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
@@ -83,9 +96,11 @@ class LoraConfig:
             targets = (targets,) if targets == ALL_LINEAR else tuple(targets.split())
         targets = tuple(targets)
         if ALL_LINEAR in targets:
-            if len(targets) > 1:
-                raise ValueError(f"lora.targets: {ALL_LINEAR} stands alone, got {list(targets)}")
-            targets = TARGETS
+            others = [t for t in targets if t != ALL_LINEAR]
+            if any(t not in EXPERT_TARGETS for t in others) or len(others) + 1 != len(targets):
+                raise ValueError(f"lora.targets: {ALL_LINEAR} stands alone (or with "
+                                 f"{' / '.join(EXPERT_TARGETS)}), got {list(targets)}")
+            targets = ATTENTION_TARGETS + MLP_TARGETS + tuple(others)
         unknown = [t for t in targets if t not in TARGETS]
         if unknown or not targets:
             raise ValueError(f"lora.targets: unknown target(s) {unknown or list(targets)}; "
@@ -285,32 +300,33 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> list:
     """Freeze ``model``'s parameters and add ``cfg``'s adapters; returns the adapters' names.
 
     Adapted: every self-attention's ``linear_qkv`` (q / k / v / g_proj) and ``linear_proj``
-    (o_proj), every dense MLP's ``linear_fc1`` (gate / up_proj) and ``linear_fc2`` (down_proj).
-    Refused: MLP targets on a model with MoE layers (shared and routed experts), a model with MTP
-    layers, and Transformer Engine's layernorm-fused linears.
+    (o_proj), every dense MLP's and shared expert's ``linear_fc1`` (gate / up_proj) and
+    ``linear_fc2`` (down_proj), the MTP layers' among them; with ``EXPERT_TARGETS`` every local
+    routed expert's ``linear_fc1`` and ``linear_fc2``. Refused: routed-expert targets on a model
+    without them, on experts other than ``SequentialMLP`` or at expert TP > 1, and Transformer
+    Engine's layernorm-fused linears.
     """
     from megatron.core.transformer.attention import SelfAttention
     from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer
 
     if not cfg.enabled:
         return []
     for p in model.parameters():
         p.requires_grad_(False)
     config = _model_config(model)
-    if getattr(config, "mtp_num_layers", None):
-        raise LoraError(f"lora: MTP layers (model.mtp_num_layers={config.mtp_num_layers}) have no "
-                        "adapters yet; set model.mtp_num_layers=0 for a LoRA run")
-    mlp_targets = [t for t in cfg.targets if t in MLP_TARGETS]
-    if mlp_targets and getattr(config, "num_moe_experts", None):
-        raise LoraError(f"lora.targets: {' '.join(mlp_targets)} on MoE layers (shared / routed "
-                        "experts) is not supported yet; choose among "
-                        f"{' '.join(ATTENTION_TARGETS)}")
+    expert_targets = [t for t in cfg.targets if t in EXPERT_TARGETS]
+    if expert_targets and not getattr(config, "num_moe_experts", None):
+        raise LoraError(f"lora.targets: {' '.join(expert_targets)} adapt routed experts, and the "
+                        "model has none (model.num_moe_experts is not set)")
     added = []
     for name, module in list(model.named_modules()):
         if isinstance(module, SelfAttention):
             added += _adapt_attention(name, module, cfg)
         elif isinstance(module, MLP) and not _inside_experts(name):
             added += _adapt_mlp(name, module, cfg)
+        elif isinstance(module, MoELayer) and expert_targets:
+            added += _adapt_experts(f"{name}.experts", module.experts, expert_targets, cfg)
     return added
 
 
@@ -371,7 +387,7 @@ def _adapt_mlp(name, mlp, cfg: LoraConfig) -> list:
     fc1_targets = [t for t in cfg.targets if t in ("gate_proj", "up_proj")]
     if fc1_targets:
         _check_linear(f"{name}.linear_fc1", mlp.linear_fc1)
-        ffn = config.ffn_hidden_size
+        ffn = mlp.linear_fc1.output_size // (2 if config.gated_linear_unit else 1)
         placement = glu_rows(ffn, tp, rank, config.gated_linear_unit)
         totals = dict(gate_proj=ffn, up_proj=ffn)
         targets = _column_targets(mlp.linear_fc1, placement, totals, fc1_targets, cfg, tp, rank)
@@ -380,6 +396,42 @@ def _adapt_mlp(name, mlp, cfg: LoraConfig) -> list:
                                                   cfg.dropout), added, name)
     if "down_proj" in cfg.targets:
         _attach(mlp, "linear_fc2", _row_adapter(mlp.linear_fc2, "down_proj", cfg), added, name)
+    return added
+
+
+def _adapt_experts(name, experts, targets, cfg: LoraConfig) -> list:
+    """Each local routed expert's adapters: ``experts.gate_up_proj`` on its whole linear_fc1
+    (``[gate ; up]``, one A and B as transformers' fused weight), ``experts.down_proj`` on its
+    linear_fc2. Their parameters are marked expert-parallel (``allreduce=False``) as the experts'
+    own, so megatron reduces their gradients over the expert-data-parallel group."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    if not isinstance(experts, SequentialMLP):
+        raise LoraError(f"lora.targets: {' '.join(targets)} on {name} ({type(experts).__name__}): "
+                        "routed experts' adapters need megatron's SequentialMLP experts (the sdpa "
+                        "/ local backends)")
+    etp = get_pg_size(experts.tp_group)
+    if etp > 1:
+        raise LoraError(f"lora.targets: {' '.join(targets)} with expert tensor parallelism "
+                        f"{etp}: routed experts' adapters need "
+                        "parallelism.expert_tensor_parallel_size=1")
+    added = []
+    for j, expert in enumerate(experts.local_experts):
+        prefix = f"{name}.local_experts.{j}"
+        if "experts.gate_up_proj" in targets:
+            base = expert.linear_fc1
+            _check_linear(f"{prefix}.linear_fc1", base)
+            target = LoraTarget((cfg.rank, base.input_size), (base.output_size, cfg.rank),
+                                base.weight.dtype)
+            _attach(expert, "linear_fc1", LoraLinear(base, "column", {"gate_up_proj": target},
+                                                     cfg.scaling, cfg.dropout), added, prefix)
+        if "experts.down_proj" in targets:
+            _attach(expert, "linear_fc2", _row_adapter(expert.linear_fc2, "down_proj", cfg),
+                    added, prefix)
+        for adapter in (getattr(expert, "linear_fc1_lora", None),
+                        getattr(expert, "linear_fc2_lora", None)):
+            for p in adapter.parameters() if adapter is not None else ():
+                p.allreduce = False
     return added
 
 

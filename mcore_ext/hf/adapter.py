@@ -5,9 +5,21 @@
                                                                      .lora_B.weight [out, r]
 
 The module names are those of transformers' Step-3.5 model (``self_attn.q_proj`` ...
-``g_proj``, ``o_proj``, ``mlp.gate_proj`` / ``up_proj`` / ``down_proj``), the layer numbers global
-(layer L of ``model.layers``). Each target's A and B are gathered over TP into the HF tensors,
-so every TP layout writes the same files. Pipeline parallelism is not supported here yet.
+``g_proj``, ``o_proj``, ``mlp.gate_proj`` / ``up_proj`` / ``down_proj``, the shared expert's
+``mlp.shared_experts.gate_proj`` ...), the layer numbers global (layer L of ``model.layers``).
+Each target's A and B are gathered over TP into the HF tensors, so every TP layout writes the
+same files. Pipeline parallelism is not supported here yet.
+
+Routed experts are fused 3-D parameters in transformers (``mlp.experts.gate_up_proj`` [E, 2 f,
+h], ``down_proj`` [E, h, f]); PEFT adapts them through ``target_parameters`` (its
+``ParamWrapper``): one ``lora_A`` [r E, in] (expert e's A at rows e r .. e r + r) and one
+``lora_B`` [out, r E] (expert e's B at columns e, E + e, ..., as PEFT reshapes it to
+[out, r, E]) per parameter, the wrappers nested in the order of ``target_parameters``: the last
+one's tensors are ``mlp.experts.lora_A``, the one before it's ``mlp.experts.base_layer.lora_A``.
+The experts' A and B are gathered over EP. PEFT refuses ``lora_dropout`` with
+``target_parameters``, so an export with routed experts writes ``lora_dropout`` 0 (dropout is
+training-only; what the adapter computes is the same). The MTP layers' adapters have no module
+in transformers' model (it drops MTP layers): their export is refused.
 
 ``load_adapter`` reads such a directory, written by ``save_adapter`` or by ``peft`` itself
 (``PeftModel.save_pretrained``), into a model's adapters at any TP: each rank takes its slice of
@@ -31,15 +43,32 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # Where each adapted megatron linear sits in transformers' layer.
 _HF_MODULE = {"self_attention.linear_qkv_lora": "self_attn",
               "self_attention.linear_proj_lora": "self_attn",
-              "mlp.linear_fc1_lora": "mlp", "mlp.linear_fc2_lora": "mlp"}
+              "mlp.linear_fc1_lora": "mlp", "mlp.linear_fc2_lora": "mlp",
+              "mlp.shared_experts.linear_fc1_lora": "mlp.shared_experts",
+              "mlp.shared_experts.linear_fc2_lora": "mlp.shared_experts"}
+# A routed expert's adapter (its LoraLinear's target) -> the PEFT target parameter.
+_EXPERT_PARAMETER = {"gate_up_proj": "experts.gate_up_proj", "down_proj": "experts.down_proj"}
+
+
+def _refuse_mtp(model) -> None:
+    mtp = sorted(n for n in lora.lora_adapters(model) if n.startswith("mtp."))
+    if mtp:
+        raise AdapterError(f"the MTP layers' adapters ({mtp[0]}, ...) have no module in "
+                           "transformers' Step-3.5 model (it drops MTP layers), so PEFT cannot "
+                           "load them: export the merged model (without --adapter), or train "
+                           "the adapters with model.mtp_num_layers=null")
 
 
 def _peft_prefixes(model) -> dict:
-    """{PEFT module prefix: LoraLinear} of ``model``'s adapters (a GPTModel)."""
+    """{PEFT module prefix: LoraLinear} of ``model``'s adapters (a GPTModel), routed experts'
+    left out (``_expert_adapters``)."""
     if ps.get_pipeline_model_parallel_world_size() > 1:
         raise NotImplementedError("a LoRA adapter in PEFT's format under pipeline parallelism")
+    _refuse_mtp(model)
     prefixes = {}
     for name, adapter in lora.lora_adapters(model).items():
+        if ".experts.local_experts." in name:
+            continue
         layer_name, _, local = name.partition(".self_attention.")
         if not local:
             layer_name, _, local = name.partition(".mlp.")
@@ -55,10 +84,44 @@ def _peft_prefixes(model) -> dict:
     return prefixes
 
 
-def adapter_tensors(model) -> dict:
+def _expert_adapters(model) -> dict:
+    """{(global layer, PEFT target parameter): [this rank's local experts' LoraTargets]}."""
+    found = {}
+    for name, adapter in lora.lora_adapters(model).items():
+        layer_name, _, local = name.partition(".mlp.experts.local_experts.")
+        if not local:
+            continue
+        layer = model.get_submodule(layer_name).layer_number - 1
+        for target_name, target in adapter.targets.items():
+            found.setdefault((layer, _EXPERT_PARAMETER[target_name]), []).append(target)
+    return found
+
+
+def _expert_prefix(layer: int, parameter: str, parameters: list) -> str:
+    """PEFT's module prefix of ``parameter``'s wrapper: nested in ``parameters``' order, the
+    last one outermost."""
+    nesting = ".base_layer" * (len(parameters) - 1 - parameters.index(parameter))
+    return f"base_model.model.{hf_layer_prefix(layer)}mlp.experts{nesting}"
+
+
+def _expert_parameters(cfg: "lora.LoraConfig") -> list:
+    return [t for t in cfg.targets if t in lora.EXPERT_TARGETS]
+
+
+def adapter_tensors(model, cfg: "lora.LoraConfig") -> dict:
     """{PEFT key: global fp32 tensor} of every adapter of ``model`` (a GPTModel), on every rank."""
     tensors = {}
-    for prefix, adapter in _peft_prefixes(model).items():
+    prefixes = _peft_prefixes(model)
+    parameters = _expert_parameters(cfg)
+    ep_group = ps.get_expert_model_parallel_group()
+    for (layer, parameter), targets in sorted(_expert_adapters(model).items()):
+        a = _gather(torch.stack([t.lora_A.detach().float() for t in targets]), 0, ep_group)
+        b = _gather(torch.stack([t.lora_B.detach().float() for t in targets]), 0, ep_group)
+        experts, rank = a.shape[0], a.shape[1]
+        prefix = _expert_prefix(layer, parameter, parameters)
+        tensors[f"{prefix}.lora_A.weight"] = a.reshape(experts * rank, -1).cpu()  # [E r, in]
+        tensors[f"{prefix}.lora_B.weight"] = b.permute(1, 2, 0).reshape(-1, experts * rank).cpu()
+    for prefix, adapter in prefixes.items():
         target = adapter.targets[prefix.rpartition(".")[2]]
         a, b = target.lora_A.detach().float(), target.lora_B.detach().float()
         if adapter.parallel == "row":
@@ -83,15 +146,18 @@ def save_adapter(model, directory: str, cfg: "lora.LoraConfig") -> None:
     rank must call it)."""
     from safetensors.torch import save_file
 
-    tensors = adapter_tensors(model)
+    tensors = adapter_tensors(model, cfg)
     if dist.is_initialized() and dist.get_rank() != 0:
         dist.barrier()
         return
     os.makedirs(directory, exist_ok=True)
     save_file({k: v.contiguous() for k, v in tensors.items()},
               os.path.join(directory, ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    config = dict(peft_type="LORA", r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
-                  target_modules=sorted(cfg.targets), bias="none", fan_in_fan_out=False,
+    parameters = _expert_parameters(cfg)
+    config = dict(peft_type="LORA", r=cfg.rank, lora_alpha=cfg.alpha,
+                  lora_dropout=0.0 if parameters else cfg.dropout,
+                  target_modules=sorted(t for t in cfg.targets if t not in parameters),
+                  target_parameters=parameters or None, bias="none", fan_in_fan_out=False,
                   use_rslora=False, init_lora_weights=True, inference_mode=True,
                   modules_to_save=None, task_type=None)
     with open(os.path.join(directory, ADAPTER_CONFIG), "w") as f:
@@ -140,14 +206,18 @@ def load_adapter(model, directory: str, cfg: "lora.LoraConfig") -> None:
     config = read_adapter_config(directory)
     path = os.path.join(directory, ADAPTER_CONFIG)
     targets = config.get("target_modules")
-    if not isinstance(targets, (list, tuple)):
-        raise AdapterError(f"{path}: target_modules={targets!r}: a list of module names loads "
-                           f"(of {', '.join(lora.TARGETS)})")
-    unknown = sorted(t for t in set(targets) if t not in lora.TARGETS)
-    if unknown:
-        raise AdapterError(f"{path}: target_modules {', '.join(unknown)}: the project cannot "
-                           f"place them (it adapts {', '.join(lora.TARGETS)})")
-    targets = sorted(set(targets))
+    parameters = config.get("target_parameters") or []
+    if not isinstance(targets, (list, tuple)) or not isinstance(parameters, (list, tuple)):
+        raise AdapterError(f"{path}: target_modules={targets!r}, target_parameters="
+                           f"{parameters!r}: lists of names load (of {', '.join(lora.TARGETS)})")
+    for field, names, known in (("target_modules", targets,
+                                 lora.ATTENTION_TARGETS + lora.MLP_TARGETS),
+                                ("target_parameters", parameters, lora.EXPERT_TARGETS)):
+        unknown = sorted(t for t in set(names) if t not in known)
+        if unknown:
+            raise AdapterError(f"{path}: {field} {', '.join(unknown)}: the project cannot place "
+                               f"them (it adapts {', '.join(lora.TARGETS)})")
+    targets = sorted(set(targets) | set(parameters))
     for field, theirs, ours in (("r", config.get("r"), cfg.rank),
                                 ("lora_alpha", config.get("lora_alpha"), cfg.alpha),
                                 ("target_modules", targets, sorted(cfg.targets))):
@@ -157,21 +227,27 @@ def load_adapter(model, directory: str, cfg: "lora.LoraConfig") -> None:
             raise AdapterError(f"{path}: {field}={theirs!r} but {what}={ours!r}: set {what} "
                                "to the adapter's")
     prefixes = _peft_prefixes(model)
+    experts = {_expert_prefix(layer, parameter, list(parameters)): targets
+               for (layer, parameter), targets in _expert_adapters(model).items()}
     weights = os.path.join(directory, ADAPTER_WEIGHTS)
     with safe_open(weights, framework="pt") as f:
         keys = set(f.keys())
-        wanted = {f"{p}.lora_{m}.weight" for p in prefixes for m in "AB"}
+        wanted = {f"{p}.lora_{m}.weight" for p in [*prefixes, *experts] for m in "AB"}
         # PEFT's keys of a named adapter carry its name (lora_A.<name>.weight) only in memory.
         unplaced = sorted({k.rpartition(".lora_")[0] for k in keys - wanted})
         if unplaced:
             more = f" (and {len(unplaced) - 3} more)" if len(unplaced) > 3 else ""
             raise AdapterError(f"{weights}: no adapter of this model takes "
-                               f"{', '.join(unplaced[:3])}{more}: the project places q/k/v/g/o_proj "
-                               "and the dense MLPs' gate/up/down_proj only")
+                               f"{', '.join(unplaced[:3])}{more}: the project places q/k/v/g/o_proj, "
+                               "the dense MLPs' and shared experts' gate/up/down_proj and the "
+                               "routed experts' gate_up_proj / down_proj of the main layers")
         missing = sorted(wanted - keys)
         if missing:
             raise AdapterError(f"{weights}: {missing[0]} is missing (and {len(missing) - 1} more)"
                                if len(missing) > 1 else f"{weights}: {missing[0]} is missing")
+        with torch.no_grad():
+            for prefix, local in experts.items():
+                _load_experts(f, weights, prefix, local, cfg.rank)
         with torch.no_grad():
             for prefix, adapter in prefixes.items():
                 target = adapter.targets[prefix.rpartition(".")[2]]
@@ -189,3 +265,26 @@ def load_adapter(model, directory: str, cfg: "lora.LoraConfig") -> None:
                                            f"{tuple(theirs.shape)}, this model's rank slice "
                                            f"{tuple(ours.shape)} (another model?)")
                     ours.copy_(theirs.to(ours.dtype))
+
+
+def _load_experts(f, weights, prefix, local, rank):
+    """This EP rank's experts' A and B from PEFT's [E r, in] / [out, r E] tensors."""
+    a = f.get_tensor(f"{prefix}.lora_A.weight")
+    b = f.get_tensor(f"{prefix}.lora_B.weight")
+    experts = a.shape[0] // rank
+    if a.shape[0] != experts * rank or b.shape[1] != experts * rank or \
+            experts != len(local) * ps.get_expert_model_parallel_world_size():
+        raise AdapterError(f"{weights}: {prefix}.lora_A.weight {tuple(a.shape)} / lora_B "
+                           f"{tuple(b.shape)} do not hold r {rank} for each of this model's "
+                           f"{len(local) * ps.get_expert_model_parallel_world_size()} experts")
+    a = a.reshape(experts, rank, -1)
+    b = b.reshape(b.shape[0], rank, experts).permute(2, 0, 1)
+    first = ps.get_expert_model_parallel_rank() * len(local)
+    for j, target in enumerate(local):
+        for name, ours, theirs in (("lora_A", target.lora_A, a[first + j]),
+                                   ("lora_B", target.lora_B, b[first + j])):
+            if ours.shape != theirs.shape:
+                raise AdapterError(f"{weights}: {prefix}.{name}.weight holds experts' "
+                                   f"{tuple(theirs.shape)}, this model's {tuple(ours.shape)} "
+                                   "(another model?)")
+            ours.copy_(theirs.to(ours.dtype))

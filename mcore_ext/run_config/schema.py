@@ -430,8 +430,10 @@ class LoraConfig:
 
     targets: Union[str, list[str]] = "all-linear"
     """The adapted linears, PEFT's module names of transformers' Step-3.5 model: q_proj, k_proj,
-    v_proj, g_proj (the head-wise gate), o_proj, gate_proj, up_proj, down_proj (dense MLPs), as
-    a list or one space-separated string; all-linear = every one of them."""
+    v_proj, g_proj (the head-wise gate), o_proj, gate_proj, up_proj, down_proj (dense MLPs and
+    shared experts), as a list or one space-separated string; all-linear = every one of them
+    (as PEFT's all-linear). The routed experts, each its own A and B, with experts.gate_up_proj /
+    experts.down_proj (PEFT's target_parameters names), alone or beside all-linear."""
 
     init_from: Optional[str] = None
     """A PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors, made by

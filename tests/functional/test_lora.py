@@ -11,7 +11,8 @@ run's losses bit for bit; another goes TP 2 -> TP 1 (x DP 2) -> TP 2 over 9..12 
 the same losses within 1e-4 (fp32). A base changed since the adapters were saved is one line,
 exit code 2. The run's iteration-16 adapters, written in PEFT's format, start a new run
 (``lora.init_from``) at the LoRA run's validation loss. Seven torchrun runs: 2.5 minutes on 2
-idle cores (15 on the loaded ones where it was written).
+idle cores (15 on the loaded ones where it was written). The MoE + MTP test at the end (routed
+experts' adapters saved at EP 2, resumed at EP 1) runs the launcher in process: 35 CPU seconds.
 """
 
 import json
@@ -212,3 +213,60 @@ def test_lora_config_errors_name_the_field(overrides, message, capsys):
     assert code == 2, out + err
     assert message in err and err.count("\n") == 1, err
     assert "Traceback" not in err + out
+
+
+# ------------------------------------------------ experts and MTP: EP 2 -> EP 1, in process
+
+MOE_LORA = ["--config", str(ROOT / "configs" / "step35_moe_tiny_cpu.yaml"), "data.source=mock",
+            "parallelism.expert_model_parallel_size=2", "training.eval_interval=null",
+            "logging.log_interval=1", "optimizer.lr_warmup_iters=1", "checkpoint.save_interval=2",
+            "training.global_batch_size=4"]
+
+
+def _moe_lora_runs(tmp):
+    """configs/step35_moe_tiny_cpu.yaml (MoE layers 2-4 with a shared expert, 1 MTP layer) at
+    EP 2: a base run of 2 steps; a LoRA run over it (every target, routed experts included) of 4
+    steps saving at 2 and 4; its iteration 2 resumed at EP 1 to 4."""
+    from tests.functional.inprocess import launch
+
+    base = launch(*MOE_LORA, "training.train_iters=2", f"checkpoint.save={tmp / 'base'}",
+                  "checkpoint.load=null")
+    lora = [*MOE_LORA, f"checkpoint.load={tmp / 'base'}", "checkpoint.finetune=true",
+            "model.moe_router_bias_update_rate=0",
+            "lora.rank=4", "lora.alpha=8", "optimizer.lr=1e-2", "optimizer.lr_decay_style=constant",
+            "lora.targets=[all-linear,experts.gate_up_proj,experts.down_proj]",
+            "training.train_iters=4"]
+    full = launch(*lora, f"checkpoint.save={tmp / 'lora'}",
+                  f"logging.metrics_file={tmp / 'lora.jsonl'}")
+    if base["code"] or full["code"]:
+        return base, full
+    if torch.distributed.get_rank() == 0:
+        copy_checkpoint(tmp / "lora", 2, tmp / "ep1")
+    torch.distributed.barrier()
+    ep1 = launch(*lora, "parallelism.expert_model_parallel_size=1",
+                 f"checkpoint.save={tmp / 'ep1'}", f"logging.metrics_file={tmp / 'ep1.jsonl'}")
+    return base, full, ep1
+
+
+def test_expert_and_mtp_adapters_resume_from_ep2_at_ep1(run_distributed, tmp_path):
+    """The adapters-only checkpoint of a LoRA run at EP 2 (each routed expert's A and B saved
+    along the global expert axis, the shared expert's and the MTP layer's beside them, no frozen
+    weight) resumes at EP 1 with the uninterrupted run's losses within 1e-4 (fp32; the expert
+    gradients are reduced in another order)."""
+    from tests.functional.inprocess import losses as read_losses
+
+    for result in run_distributed(_moe_lora_runs, tmp_path, world_size=2, timeout=600)[0]:
+        assert result["code"] == 0, result
+    tensors = checkpoint_tensors(tmp_path / "lora" / "iter_0000004")
+    weights = {k: v for k, v in tensors.items() if not k.startswith("optimizer.")}
+    assert weights and all(ADAPTER in k for k in weights), sorted(weights)[:5]
+    experts = {k: v for k, v in weights.items() if ".experts.linear_fc" in k}
+    # 3 MoE layers x (fc1, fc2) x (A, B), each of the 8 experts its own along the expert axis
+    assert len(experts) == 12 and all(v.shape[0] == 8 for v in experts.values()), \
+        {k: v.shape for k, v in experts.items()}
+    assert any(k.startswith("mtp.") for k in weights), sorted(weights)
+    assert any("shared_experts.linear_fc1_lora" in k for k in weights), sorted(weights)
+    full, resumed = read_losses(tmp_path / "lora.jsonl"), read_losses(tmp_path / "ep1.jsonl")
+    assert sorted(full) == [1, 2, 3, 4] and sorted(resumed) == [3, 4], (full, resumed)
+    for it, loss in resumed.items():
+        assert loss == pytest.approx(full[it], abs=1e-4, rel=0), (it, resumed, full)

@@ -231,6 +231,8 @@ def test_fresh_adapter_changes_nothing_and_targets_are_selectable(run_distribute
     (dict(rank=4, dropout=1.0), "lora.dropout must be in [0, 1), got 1.0"),
     (dict(rank=4, targets="q_proj w_proj"), "lora.targets: unknown target(s) ['w_proj']"),
     (dict(rank=4, targets=["all-linear", "q_proj"]), "lora.targets: all-linear stands alone"),
+    (dict(rank=4, targets="experts.up_proj"), "lora.targets: unknown target(s) "
+                                              "['experts.up_proj']"),
 ])
 def test_lora_config_names_the_bad_field(fields, message):
     from mcore_ext.lora import LoraConfig
@@ -241,9 +243,12 @@ def test_lora_config_names_the_bad_field(fields, message):
 
 
 def test_lora_config_all_linear_and_rank_zero():
-    from mcore_ext.lora import TARGETS, LoraConfig
+    from mcore_ext.lora import ATTENTION_TARGETS, EXPERT_TARGETS, MLP_TARGETS, LoraConfig
 
-    assert LoraConfig(rank=8, targets="all-linear").targets == TARGETS
+    # PEFT's all-linear: the linears, not the routed experts' 3-D weights (named to add them)
+    assert LoraConfig(rank=8, targets="all-linear").targets == ATTENTION_TARGETS + MLP_TARGETS
+    assert LoraConfig(rank=8, targets=["experts.down_proj", "all-linear"]).targets == \
+        ATTENTION_TARGETS + MLP_TARGETS + ("experts.down_proj",)
     assert LoraConfig(rank=8, alpha=16, targets="v_proj q_proj").targets == ("q_proj", "v_proj")
     assert LoraConfig(rank=8, alpha=16).scaling == 2.0
     assert not LoraConfig(rank=0).enabled

@@ -212,8 +212,10 @@ def lora_config(cfg: PretrainConfig):
 
 
 def _validate_lora(cfg: PretrainConfig) -> None:
-    """What this slice of LoRA adapts: attention and dense MLPs, not experts or MTP layers."""
-    from mcore_ext.lora import MLP_TARGETS
+    """What LoRA cannot adapt: routed experts where there are none or at expert TP > 1, the te
+    backend's layernorm-fused linears; and an expert-bias update, which would change a frozen
+    base weight."""
+    from mcore_ext.lora import EXPERT_TARGETS
 
     adapters = lora_config(cfg)
     if not adapters.enabled:
@@ -228,16 +230,22 @@ def _validate_lora(cfg: PretrainConfig) -> None:
             read_adapter_config(cfg.lora.init_from)
         except AdapterError as err:
             raise ConfigError(f"lora.init_from: {err}") from None
-    m = cfg.model
-    if m.mtp_num_layers:
-        raise ConfigError(f"lora.rank={adapters.rank} with model.mtp_num_layers="
-                          f"{m.mtp_num_layers}: MTP layers have no adapters yet (set "
-                          "model.mtp_num_layers=null for a LoRA run)")
-    mlp = [t for t in adapters.targets if t in MLP_TARGETS]
-    if mlp and m.num_moe_experts:
-        raise ConfigError(f"lora.targets: {' '.join(mlp)} on a MoE model (model.num_moe_experts="
-                          f"{m.num_moe_experts}): shared / routed experts have no adapters yet; "
-                          "choose among q_proj k_proj v_proj g_proj o_proj")
+    m, p = cfg.model, cfg.parallelism
+    if m.num_moe_experts and m.moe_router_bias_update_rate:
+        raise ConfigError(f"lora.rank={adapters.rank} with model.moe_router_bias_update_rate="
+                          f"{m.moe_router_bias_update_rate}: the router's expert bias is a frozen "
+                          "base weight in a LoRA run (its adapters-only checkpoint would not "
+                          "keep the updates); set model.moe_router_bias_update_rate=0")
+    experts = [t for t in adapters.targets if t in EXPERT_TARGETS]
+    if experts and not m.num_moe_experts:
+        raise ConfigError(f"lora.targets: {' '.join(experts)} adapt routed experts, and "
+                          "model.num_moe_experts is not set")
+    etp = (p.expert_tensor_parallel_size if p.expert_tensor_parallel_size is not None
+           else p.tensor_model_parallel_size)
+    if experts and etp > 1:
+        raise ConfigError(f"lora.targets: {' '.join(experts)} with expert tensor parallelism "
+                          f"{etp} (parallelism.expert_tensor_parallel_size, default the TP size): "
+                          "routed experts' adapters need parallelism.expert_tensor_parallel_size=1")
     if m.attention_backend == "te":
         raise ConfigError("lora.rank > 0 with model.attention_backend=te: Transformer Engine "
                           "fuses the norm into linear_qkv / linear_fc1; use sdpa or local")
