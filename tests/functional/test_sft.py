@@ -2,8 +2,8 @@
 tiny Step-3.5 with MoE + MTP, TP 2 + SP, packed conversations of configs/sft_tiny) on 2 gloo
 ranks, shortened to 8 steps and saving at 4 (~1.5 minutes on 2 busy cores), then resumed from its
 step-4 checkpoint at TP 2 and at TP 1 x DP 2 to step 8 (~40 s each); a bad line of chat data
-under torchrun is one error before training; the recipe at CP 2 trains; pretraining text with
-data.document_masking trains.
+under torchrun is one error before training; the recipe at CP 2 trains; the recipe at PP 2 trains
+and resumes exactly; pretraining text with data.document_masking trains.
 """
 
 import json
@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.functional.test_pretrain import ROOT, TINY, TRACKER, check, losses, torchrun
+from tests.functional.test_pretrain import (ROOT, TINY, TRACKER, check, check_exact_resume,
+                                            losses, torchrun)
 
 RECIPE = str(ROOT / "configs" / "step35_sft_tiny_cpu.yaml")
 STEPS = 8
@@ -135,3 +136,27 @@ def test_recipe_at_context_parallel_2_trains_packed_conversations(tmp_path):
     assert sorted(loss) == [1, 2, 3, 4] and loss[4] < loss[1], loss
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert all(math.isfinite(r["mtp_losses"][0]) for r in records if r["kind"] == "train")
+
+
+def test_recipe_at_pipeline_parallel_2_trains_and_resumes_exactly(tmp_path):
+    """The recipe at TP 1 x PP 2 (layers 1-2 | 3-4, MoE on both stages, the MTP depth on the
+    last): each packed micro-batch of 2 rows crosses the stages as one [256, 1, h] THD sequence,
+    2 micro-batches per step through the 1F1B schedule (global batch 4 to save time). 8 steps
+    saving at 4, then a copy of the step-4 checkpoint resumed to 8 (76 CPU seconds in all on the
+    busy 2 cores): the loss falls below 0.8 x its first and steps 5-8 repeat to the last bit."""
+    common = ["--config", RECIPE, "parallelism.tensor_model_parallel_size=1",
+              "parallelism.sequence_parallel=false", "parallelism.pipeline_model_parallel_size=2",
+              "training.global_batch_size=4", f"training.train_iters={STEPS}",
+              "training.eval_interval=null",
+              "logging.log_interval=1", "checkpoint.save_interval=4"]
+    full = check(torchrun(*common, f"checkpoint.save={tmp_path / 'ckpt'}", "checkpoint.load=null",
+                          f"logging.metrics_file={tmp_path / 'full.jsonl'}"), "pp2")
+    assert "world 2 = TP 1 x PP 2 x DP 1" in full.stdout and "2 micro-batches" in full.stdout
+    records = [json.loads(line) for line in (tmp_path / "full.jsonl").read_text().splitlines()]
+    assert all(math.isfinite(r["mtp_losses"][0]) for r in records if r["kind"] == "train")
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "ckpt" / "iter_0000004", resumed / "iter_0000004")
+    (resumed / TRACKER).write_text("4")
+    again = check(torchrun(*common, f"checkpoint.save={resumed}", f"checkpoint.load={resumed}",
+                           f"logging.metrics_file={tmp_path / 'resumed.jsonl'}"), "pp2 resumed")
+    check_exact_resume(tmp_path, again, steps=STEPS, saved_at=4)
