@@ -100,9 +100,15 @@ def test_bad_chat_line_under_torchrun_is_one_error_before_training(tmp_path):
     assert Path(data).read_text().count("\n") == 3  # the user's file is left as it was
 
 
-def test_document_masking_trains_text_as_packed_documents(tmp_path):
+@pytest.mark.parametrize("layout", [
+    [],
+    pytest.param(["parallelism.tensor_model_parallel_size=1",
+                  "parallelism.pipeline_model_parallel_size=2"], marks=pytest.mark.slow),
+], ids=["tp2", "pp2"])
+def test_document_masking_trains_text_as_packed_documents(tmp_path, layout):
     """configs/tiny_cpu.yaml at TP 2 on short documents (several per 128-token sample), each
-    attending only to itself."""
+    attending only to itself; at TP 1 x PP 2 (-m slow) the stages exchange each micro-batch of
+    8 samples as one [1024, 1, h] THD sequence."""
     from mcore_ext.data.preprocess import preprocess
 
     texts = tmp_path / "docs.jsonl"
@@ -114,7 +120,7 @@ def test_document_masking_trains_text_as_packed_documents(tmp_path):
                    "data.document_masking=true", "training.train_iters=6",
                    "training.eval_interval=null", "optimizer.lr_warmup_iters=2",
                    "logging.log_interval=1", "checkpoint.save=null", "checkpoint.load=null",
-                   f"logging.metrics_file={metrics}"), "document_masking")
+                   f"logging.metrics_file={metrics}", *layout), "document_masking")
     loss = losses(metrics)
     assert sorted(loss) == list(range(1, 7)) and loss[6] < loss[1], loss
 
