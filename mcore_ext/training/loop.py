@@ -195,6 +195,20 @@ def _forward_step(data_iterator, model):
     return losses, partial(_masked_mean, loss_mask)
 
 
+def schedule_shape(seq_length: int, micro_batch_size: int, packed: bool) -> dict:
+    """The lengths megatron's schedule sizes what it sends between pipeline stages by: a
+    [seq_length / CP (/ TP with sequence parallelism), micro_batch_size, h] tensor
+    (``get_tensor_shapes``). A packed micro-batch is one THD sequence of its b rows side by side,
+    [b x s / CP, 1, h]: every one is exactly b x s slots long (a chat row is s slots, padding
+    included; text with document masking keeps its samples' s tokens at CP 1, the only CP it
+    runs at under PP), so the shape is fixed and megatron's ``variable_seq_lengths`` (a shape
+    exchange before every send) is not needed."""
+    if packed:
+        seq_length, micro_batch_size = seq_length * micro_batch_size, 1
+    return dict(seq_length=seq_length, micro_batch_size=micro_batch_size,
+                decoder_seq_length=seq_length)
+
+
 def _masked_mean(loss_mask, losses):
     """This rank's share of the mean loss over the sequence's tokens on all CP ranks.
 
@@ -351,15 +365,14 @@ class _Trainer:
     def _run_schedule(self, iterator, forward_only: bool):
         """One global batch through megatron's schedule (micro-batches, pipeline stages)."""
         cfg = self.cfg
+        packed = cfg.data.source == "chat" or cfg.data.document_masking
         return self.forward_backward(
             forward_step_func=_forward_step,
             data_iterator=iterator,
             model=[self.model],
             num_microbatches=cfg.num_microbatches,
-            seq_length=cfg.model.seq_length,
-            micro_batch_size=cfg.training.micro_batch_size,
-            decoder_seq_length=cfg.model.seq_length,
             forward_only=forward_only,
+            **schedule_shape(cfg.model.seq_length, cfg.training.micro_batch_size, packed),
         )
 
     def _moe_balancing_losses(self) -> dict:

@@ -272,18 +272,27 @@ def test_context_parallel_pads_every_document_to_a_multiple_of_2_cp():
     assert batch["position_ids"].tolist() == [[0, 1, 2, 3] * 3 + list(range(8)) + [0, 1, 2, 3]]
 
 
-def test_check_takes_chat_data_at_cp2_and_refuses_it_at_pp2(tmp_path, capsys):
-    """The recipe at TP 1 x CP 2 passes validation (the old code refused it: packed documents at
-    context_parallel_size=1 only); PP 2 is still one error naming the field and value, exit 2."""
+def test_check_takes_chat_data_at_cp2_and_pp2_and_refuses_masked_text_at_cp2_x_pp2(
+        tmp_path, capsys):
+    """The recipe at TP 1 x CP 2 and at TP 1 x PP 2 passes validation (the old code refused PP 2:
+    'data.source=chat trains packed documents at parallelism.pipeline_model_parallel_size=1
+    only, got 2'); text with document masking at CP 2 x PP 2, whose micro-batches vary in length,
+    is one error naming the fields and values, exit 2, nothing made."""
     from mcore_ext.training import main
 
     common = ["--config", str(RECIPE), "--check", "--world-size", "2",
               "parallelism.tensor_model_parallel_size=1", "parallelism.sequence_parallel=false",
               f"checkpoint.save={tmp_path / 'ckpt'}", f"checkpoint.load={tmp_path / 'ckpt'}"]
     assert main(common + ["parallelism.context_parallel_size=2"]) == 0, capsys.readouterr()
+    assert main(common + ["parallelism.pipeline_model_parallel_size=2"]) == 0, capsys.readouterr()
     capsys.readouterr()
-    assert main(common + ["parallelism.pipeline_model_parallel_size=2"]) == 2
+    text = ["--config", str(ROOT / "configs" / "tiny_cpu.yaml"), "--check", "--world-size", "4",
+            "parallelism.tensor_model_parallel_size=1", "parallelism.sequence_parallel=false",
+            "data.document_masking=true", "parallelism.context_parallel_size=2",
+            f"checkpoint.save={tmp_path / 'ckpt'}", f"checkpoint.load={tmp_path / 'ckpt'}"]
+    assert main(text + ["parallelism.pipeline_model_parallel_size=2"]) == 2
     err = capsys.readouterr().err
-    assert err == ("error: data.source=chat trains packed documents at "
-                   "parallelism.pipeline_model_parallel_size=1 only, got 2\n"), err
+    assert err == ("error: data.document_masking=true at parallelism.context_parallel_size=2 "
+                   "gives micro-batches of varying length, which the pipeline schedule cannot "
+                   "send: parallelism.pipeline_model_parallel_size must be 1 there, got 2\n"), err
     assert not (tmp_path / "ckpt").exists()

@@ -77,17 +77,23 @@ def _global_weights(layers, hidden=32, head_dim=8, ffn=48, seed=0):
 
 
 def load_global_weights(model, config, weights, extra=None):
-    """Copy each rank's TP slice of the global (HF-named) weights into the megatron model.
+    """Copy each rank's TP slice of the global (HF-named) weights into the megatron model: its
+    pipeline stage's layers (their global numbers), the embedding on the first stage, the final
+    norm and lm_head on the last.
 
     ``extra``: more local tensors by megatron name (e.g. MTP layers); every parameter must get one.
     """
     rows = builders.rank_rows_of_this_rank
-    local = {"embedding.word_embeddings.weight": rows(weights["embed"]),
-             "decoder.final_layernorm.weight": weights["norm"],
-             "output_layer.weight": rows(weights["lm_head"])}
-    for i, w in enumerate(weights["layers"]):
-        local.update(local_layer_weights(f"decoder.layers.{i}.", w,
-                                         config.get_config_for_layer(i + 1)))
+    local = {}
+    if model.pre_process:
+        local["embedding.word_embeddings.weight"] = rows(weights["embed"])
+    if model.post_process:
+        local.update({"decoder.final_layernorm.weight": weights["norm"],
+                      "output_layer.weight": rows(weights["lm_head"])})
+    for i, layer in enumerate(model.decoder.layers):
+        number = layer.layer_number  # 1-based, global
+        local.update(local_layer_weights(f"decoder.layers.{i}.", weights["layers"][number - 1],
+                                         config.get_config_for_layer(number)))
     local.update(extra or {})
     params = dict(model.named_parameters())
     assert set(params) == set(local), set(params) ^ set(local)

@@ -1,5 +1,5 @@
-"""The SFT loss of packed rows, at TP 2 with sequence parallelism and at CP 2, micro-batch 2,
-against plain PyTorch written from the formula.
+"""The SFT loss of packed rows, at TP 2 with sequence parallelism, at CP 2 and at PP 2 (micro-batch
+2 and 1; TP 2 x PP 2 with -m slow), against plain PyTorch written from the formula.
 
 Conversations of 1 to 8 positions (shorter and longer than the sliding window, 3) are packed by
 the launcher's own ``ChatDataset`` into 4 rows of 8 and collated by ``collate_packed`` into 2 THD
@@ -11,7 +11,9 @@ conversation takes a multiple of 2 x CP = 4 slots (megatron's ``cu_seqlens_padde
 4, 5 and 8 positions, so documents shorter than a CP chunk of a row (2 slots), documents whose
 chunks (1 or 2 slots) are shorter than the window (the sliding layers' halo reaches into the
 other rank's chunks, and stops at the document's start), and padding inside documents; the full
-layers take the all-gather path.
+layers take the all-gather path. At PP 2 (layers 1-2 | 3-4) the THD micro-batch crosses the
+stages in the launcher's shape (``loop.schedule_shape``); the last stage's per-token losses of
+every document are compared with the reference's, the gradients on the stage that holds them.
 
 The reference (``tests.reference.step35_logits``) runs each conversation on its own from position
 0, so per-document causal attention and restarted positions are what it means; the loss is
@@ -51,8 +53,8 @@ def _conversations(vocab, lengths):
     return docs
 
 
-def _micro_batches(docs, cp, pack=True):
-    """The rows of ``docs`` (4 when packed), in micro-batches of 2."""
+def _micro_batches(docs, cp, pack=True, size=2):
+    """The rows of ``docs`` (4 when packed), in micro-batches of ``size``."""
     from megatron.core.datasets.utils import Split
 
     from mcore_ext.data import chat
@@ -64,10 +66,12 @@ def _micro_batches(docs, cp, pack=True):
     dataset = chat.ChatDataset(chat.ChatFile("mem", docs, len(docs), 0, 0), "mem",
                                numpy.arange(len(docs)), None, Split.train, config)
     rows = [dataset[i] for i in range(len(dataset))]
-    return [collate_packed(rows[i:i + 2]) for i in range(0, len(rows), 2)]
+    return [collate_packed(rows[i:i + size]) for i in range(0, len(rows), size)]
 
 
-def _schedule(model, batches, forward_only):
+def _schedule(model, batches, forward_only, forward_step=None):
+    """The loss of ``batches`` through megatron's schedule with the launcher's forward step and
+    tensor shapes (None off the last pipeline stage)."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -75,9 +79,11 @@ def _schedule(model, batches, forward_only):
 
     model.zero_grad_buffer()
     out = get_forward_backward_func()(
-        forward_step_func=loop._forward_step, data_iterator=iter(batches), model=[model],
-        num_microbatches=len(batches), seq_length=SEQ, micro_batch_size=2,
-        forward_only=forward_only)
+        forward_step_func=forward_step or loop._forward_step, data_iterator=iter(batches),
+        model=[model], num_microbatches=len(batches), forward_only=forward_only,
+        **loop.schedule_shape(SEQ, batches[0]["tokens"].size(1) // SEQ, packed=True))
+    if not parallel_state.is_pipeline_last_stage():
+        return None
     total = torch.stack([x["lm loss"] for x in out]).sum(0)  # [loss sum, loss tokens]
     # each CP rank's own tokens: summed over CP, as the launcher sums them over every rank
     torch.distributed.all_reduce(total, group=parallel_state.get_context_parallel_group())
@@ -225,6 +231,136 @@ def test_packed_sft_loss_logits_and_gradients_match_per_document_reference(
         assert r["lm_head_diff"] <= TOL and r["embed_diff"] <= TOL, r
         assert r["others_moved"] <= 1e-6 and r["own_moved"] > 1e-3, r
         assert r["moved"]["prompt"] == 0.0 and r["moved"]["answer"] > 1e-4, r
+
+
+def _per_token_step(data_iterator, model):
+    """The launcher's forward step, its per-token losses [1, t] kept beside the loss."""
+    from mcore_ext.training import loop
+
+    losses, reduce = loop._forward_step(data_iterator, model)
+
+    def keep(output):
+        total, count, logged = reduce(output)
+        return total, count, dict(logged, tokens=output.detach()[0])
+
+    return losses, keep
+
+
+def _document_losses(model, batches):
+    """{document's tokens: its per-token CE losses}, from the last pipeline stage ({} else)."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from mcore_ext.training import loop
+
+    with torch.no_grad():
+        out = get_forward_backward_func()(
+            forward_step_func=_per_token_step, data_iterator=iter(batches), model=[model],
+            num_microbatches=len(batches), forward_only=True,
+            **loop.schedule_shape(SEQ, batches[0]["tokens"].size(1) // SEQ, packed=True))
+    if not parallel_state.is_pipeline_last_stage():
+        return {}
+    losses = {}
+    for batch, result in zip(batches, out):
+        for at, length in zip(batch["cu_seqlens_padded"][:-1].tolist(),
+                              batch["cu_seqlens"].diff().tolist()):
+            key = tuple(batch["tokens"][0, at:at + length].tolist())
+            losses[key] = result["tokens"][at:at + length]
+    return losses
+
+
+def _packed_sft_pipeline(tp, rows_per_micro_batch):
+    """At PP 2 (x TP ``tp``): the loss, each document's per-token losses and the stage's
+    gradients (embedding first, lm_head last) against the per-document reference; another
+    first document in micro-batch 0 and every document's losses after it."""
+    from megatron.core import parallel_state
+
+    import mcore_ext
+    from mcore_ext._cpu_compat import cuda_to_cpu
+    from tests.unit.test_layer_kinds import (EPS, VOCAB, _config, _global_weights,
+                                             load_global_weights)
+
+    mcore_ext.init_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=2)
+    config = _config("gqa", tp, sequence_parallel=tp > 1, pipeline_model_parallel_size=2,
+                     pipeline_dtype=torch.float32, calculate_per_token_loss=True)
+    layers = builders.reference_layers(config)
+    weights = _global_weights(layers)
+    docs = _conversations(VOCAB, LENGTHS)
+    batches = _micro_batches(docs, 1, size=rows_per_micro_batch)
+
+    ref_weights = dict(weights, embed=weights["embed"].clone().requires_grad_(),
+                       lm_head=weights["lm_head"].clone().requires_grad_())
+    total, count, doc_losses = 0.0, 0.0, {}
+    for doc in docs:
+        ids = torch.from_numpy(doc.ids)
+        logits = reference.step35_logits(ids[None, :-1], ref_weights, layers, EPS)[0]
+        per_token = F.cross_entropy(logits, ids[1:], reduction="none")
+        doc_losses[tuple(doc.ids[:-1].tolist())] = per_token.detach()
+        mask = torch.from_numpy(doc.loss[1:]).float()
+        total = total + (per_token * mask).sum()
+        count += mask.sum()
+    expected = total / count
+    expected.backward()
+
+    rows = builders.rank_rows_of_this_rank
+    with cuda_to_cpu():
+        gpt = mcore_ext.build_gpt_model(config, vocab_size=VOCAB, max_sequence_length=SEQ,
+                                        backend="sdpa")
+        load_global_weights(gpt, config, weights)
+        model, _ = builders.ddp_and_optimizer(config, gpt, distributed_optimizer=False)
+        loss = _schedule(model, batches, forward_only=False)
+        params = dict(model.module.named_parameters())
+        grad_diff = {}
+        for name, ref in (("output_layer.weight", ref_weights["lm_head"]),
+                          ("embedding.word_embeddings.weight", ref_weights["embed"])):
+            if name in params:
+                grad_diff[name] = (params[name].main_grad - rows(ref.grad)).abs().max().item()
+
+        got = _document_losses(model, batches)
+        # Another first document in micro-batch 0: every other document keeps its losses.
+        changed = [dict(batches[0], tokens=batches[0]["tokens"].clone())] + batches[1:]
+        first = batches[0]["cu_seqlens_padded"][1].item()
+        changed[0]["tokens"][0, :first] = (changed[0]["tokens"][0, :first] + 1) % VOCAB
+        after = _document_losses(model, changed)
+    first_doc = tuple(batches[0]["tokens"][0, :first].tolist())
+    moved = {key: (after[key] - value).abs().max().item()
+             for key, value in got.items() if key != first_doc}
+    new_first = tuple(changed[0]["tokens"][0, :first].tolist())
+    return dict(
+        last=parallel_state.is_pipeline_last_stage(), loss=loss, expected=expected.item(),
+        layers=[layer.layer_number for layer in model.module.decoder.layers],
+        matched=sorted(len(key) for key in got if key in doc_losses),
+        loss_diff=max(((value - doc_losses[key]).abs().max().item()
+                       for key, value in got.items() if key in doc_losses), default=None),
+        grad_diff=grad_diff, grad_scale=ref_weights["lm_head"].grad.abs().max().item(),
+        others_moved=max(moved.values(), default=None),
+        own_moved=((after[new_first] - got[first_doc]).abs().max().item() if got else None),
+    )
+
+
+@pytest.mark.parametrize("tp, rows", [(1, 2), (1, 1), pytest.param(2, 2, marks=pytest.mark.slow)],
+                         ids=["pp2_micro2", "pp2_micro1", "tp2_pp2"])
+def test_packed_sft_loss_at_pp2_matches_per_document_reference(run_distributed, tp, rows):
+    """PP 2 (layers 1-2 | 3-4, both kinds on each stage), micro-batches of ``rows`` packed rows
+    (2 or 4 micro-batches through the 1F1B schedule), and TP 2 + SP x PP 2 (4 ranks, slow): the
+    THD micro-batch crosses the stages as [rows x 8, 1, h] (``loop.schedule_shape``) and every
+    stage builds its ``PackedSeqParams``. Loss, every document's per-token losses, the first
+    stage's embedding and the last stage's lm_head gradients within 1e-5 of the reference;
+    another first document moves no other document's losses."""
+    results = run_distributed(_packed_sft_pipeline, tp, rows, world_size=2 * tp, timeout=600)
+    last = [r for r in results if r["last"]]
+    first = [r for r in results if not r["last"]]
+    assert len(last) == len(first) == tp
+    for r in first:
+        assert r["layers"] == [1, 2] and set(r["grad_diff"]) == {"embedding.word_embeddings.weight"}
+        assert r["grad_diff"]["embedding.word_embeddings.weight"] <= TOL, r
+    for r in last:
+        assert r["layers"] == [3, 4] and set(r["grad_diff"]) == {"output_layer.weight"}
+        assert r["matched"] == sorted(LENGTHS), r  # every document, found in its slots
+        assert abs(r["loss"] - r["expected"]) <= TOL, r
+        assert r["loss_diff"] <= TOL, r
+        assert r["grad_scale"] > 1e-3 and r["grad_diff"]["output_layer.weight"] <= TOL, r
+        assert r["others_moved"] <= 1e-6 and r["own_moved"] > 1e-3, r
 
 
 

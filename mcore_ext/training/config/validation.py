@@ -130,7 +130,7 @@ def validate(cfg: PretrainConfig, world_size: int) -> None:
         if d.source not in ("files", "stdlib"):
             raise ConfigError(f"data.document_masking=true applies to text (data.source files or "
                               f"stdlib), got data.source={d.source}")
-        _refuse_packed_layouts(p, "data.document_masking=true")
+        _refuse_variable_lengths_under_pp(p)
     if c.async_save and not on_gpu:
         raise ConfigError("checkpoint.async_save=true needs a GPU (CUDA); set it to false on CPU")
     if c.finetune and not c.load:
@@ -379,7 +379,6 @@ def _validate_chat(cfg: PretrainConfig) -> None:
         raise ConfigError(
             "data.source=chat needs data.tokenizer: a Hugging Face tokenizer directory with a "
             "chat template (the model's own; 'byte' has none)")
-    _refuse_packed_layouts(p, "data.source=chat")
     cp = p.context_parallel_size
     if p.sequence_parallel and (m.seq_length * cfg.training.micro_batch_size // cp) % (
             p.tensor_model_parallel_size):  # a CP rank's tokens of a micro-batch, split over TP
@@ -425,11 +424,16 @@ def _refuse_empty_splits(cfg: PretrainConfig, count: int) -> None:
                 f"conversation ({count} conversations); give it a larger share or more data")
 
 
-def _refuse_packed_layouts(p, what: str) -> None:
-    pp = p.pipeline_model_parallel_size
-    if pp > 1:  # docs/known-gaps.md: packed documents under PP
-        raise ConfigError(f"{what} trains packed documents at "
-                          f"parallelism.pipeline_model_parallel_size=1 only, got {pp}")
+def _refuse_variable_lengths_under_pp(p) -> None:
+    """Text with document masking under CP pads each document to 2 x CP slots, so its THD
+    micro-batches vary in length; megatron's pipeline schedule sends tensors of one shape
+    (``variable_seq_lengths`` is not wired: docs/known-gaps.md)."""
+    pp, cp = p.pipeline_model_parallel_size, p.context_parallel_size
+    if pp > 1 and cp > 1:
+        raise ConfigError(
+            f"data.document_masking=true at parallelism.context_parallel_size={cp} gives "
+            f"micro-batches of varying length, which the pipeline schedule cannot send: "
+            f"parallelism.pipeline_model_parallel_size must be 1 there, got {pp}")
 
 
 def _tokenizer_id(name: str) -> str:
