@@ -266,6 +266,13 @@ def glu_rows(ffn, tp, rank, gated: bool):
     return {"gate_proj": (rows, list(range(f_r))), "up_proj": (rows, list(range(f_r, 2 * f_r)))}
 
 
+def b_is_sharded(rows, total: int, tp: int, rank: int) -> bool:
+    """Whether a column-parallel target's B holds only this rank's block of its ``total`` HF
+    rows (``rows``: the HF rows this rank's output columns hold), else B is kept whole."""
+    block = total // tp
+    return total % tp == 0 and list(rows) == list(range(rank * block, (rank + 1) * block))
+
+
 def _column_targets(base, placement: dict, totals: dict, wanted, cfg: LoraConfig, tp, rank):
     """LoraTargets of a column-parallel linear: B the even row block where a rank's rows are one,
     else whole (``rows`` selects)."""
@@ -276,9 +283,8 @@ def _column_targets(base, placement: dict, totals: dict, wanted, cfg: LoraConfig
             continue
         rows, cols = placement[name]
         total = totals[name]
-        block = total // tp
         cols_t = torch.tensor(cols, dtype=torch.long, device=base.weight.device)
-        if rows == list(range(rank * block, (rank + 1) * block)) and total % tp == 0:
+        if b_is_sharded(rows, total, tp, rank):
             target = LoraTarget((cfg.rank, base.input_size), (len(rows), cfg.rank), dtype, cols_t)
             set_tensor_model_parallel_attributes(target.lora_B, True, 0, 1)
         else:

@@ -26,6 +26,8 @@ def main(argv=None) -> int:
     parser.add_argument("--vocab-size", type=int,
                         help="vocabulary before padding (default: the config's tokenizer's)")
     parser.add_argument("--gpu-gib", type=float, default=80.0, help="memory of one GPU")
+    parser.add_argument("--without-mtp", action="store_true",
+                        help="plan the model without its MTP layers (a LoRA run trains it so)")
     add_activation_args(parser, dict(seq=None, micro_batch=None, cp=None, recompute=None))
     args = parser.parse_args(argv)
     # megatron's config warns about GPU-only settings (TE's fused attention, CUDA graphs)
@@ -65,6 +67,8 @@ def _load(args):
     """(the launcher config, its ModelShape): the YAML with overrides, the model config the
     launcher would build (at the config's own parallel sizes; nothing is validated against a
     world size)."""
+    from mcore_ext.lora import LoraConfig
+    from mcore_ext.plan.params import with_lora
     from mcore_ext.plan.shape import ModelShape
     from mcore_ext.run_config import PretrainConfig, apply_overrides, build, read_yaml
     from mcore_ext.run_config.megatron_configs import transformer_config
@@ -79,7 +83,11 @@ def _load(args):
     shape = ModelShape.from_transformer_config(
         config, vocab_size=vocab, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
         tied_embeddings=not cfg.model.untie_embeddings_and_output_weights)
-    return cfg, shape
+    if args.without_mtp:
+        shape = shape.without_mtp()
+    adapters = cfg.lora
+    return cfg, with_lora(shape, LoraConfig(rank=adapters.rank, alpha=adapters.alpha,
+                                            dropout=adapters.dropout, targets=adapters.targets))
 
 
 if __name__ == "__main__":

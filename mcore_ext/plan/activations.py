@@ -158,17 +158,58 @@ def _tokens(shape: ModelShape, layout: Layout, work: Workload):
     return n, (n // layout.tp if layout.sp else n)
 
 
-def _norm(out: Breakdown, name: str, tokens: float, width: float) -> None:
-    """A zero-centered (or plain) norm computed in fp32: input as fp32, normalized, 1/rms."""
-    out.add(name, tokens * (2 * FP32 * width + FP32))
+def _norm(out: Breakdown, name: str, tokens: float, width: float, frozen: bool = False
+          ) -> None:
+    """A zero-centered (or plain) norm computed in fp32: input as fp32, normalized, 1/rms; a
+    frozen norm weight (LoRA) needs no gradient, so its product keeps no normalized value."""
+    out.add(name, tokens * ((1 if frozen else 2) * FP32 * width + FP32))
 
 
 def _swiglu(out: Breakdown, name: str, tokens: float, width: float, clamp: bool, b: int,
-            probs: bool = False) -> None:
+            probs: bool = False, frozen_fc2: bool = False) -> None:
     """fc1's output [2f], SiLU's output, the product and fc2's input; a routed expert scales the
-    activation by its probability (one more [f]); HF's clamp keeps two clamped copies."""
-    copies = 2 + 3 + (1 if probs else 0) + (2 if clamp else 0)
+    activation by its probability (one more [f]); HF's clamp keeps two clamped copies. A frozen
+    fc2 without an adapter (LoRA) does not save its input."""
+    copies = 2 + 3 + (1 if probs else 0) + (2 if clamp else 0) - (1 if frozen_fc2 else 0)
     out.add(name, tokens * b * copies * width)
+
+
+QKV_TARGETS = ("q_proj", "k_proj", "v_proj", "g_proj")
+
+
+def _adapted(shape: ModelShape, *targets) -> bool:
+    """Whether a LoRA run adapts one of ``targets`` (without LoRA every linear is trained)."""
+    return not shape.lora_rank or any(t in shape.lora_targets for t in targets)
+
+
+def lora_bytes(shape: ModelShape, layer: LayerShape, layout: Layout, work: Workload
+               ) -> Breakdown:
+    """What a layer's adapters save: the rank-r intermediates for B's gradient, r wide per
+    target (a column-parallel linear's ``A x`` over the whole sequence, gathered under SP; a
+    row-parallel one's reduced and, under SP, scattered ``A x``), and each column-parallel
+    target's update (``index_add`` keeps its source). A's gradient needs the linear's input,
+    which the adapter saves in place of its frozen base (counted as the linear's input)."""
+    n, n_sp = _tokens(shape, layout, work)
+    out = Breakdown()
+    if not shape.lora_rank:
+        return out
+    targets = [t for t in shape.lora_targets if t != "g_proj" or layer.gate]
+    column = [t for t in targets if t in QKV_TARGETS + ("gate_proj", "up_proj")]
+    row = [t for t in targets if t in ("o_proj", "down_proj")]
+    if layer.moe:  # no MLP adapters on a MoE layer (apply_lora refuses them)
+        column = [t for t in column if t in QKV_TARGETS]
+        row = [t for t in row if t == "o_proj"]
+    if not shape.gated_mlp:  # fc1 is up_proj alone
+        column = [t for t in column if t != "gate_proj"]
+    out.add("LoRA A x", work.dtype_bytes * shape.lora_rank * (len(column) * n + len(row) * n_sp))
+    # A column-parallel target's update B A x lands at its columns through index_add, whose
+    # autograd saves the update (its source) whole: [tokens, the target's rows on the rank].
+    rows = dict(q_proj=layer.heads * layer.head_dim, k_proj=layer.groups * layer.head_dim,
+                v_proj=layer.groups * layer.head_dim, g_proj=layer.heads, gate_proj=layer.ffn,
+                up_proj=layer.ffn)
+    out.add("LoRA updates (index_add)",
+            n * work.dtype_bytes * sum(rows[t] for t in column) / layout.tp)
+    return out
 
 
 def attention_bytes(shape: ModelShape, layer: LayerShape, layout: Layout, work: Workload
@@ -179,13 +220,20 @@ def attention_bytes(shape: ModelShape, layer: LayerShape, layout: Layout, work: 
     heads = layer.heads / tp
     groups = layer.groups / tp if layer.groups >= tp else 1  # fewer groups: its own, gathered
     out = Breakdown()
-    _norm(out, "input norm", n_sp, h)
-    out.add("linear_qkv input", n_sp * b * h)
+    frozen = bool(shape.lora_rank)
+    first = frozen and layer.index == 0
+    if not first:  # LoRA: the frozen embedding's output needs no gradient, nor its norm's
+        _norm(out, "input norm", n_sp, h, frozen)
+    if _adapted(shape, *QKV_TARGETS):  # a frozen linear saves no input (megatron)
+        out.add("linear_qkv input", n_sp * b * h)
+    elif first:  # nothing before linear_proj needs a gradient: its adapter's input alone
+        out.add("core attention output", n * b * heads * d)
+        return out
     qkv_cols = (layer.heads + 2 * layer.groups) * d / (tp if layer.groups >= tp else 1)
     gate_cols = heads if layer.gate else 0
     banded = layer.sliding and work.sliding_kernel == "banded" and layer.window is not None
     if layer.qk_norm:
-        out.add("q / k norms", n * (2 * FP32 * d + FP32) * (heads + groups))  # 1/rms per head
+        _norm(out, "q / k norms", n * (heads + groups), d, frozen)  # 1/rms per head
     if banded and work.recompute != "selective":
         # The banded kernel saves its blocks: q cut into blocks, K / V as block pairs (2x), the
         # output; neither linear_qkv's output nor q / k after RoPE stay saved (nor, under CP,
@@ -227,20 +275,27 @@ def mlp_bytes(shape: ModelShape, layer: LayerShape, layout: Layout, work: Worklo
     n, n_sp = _tokens(shape, layout, work)
     b, h, tp = work.dtype_bytes, shape.hidden, layout.tp
     out = Breakdown()
-    _norm(out, "pre-MLP norm", n_sp, h)
-    out.add("MLP input", n_sp * b * h)
+    lora = bool(shape.lora_rank)
+    _norm(out, "pre-MLP norm", n_sp, h, lora)
     if not layer.moe:
-        _swiglu(out, "MLP", n, layer.ffn / tp, layer.clamp, b)
+        if _adapted(shape, "gate_proj", "up_proj"):
+            out.add("MLP input", n_sp * b * h)
+        _swiglu(out, "MLP", n, layer.ffn / tp, layer.clamp, b,
+                frozen_fc2=not _adapted(shape, "down_proj"))
         return out
+    # LoRA: the router, shared expert and experts are frozen (no MLP adapters on MoE layers)
+    if not lora:
+        out.add("MLP input", n_sp * b * h)
     e, k, etp = layer.experts, layer.topk, layout.expert_tp
     if layer.shared_ffn:
-        _swiglu(out, "shared expert", n, layer.shared_ffn / tp, layer.clamp, b)
+        _swiglu(out, "shared expert", n, layer.shared_ffn / tp, layer.clamp, b, frozen_fc2=lora)
     tokens = n_sp  # the router sees the rank's sequence shard
     out.add("router", tokens * (FP32 * e + FP32 + FP32 * k + INT64 * k))
     out.add("dispatcher indices", tokens * INT64 * (e + k))
     copies = routed_copies(layer, layout, tokens, work.expert_load)
-    out.add("routed tokens", copies * (b * h + FP32))
-    _swiglu(out, "experts", copies, layer.expert_ffn / etp, layer.expert_clamp, b, probs=True)
+    out.add("routed tokens", copies * ((0 if lora else b * h) + FP32))
+    _swiglu(out, "experts", copies, layer.expert_ffn / etp, layer.expert_clamp, b, probs=True,
+            frozen_fc2=lora)
     return out
 
 
@@ -257,6 +312,7 @@ def layer_bytes(shape: ModelShape, layer: LayerShape, layout: Layout, work: Work
                 ) -> Breakdown:
     out = attention_bytes(shape, layer, layout, work)
     out.merge(mlp_bytes(shape, layer, layout, work))
+    out.merge(lora_bytes(shape, layer, layout, work))
     if layer.mtp:  # enorm, hnorm, eh_proj's input [2h] and output
         n, n_sp = _tokens(shape, layout, work)
         _norm(out, "MTP norms", n_sp, 2 * shape.hidden)
@@ -271,7 +327,7 @@ def head_bytes(shape: ModelShape, layout: Layout, work: Workload) -> Breakdown:
 
     n, n_sp = _tokens(shape, layout, work)
     out = Breakdown()
-    _norm(out, "final norm", n_sp, shape.hidden)
+    _norm(out, "final norm", n_sp, shape.hidden, bool(shape.lora_rank))
     out.add("output layer input", n_sp * work.dtype_bytes * shape.hidden)
     out.add("loss softmax", n * FP32 * padded_vocab(shape, layout.tp) / layout.tp)
     return out

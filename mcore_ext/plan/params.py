@@ -12,6 +12,16 @@ Memory (bytes per parameter, the launcher's mixed precision: bf16 weights, fp32 
 distributed optimizer; with it the 12 bytes of optimizer state are sharded over the ranks that
 hold the same parameter (data-parallel x CP for dense parameters, expert-DP for experts). The
 router's fp32 expert bias adds 4 bytes per element.
+
+LoRA (``with_lora``: ``mcore_ext.lora``'s targets and adapters, counted as ``apply_lora`` builds
+them): the base weights are frozen, built before DDP and the optimizer, so they hold their bf16
+weights only (2 bytes, no gradient buffer, main copy or Adam state); the adapters, bf16 after
+Float16Module like the base, hold all of it: 2 + 4 + 12 bytes, the 12 sharded over DP x CP by
+the distributed optimizer (they are dense parameters, on experts none). Per adapted linear and
+target, A [r, in] and B [out, r] on a rank: a column-parallel linear (linear_qkv's q / k / v /
+g_proj, fc1's gate / up_proj) replicates A and holds B's block of the target's rows, or B whole
+where a rank's rows are not one block (fewer query groups than TP); a row-parallel one
+(linear_proj's o_proj, fc2's down_proj) splits A's columns over TP and replicates B.
 """
 
 from dataclasses import dataclass
@@ -32,6 +42,8 @@ class StageCount:
     dense: int  # non-expert parameters on the rank
     expert: int  # routed-expert parameters on the rank
     expert_bias: int  # fp32 router-bias elements (a buffer in megatron)
+    adapter: int = 0  # LoRA adapter parameters on the rank (trained; the base is then frozen)
+    frozen: bool = False  # LoRA: dense and expert parameters have no gradients or optimizer state
 
 
 def layer_counts(shape: ModelShape, layer: LayerShape, tp: int, ep: int, etp: int):
@@ -59,6 +71,50 @@ def layer_counts(shape: ModelShape, layer: LayerShape, tp: int, ep: int, etp: in
     if layer.mtp:  # enorm, hnorm, eh_proj, its final norm (its head: see stage_counts)
         dense += 3 * h * (2 if shape.layer_norm else 1) + 2 * h * h // tp
     return dense, expert, bias
+
+
+def with_lora(shape: ModelShape, cfg) -> ModelShape:
+    """``shape`` with ``cfg``'s adapters (an ``mcore_ext.lora.LoraConfig``; rank 0 = none);
+    PlanError for what ``apply_lora`` refuses (MTP layers, MLP targets on a MoE model)."""
+    from mcore_ext.lora import MLP_TARGETS
+
+    if not cfg.enabled:
+        return shape
+    if shape.mtp_layers:
+        raise PlanError(f"lora.rank={cfg.rank} with {shape.mtp_layers} MTP layers: MTP layers "
+                        "have no adapters yet (the launcher refuses it): plan the model --without-mtp")
+    mlp = [t for t in cfg.targets if t in MLP_TARGETS]
+    if mlp and shape.is_moe:
+        raise PlanError(f"lora.targets: {' '.join(mlp)} on a MoE model: shared / routed experts "
+                        "have no adapters yet; choose among q_proj k_proj v_proj g_proj o_proj")
+    gated = any(layer.gate for layer in shape.layers)
+    targets = tuple(t for t in cfg.targets if t != "g_proj" or gated)
+    return ModelShape(**{**shape.__dict__, "lora_rank": cfg.rank, "lora_targets": targets})
+
+
+def adapter_counts(shape: ModelShape, layer: LayerShape, tp: int, rank: int = 0) -> int:
+    """LoRA adapter elements of one layer on TP rank ``rank`` (``apply_lora``'s shapes)."""
+    from mcore_ext.lora import b_is_sharded, glu_rows, qkv_gate_rows
+
+    r, h, targets = shape.lora_rank, shape.hidden, shape.lora_targets
+    if not r:
+        return 0
+    heads, groups, hn = layer.heads, layer.groups, layer.head_dim
+    totals = dict(q_proj=heads * hn, k_proj=groups * hn, v_proj=groups * hn, g_proj=heads)
+    placement = qkv_gate_rows(heads, groups, hn, tp, rank)
+    if not layer.moe:
+        totals.update(gate_proj=layer.ffn, up_proj=layer.ffn)
+        placement.update(glu_rows(layer.ffn, tp, rank, shape.gated_mlp))
+    count = 0
+    for name, (rows, _) in placement.items():  # column-parallel: A [r, h], B's rows
+        if name in targets:
+            total = totals[name]
+            count += r * h + r * (total // tp if b_is_sharded(rows, total, tp, rank) else total)
+    if "o_proj" in targets:  # row-parallel: A [r, in / tp], B [h, r]
+        count += r * heads * hn // tp + h * r
+    if "down_proj" in targets and not layer.moe:
+        count += r * layer.ffn // tp + h * r
+    return count
 
 
 def split_layers(shape: ModelShape, pp: int, vpp: int = 1) -> list:
@@ -93,10 +149,11 @@ def stage_counts(shape: ModelShape, tp: int = 1, pp: int = 1, ep: int = 1,
     vocab_rows = padded_vocab(shape, tp) // tp
     out = []
     for stage, layers in enumerate(split_layers(shape, pp, vpp)):
-        dense = expert = bias = 0
+        dense = expert = bias = adapter = 0
         for index in layers:
             d, e, b = layer_counts(shape, shape.layers[index], tp, ep, etp)
             dense, expert, bias = dense + d, expert + e, bias + b
+            adapter += adapter_counts(shape, shape.layers[index], tp)
         # megatron builds the embedding on the first stage and, for the MTP layers' inputs, on
         # the last one too (GPTModel: pre_process or mtp_process).
         if stage == 0 or (stage == pp - 1 and shape.mtp_layers):
@@ -107,7 +164,8 @@ def stage_counts(shape: ModelShape, tp: int = 1, pp: int = 1, ep: int = 1,
             dense += heads * vocab_rows * shape.hidden
             if shape.tied_embeddings and pp == 1:
                 dense -= vocab_rows * shape.hidden
-        out.append(StageCount(stage, layers, dense, expert, bias))
+        out.append(StageCount(stage, layers, dense, expert, bias, adapter,
+                              frozen=bool(shape.lora_rank)))
     return out
 
 
@@ -118,10 +176,14 @@ def state_bytes(count: StageCount, *, dp: int, edp: int, distributed_optimizer: 
     params = count.dense + count.expert
     dense_share = 1 / dp if distributed_optimizer else 1
     expert_share = 1 / edp if distributed_optimizer else 1
-    sharded = count.dense * dense_share + count.expert * expert_share
+    if count.frozen:  # LoRA: the adapters alone are trained (dense: sharded over DP x CP)
+        trained, sharded = count.adapter, count.adapter * dense_share
+    else:
+        trained = params + count.adapter
+        sharded = (count.dense + count.adapter) * dense_share + count.expert * expert_share
     return {
-        "bf16 weights": 2 * params + 4 * count.expert_bias,
-        "fp32 grads": 4 * params,
+        "bf16 weights": 2 * (params + count.adapter) + 4 * count.expert_bias,
+        "fp32 grads": 4 * trained,
         "fp32 main weights": 4 * sharded,
         "Adam state": 8 * sharded,
     }

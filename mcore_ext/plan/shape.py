@@ -47,6 +47,8 @@ class ModelShape:
     tied_embeddings: bool = False
     mtp_own_heads: bool = True  # Step-3.5 MTP: an output head per depth
     make_vocab_size_divisible_by: int = 128
+    lora_rank: int = 0  # LoRA's r: the base frozen, adapters trained (``params.with_lora``)
+    lora_targets: tuple = ()  # the PEFT names adapted (mcore_ext.lora's resolution)
 
     @property
     def mtp_layers(self) -> int:
@@ -55,6 +57,10 @@ class ModelShape:
     @property
     def is_moe(self) -> bool:
         return any(layer.moe for layer in self.layers)
+
+    def without_mtp(self) -> "ModelShape":
+        """The main layers alone (what a LoRA run builds: MTP layers have no adapters yet)."""
+        return ModelShape(**{**self.__dict__, "layers": self.layers[: self.num_layers]})
 
     @classmethod
     def from_transformer_config(cls, config, *, vocab_size: int,

@@ -31,7 +31,7 @@ KINDS["step35"] = dict(KINDS["moe"], layer_types=["full_attention"] + ["sliding_
 DOCUMENTS = [200, 150, 100, 62]  # a packed row's documents (SEQ tokens): some under the window
 
 
-def _measure_and_plan(kind, recompute, cp=1, tp=1, packed=False):
+def _measure_and_plan(kind, recompute, cp=1, tp=1, packed=False, lora=None):
     import mcore_ext
     from mcore_ext.attention import context_parallel
     from mcore_ext.plan import activations
@@ -54,7 +54,12 @@ def _measure_and_plan(kind, recompute, cp=1, tp=1, packed=False):
         fields.update(recompute_method="uniform", recompute_num_layers=1)
     config = mcore_ext.GatedTransformerConfig(**fields)
     model = mcore_ext.build_gpt_model(config, vocab_size=VOCAB, max_sequence_length=SEQ,
-                                      backend="sdpa").to(torch.bfloat16)
+                                      backend="sdpa")
+    if lora is not None:  # as the launcher: adapters before the cast, the base frozen
+        from mcore_ext.lora import apply_lora
+
+        apply_lora(model, lora)
+    model = model.to(torch.bfloat16)
     gen = torch.Generator().manual_seed(0)
     batch = dict(tokens=torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen),
                  labels=torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen),
@@ -82,6 +87,10 @@ def _measure_and_plan(kind, recompute, cp=1, tp=1, packed=False):
     # their own timing, which moves a single step's peak by up to ~10 %.
     measured = min(allocation_peak(step, "cpu")["peak"] for _ in range(3))
     shape = ModelShape.from_transformer_config(config, vocab_size=VOCAB)
+    if lora is not None:
+        from mcore_ext.plan.params import with_lora
+
+        shape = with_lora(shape, lora)
     work = activations.Workload(seq=SEQ, micro_batch=BATCH, recompute=recompute,
                                 sliding_kernel=activations.installed_sliding_kernel(),
                                 cpu=True, packed=packed,
@@ -134,6 +143,23 @@ def test_plan_of_packed_documents_matches_the_measured_peak(run_distributed, kin
     with the CPU kernel's per-document scores counted (without them dense measured 0.83 and
     Step-3.5's miniature 0.866; with them 0.976 and 0.926)."""
     _check(run_distributed(_measure_and_plan, kind, "none", 1, 1, True, world_size=1))
+
+
+@pytest.mark.parametrize("kind, targets, tp", [
+    ("dense", "o_proj", 1), ("moe", "o_proj", 1), ("dense", "all-linear", 2),
+    pytest.param("dense", "all-linear", 1, marks=pytest.mark.slow)])
+def test_plan_of_a_lora_run_matches_the_measured_peak(run_distributed, kind, targets, tp):
+    """A LoRA run (r 16, the base frozen, bf16): frozen linears save no input, frozen norms no
+    normalized value, the embedding's output no gradient (layer 0's input norm saves nothing);
+    the adapters save their r-wide ``A x`` and each column-parallel target's update (kept by
+    index_add). Measured / planned: dense o_proj 0.987, MoE o_proj 0.942, dense all-linear at
+    TP 2 + SP 0.984 / 0.985 (TP 1: 0.986). The plan without the LoRA terms (the full
+    fine-tuning one) read 1.219, 1.171, and for all-linear at TP 1 1.052."""
+    from mcore_ext.lora import LoraConfig
+
+    lora = LoraConfig(rank=16, targets=targets)
+    _check(run_distributed(_measure_and_plan, kind, "none", 1, tp, False, lora,
+                           world_size=tp))
 
 
 def test_packed_rows_plan_as_one_sequence_where_no_scores_are_stored():
@@ -239,3 +265,138 @@ def test_search_lists_the_fewest_gpus_that_fit_first():
         rows = plan_memory(shape, layout, Workload(seq=4096, recompute=recompute))
         assert max(r.total for r in rows) / GIB == pytest.approx(worst) and worst <= 68.0
         assert layout.world == gpus
+
+
+# ------------------------------------------------------------------ LoRA: the frozen base, adapters
+
+LORA_VOCAB = 256
+# (config, overrides): a dense Step-3.5 with every target adapted, and the MoE miniature (without
+# its MTP depth, as a LoRA run trains it) with the attention targets at EP 2.
+LORA_MODELS = {
+    "dense": ("step35_tiny_cpu.yaml", ["lora.rank=4", "lora.targets=all-linear"]),
+    "moe": ("step35_moe_tiny_cpu.yaml", [
+        "lora.rank=4", "lora.targets=[q_proj,k_proj,v_proj,g_proj,o_proj]",
+        "model.mtp_num_layers=null", "model.swiglu_limits=[0,0,0,16.0]",
+        "model.layer_types=[full_attention,sliding_attention,sliding_attention,sliding_attention]",
+        "parallelism.expert_model_parallel_size=2", "parallelism.expert_tensor_parallel_size=1"]),
+}
+
+
+def _lora_state(tp, model, distributed):
+    """What the launcher's LoRA model (``build_model``: adapters before megatron's DDP and
+    Float16Module) and its optimizer allocate on this rank after one step, beside the plan's
+    bytes for the same config and layout."""
+    import os
+
+    import mcore_ext
+    from megatron.core import parallel_state as ps
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    from mcore_ext._cpu_compat import cuda_to_cpu
+    from mcore_ext.lora import LoraConfig
+    from mcore_ext.plan.params import stage_counts, state_bytes, with_lora
+    from mcore_ext.plan.shape import ModelShape
+    from mcore_ext.run_config import PretrainConfig, apply_overrides, build, read_yaml
+    from mcore_ext.run_config.megatron_configs import optimizer_config, transformer_config
+    from mcore_ext.training.loop import build_model
+    from tests import builders
+
+    name, overrides = LORA_MODELS[model]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+    cfg = build(PretrainConfig, apply_overrides(read_yaml(os.path.join(root, "configs", name)), [
+        *overrides, f"parallelism.tensor_model_parallel_size={tp}",
+        f"parallelism.sequence_parallel={tp > 1}", "training.precision=bf16",
+        f"optimizer.use_distributed_optimizer={distributed}"]))
+    p = cfg.parallelism
+    mcore_ext.init_parallel(tensor_model_parallel_size=tp,
+                            expert_model_parallel_size=p.expert_model_parallel_size,
+                            expert_tensor_parallel_size=p.expert_tensor_parallel_size, seed=3)
+    try:
+        with cuda_to_cpu():  # megatron's mixed-precision optimizer allocates on "cuda" literally
+            ddp = build_model(cfg, LORA_VOCAB)
+            optimizer = get_megatron_optimizer(optimizer_config(cfg), [ddp])
+            tokens = torch.randint(0, LORA_VOCAB, (2 * ps.get_data_parallel_world_size(), 17),
+                                   generator=torch.Generator().manual_seed(0))
+            builders.train_step(ddp, optimizer, tokens)
+        params = list(ddp.parameters())
+        chained = getattr(optimizer, "chained_optimizers", [optimizer])
+        main = [q for o in chained for g in o.optimizer.param_groups for q in g["params"]]
+        state = [s for o in chained for s in o.optimizer.state.values()]
+        measured = {
+            "bf16 weights": sum(q.numel() * q.element_size() for q in params) + sum(
+                b.numel() * b.element_size() for n, b in ddp.named_buffers()
+                if n.endswith("expert_bias")),
+            "fp32 grads": sum(q.main_grad.numel() * q.main_grad.element_size()
+                              for q in params if hasattr(q, "main_grad")),
+            "fp32 main weights": sum(q.numel() * q.element_size() for q in main),
+            "Adam state": sum(s[k].numel() * s[k].element_size() for s in state
+                              for k in ("exp_avg", "exp_avg_sq")),
+        }
+        buffers = sum(b.grad_data.numel() * b.grad_data.element_size()
+                      for b in ddp.buffers + ddp.expert_parallel_buffers)
+        a = cfg.lora
+        shape = with_lora(ModelShape.from_transformer_config(
+            transformer_config(cfg), vocab_size=LORA_VOCAB, make_vocab_size_divisible_by=(
+                cfg.model.make_vocab_size_divisible_by)),
+            LoraConfig(rank=a.rank, alpha=a.alpha, dropout=a.dropout, targets=a.targets))
+        (count,) = stage_counts(shape, tp, 1, p.expert_model_parallel_size,
+                                p.expert_tensor_parallel_size)
+        dp = ps.get_data_parallel_world_size()
+        planned = state_bytes(count, dp=dp, edp=dp * tp // p.expert_model_parallel_size,
+                              distributed_optimizer=distributed)
+        return dict(measured=measured, planned=planned, buffers=buffers, dp=dp,
+                    adapters=sum(q.numel() for n, q in ddp.named_parameters() if "_lora." in n),
+                    planned_adapters=count.adapter)
+    finally:
+        mcore_ext.destroy_parallel()
+
+
+# The default run: the dense model at TP 2 (SP, B sharded) and the MoE model at TP 1 x DP 2 (the
+# distributed optimizer's DP shards, frozen experts at EP 2); the other two are the slow suite's.
+@pytest.mark.parametrize("model, tp", [
+    ("dense", 2), ("moe", 1), pytest.param("dense", 1, marks=pytest.mark.slow),
+    pytest.param("moe", 2, marks=pytest.mark.slow)])
+def test_lora_plan_holds_what_the_launchers_model_and_optimizer_allocate(run_distributed,
+                                                                         model, tp):
+    """A LoRA run of the launcher at TP 1 x DP 2 and TP 2 (SP), with and without the distributed
+    optimizer, one Adam step: the plan's bf16 weights (frozen base and adapters), fp32 gradients,
+    main copies and Adam state per rank equal what the model and optimizer hold (the gradients:
+    the adapters' views of megatron's buffer; with the distributed optimizer each DP rank's shard
+    of the main copies and Adam state, summed over the DP ranks, is the plan's share x DP)."""
+    for distributed in (False, True):
+        got = run_distributed(_lora_state, tp, model, distributed, world_size=2)
+        for rank, one in enumerate(got):
+            assert one["adapters"] == one["planned_adapters"], one
+            for what in ("bf16 weights", "fp32 grads"):
+                assert one["measured"][what] == one["planned"][what], (rank, what, one)
+            # megatron pads each parameter's start in its buffer (distributed optimizer: to 64
+            # elements) and the buffer's end; the plan counts the parameters themselves
+            assert one["buffers"] >= one["planned"]["fp32 grads"]
+        for what in ("fp32 main weights", "Adam state"):
+            dp = got[0]["dp"]
+            measured = sum(one["measured"][what] for one in got) / (2 // dp * dp)
+            planned = got[0]["planned"][what]
+            if not distributed or dp == 1:
+                assert all(one["measured"][what] == planned for one in got), (what, got)
+            assert measured == pytest.approx(planned), (what, distributed, got)
+
+
+def test_a_lora_plan_refuses_what_the_launcher_refuses(capsys):
+    """MTP layers and MLP targets on a MoE model with LoRA: one ``error:`` line, exit 2, as the
+    launcher's validation; ``--without-mtp`` plans the main layers alone."""
+    import os
+
+    from mcore_ext.plan.__main__ import main as plan_main
+
+    _, root = _flash_shape_and_spec()
+    config = ["--config", os.path.join(root, "configs", "step35_flash.yaml"), "--vocab-size",
+              "128896", "--dp", "8", "lora.rank=16"]
+    assert plan_main(config) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: lora.rank=16 with 3 MTP layers: MTP layers have no adapters yet (the launcher "
+        "refuses it): plan the model --without-mtp")
+    assert plan_main(["--without-mtp", *config]) == 2  # all-linear: the experts' MLPs
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "lora.targets: gate_proj up_proj down_proj on a MoE" in err
+    assert plan_main(["--without-mtp", *config, "lora.targets=[q_proj,o_proj]"]) in (0, None)
+    assert "LoRA: r 16 on q_proj o_proj" in capsys.readouterr().out
