@@ -75,18 +75,19 @@ def layer_counts(shape: ModelShape, layer: LayerShape, tp: int, ep: int, etp: in
 
 def with_lora(shape: ModelShape, cfg) -> ModelShape:
     """``shape`` with ``cfg``'s adapters (an ``mcore_ext.lora.LoraConfig``; rank 0 = none);
-    PlanError for what ``apply_lora`` refuses (MTP layers, MLP targets on a MoE model)."""
+    PlanError for the adapters the plan does not count yet (on MTP layers, on experts), which
+    the launcher trains (``mcore_ext.lora``)."""
     from mcore_ext.lora import MLP_TARGETS
 
     if not cfg.enabled:
         return shape
     if shape.mtp_layers:
-        raise PlanError(f"lora.rank={cfg.rank} with {shape.mtp_layers} MTP layers: MTP layers "
-                        "have no adapters yet (the launcher refuses it): plan the model --without-mtp")
+        raise PlanError(f"lora.rank={cfg.rank} with {shape.mtp_layers} MTP layers: the plan does "
+                        "not count MTP layers' adapters yet: plan the model --without-mtp")
     mlp = [t for t in cfg.targets if t in MLP_TARGETS]
     if mlp and shape.is_moe:
-        raise PlanError(f"lora.targets: {' '.join(mlp)} on a MoE model: shared / routed experts "
-                        "have no adapters yet; choose among q_proj k_proj v_proj g_proj o_proj")
+        raise PlanError(f"lora.targets: {' '.join(mlp)} on a MoE model: the plan does not count "
+                        "the experts' adapters yet; plan q_proj k_proj v_proj g_proj o_proj")
     gated = any(layer.gate for layer in shape.layers)
     targets = tuple(t for t in cfg.targets if t != "g_proj" or gated)
     return ModelShape(**{**shape.__dict__, "lora_rank": cfg.rank, "lora_targets": targets})

@@ -381,9 +381,9 @@ def test_lora_plan_holds_what_the_launchers_model_and_optimizer_allocate(run_dis
             assert measured == pytest.approx(planned), (what, distributed, got)
 
 
-def test_a_lora_plan_refuses_what_the_launcher_refuses(capsys):
-    """MTP layers and MLP targets on a MoE model with LoRA: one ``error:`` line, exit 2, as the
-    launcher's validation; ``--without-mtp`` plans the main layers alone."""
+def test_a_lora_plan_refuses_the_adapters_it_does_not_count(capsys):
+    """Adapters on MTP layers and on experts (the launcher trains them; the plan does not count
+    them yet): one ``error:`` line, exit 2; ``--without-mtp`` plans the main layers alone."""
     import os
 
     from mcore_ext.plan.__main__ import main as plan_main
@@ -393,8 +393,8 @@ def test_a_lora_plan_refuses_what_the_launcher_refuses(capsys):
               "128896", "--dp", "8", "lora.rank=16"]
     assert plan_main(config) == 2
     assert capsys.readouterr().err.strip() == (
-        "error: lora.rank=16 with 3 MTP layers: MTP layers have no adapters yet (the launcher "
-        "refuses it): plan the model --without-mtp")
+        "error: lora.rank=16 with 3 MTP layers: the plan does not count MTP layers' adapters "
+        "yet: plan the model --without-mtp")
     assert plan_main(["--without-mtp", *config]) == 2  # all-linear: the experts' MLPs
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "lora.targets: gate_proj up_proj down_proj on a MoE" in err
