@@ -213,6 +213,20 @@ def attention_flags(args) -> list[str]:
     return notes
 
 
+def check_data_flags(args) -> None:
+    """Megatron-LM data paths this entry does not build, refused before any process group:
+    its datasets are megatron's GPT text datasets (``train_valid_test_datasets_provider``)."""
+    if getattr(args, "sft", False):
+        # megatron.training's SFTDataset packs conversations into rows with cu_seqlens; this
+        # entry's get_batch builds no PackedSeqParams from them, so the documents would attend
+        # across each other and the prompts' loss mask would come from another template.
+        raise FlagError(
+            "--sft: megatron's SFTDataset (conversations packed with cu_seqlens) is not built by "
+            "this entry; fine-tune on chat data with the launcher's data.source: chat "
+            "(docs/training.md)"
+        )
+
+
 def check_learning_rate_schedule(args) -> None:
     """Build megatron's own LR scheduler from the flags on an optimizer without parameters, so
     its checks run here, before any process group (megatron builds it after the model, where a
@@ -292,6 +306,7 @@ def main(argv=None) -> int:
             )
             notes = attention_flags(args)
             check_learning_rate_schedule(args)
+            check_data_flags(args)
             if args.hybrid_layer_pattern is not None:
                 model_config = gated_hybrid_config_from_args(args, given_num_layers(sys.argv[1:]))
             else:

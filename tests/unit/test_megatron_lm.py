@@ -131,6 +131,20 @@ def test_learning_rate_schedule_is_checked_without_changing_the_flags():
         global_vars.set_args(None)
 
 
+def test_sft_flag_is_refused_in_one_line():
+    """megatron's --sft would train on its SFTDataset's packed rows without their document
+    boundaries (this entry's get_batch builds no PackedSeqParams): refused, with the way that
+    fine-tunes on chat data."""
+    from mcore_ext.megatron_lm.pretrain_gpt import FlagError, check_data_flags
+
+    check_data_flags(_parse([*FLAGS, "--tensor-model-parallel-size", "1"], world_size=1))
+    with pytest.raises(FlagError) as error:
+        check_data_flags(_parse([*FLAGS, "--tensor-model-parallel-size", "1", "--sft"],
+                                world_size=1))
+    assert str(error.value).startswith("--sft: megatron's SFTDataset") and \
+        "data.source: chat" in str(error.value) and "\n" not in str(error.value)
+
+
 def test_spec_flag_is_refused():
     from mcore_ext.megatron_lm import gated_gpt_config_from_args
 
