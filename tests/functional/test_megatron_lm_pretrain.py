@@ -77,13 +77,20 @@ def runs(tmp_path_factory):
     return tmp, full, resumed
 
 
-def test_trains_saves_and_resumes_exactly(runs):
-    tmp, full, resumed = runs
+def check_resumed_from_iteration_2(tmp, full, resumed):
+    """5 iterations saved at 2 and resumed there: the loss falls, the resume loads iteration 2
+    of ``tmp / 'full'`` and logs the uninterrupted run's losses at 3 and 5 (the iterations printed
+    alone: see this module's docstring)."""
     full_losses, resumed_losses = losses(full), losses(resumed)
     assert sorted(full_losses) == [1, 2, 3, 4, 5] and sorted(resumed_losses) == [3, 4, 5]
     assert float(full_losses[5]) < float(full_losses[1])
     assert f"loading distributed checkpoint from {tmp / 'full'} at iteration 2" in resumed.stdout
     assert resumed_losses[3] == full_losses[3] and resumed_losses[5] == full_losses[5]
+
+
+def test_trains_saves_and_resumes_exactly(runs):
+    tmp, full, resumed = runs
+    check_resumed_from_iteration_2(tmp, full, resumed)
     notice = re.compile(r"^mcore_ext: GPTModel is deprecated in megatron-core \S+ \(critical "
                         r"fixes only\); --hybrid-layer-pattern .* builds its successor, "
                         r"HybridModel$", re.MULTILINE)

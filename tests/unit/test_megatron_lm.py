@@ -213,8 +213,6 @@ def _build_both(seed=7, hybrid=False):
 
 
 def _check_flags_config_model_forward():
-    import torch
-
     from mcore_ext import HeadWiseGatedSelfAttention
     from mcore_ext.megatron_lm import GatedGPTModelConfig
 
@@ -238,6 +236,15 @@ def _check_flags_config_model_forward():
     # per rank: ((4 + 2 * 2) * 16 QKV rows + 4 gate rows) / TP 2
     assert layers[0].self_attention.linear_qkv.weight.shape == (66, 64)
 
+    return _assert_same_models(via_megatron, via_roundtrip, reference, tokens,
+                               positions).abs().max().item()
+
+
+def _assert_same_models(via_megatron, via_roundtrip, reference, tokens, positions):
+    """The models built from the flags and from as_dict/from_dict hold the reference's tensors
+    and compute its logits, bit for bit; returns the flags model's logits."""
+    import torch
+
     results = []
     for model in (via_megatron, via_roundtrip, reference):
         state = model.state_dict()
@@ -249,7 +256,7 @@ def _check_flags_config_model_forward():
         differ = [k for k in params if not torch.equal(params[k], reference_params[k])]
         assert not differ, f"{name}: {differ}"
         assert torch.equal(logits, reference_logits), name
-    return results[0][1].abs().max().item()
+    return results[0][1]
 
 
 def test_flags_config_model_forward_on_two_ranks(run_distributed):
@@ -263,7 +270,6 @@ HYBRID_FLAGS = ["--hybrid-layer-pattern", "*-*-"]
 def _check_hybrid_flags_build_the_hybrid_model():
     """The hybrid entry's model is build_hybrid_model's for the same config (parameters and
     logits equal), and computes the GPT reference's logits for the same weights."""
-    import torch
     from megatron.core.models.hybrid.hybrid_model import HybridModel
 
     import mcore_ext
@@ -288,17 +294,9 @@ def _check_hybrid_flags_build_the_hybrid_model():
         True, False, True, False]
     assert layers[0].self_attention.linear_qkv.weight.shape == (66, 64)
 
-    results = []
-    for model in (via_megatron, via_roundtrip, reference):
-        state = model.state_dict()
-        results.append(({k: v for k, v in state.items() if torch.is_tensor(v)},
-                        model(tokens, positions, None).detach()))
-    reference_params, reference_logits = results[2]
-    for name, (params, logits) in zip(("flags", "as_dict/from_dict"), results[:2]):
-        assert params.keys() == reference_params.keys(), name
-        differ = [k for k in params if not torch.equal(params[k], reference_params[k])]
-        assert not differ, f"{name}: {differ}"
-        assert torch.equal(logits, reference_logits), name
+    # The reference's logits, which the entry's models gave bit for bit.
+    reference_logits = _assert_same_models(via_megatron, via_roundtrip, reference, tokens,
+                                           positions)
     set_seed(11)  # other weights than the hybrid model's, overwritten by its own
     gpt = mcore_ext.build_gpt_model(_reference_config(), vocab_size=128, max_sequence_length=16,
                                     backend="sdpa")

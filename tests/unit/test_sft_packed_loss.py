@@ -120,6 +120,28 @@ def _logits(model, batch):
     return full
 
 
+def _per_document_reference(docs, weights, layers, eps):
+    """The SFT loss from the formula: each document alone from position 0, cross entropy on its
+    loss tokens, the mean over every loss token of ``docs``; backward run into the embedding and
+    lm_head. Returns (the weights with those two as leaves, the loss, each document's logits,
+    each document's per-token losses)."""
+    ref_weights = dict(weights, embed=weights["embed"].clone().requires_grad_(),
+                       lm_head=weights["lm_head"].clone().requires_grad_())
+    total, count, doc_logits, doc_losses = 0.0, 0.0, [], []
+    for doc in docs:
+        ids = torch.from_numpy(doc.ids)
+        logits = reference.step35_logits(ids[None, :-1], ref_weights, layers, eps)[0]
+        per_token = F.cross_entropy(logits, ids[1:], reduction="none")
+        doc_logits.append(logits.detach())
+        doc_losses.append(per_token.detach())
+        mask = torch.from_numpy(doc.loss[1:]).float()
+        total = total + (per_token * mask).sum()
+        count += mask.sum()
+    expected = total / count
+    expected.backward()
+    return ref_weights, expected, doc_logits, doc_losses
+
+
 def _packed_sft(tp, cp, lengths):
     import mcore_ext
     from mcore_ext._cpu_compat import cuda_to_cpu
@@ -135,18 +157,7 @@ def _packed_sft(tp, cp, lengths):
     batches = _micro_batches(docs, cp)
 
     # The reference: each document alone, from position 0.
-    ref_weights = dict(weights, embed=weights["embed"].clone().requires_grad_(),
-                       lm_head=weights["lm_head"].clone().requires_grad_())
-    total, count, doc_logits = 0.0, 0.0, []
-    for doc in docs:
-        ids = torch.from_numpy(doc.ids)
-        logits = reference.step35_logits(ids[None, :-1], ref_weights, layers, EPS)[0]
-        doc_logits.append(logits.detach())
-        mask = torch.from_numpy(doc.loss[1:]).float()
-        total = total + (F.cross_entropy(logits, ids[1:], reduction="none") * mask).sum()
-        count += mask.sum()
-    expected = total / count
-    expected.backward()
+    ref_weights, expected, doc_logits, _ = _per_document_reference(docs, weights, layers, EPS)
 
     with cuda_to_cpu():
         gpt = mcore_ext.build_gpt_model(config, vocab_size=VOCAB, max_sequence_length=SEQ,
@@ -288,19 +299,8 @@ def _packed_sft_pipeline(tp, rows_per_micro_batch):
     docs = _conversations(VOCAB, LENGTHS)
     batches = _micro_batches(docs, 1, size=rows_per_micro_batch)
 
-    ref_weights = dict(weights, embed=weights["embed"].clone().requires_grad_(),
-                       lm_head=weights["lm_head"].clone().requires_grad_())
-    total, count, doc_losses = 0.0, 0.0, {}
-    for doc in docs:
-        ids = torch.from_numpy(doc.ids)
-        logits = reference.step35_logits(ids[None, :-1], ref_weights, layers, EPS)[0]
-        per_token = F.cross_entropy(logits, ids[1:], reduction="none")
-        doc_losses[tuple(doc.ids[:-1].tolist())] = per_token.detach()
-        mask = torch.from_numpy(doc.loss[1:]).float()
-        total = total + (per_token * mask).sum()
-        count += mask.sum()
-    expected = total / count
-    expected.backward()
+    ref_weights, expected, _, per_token = _per_document_reference(docs, weights, layers, EPS)
+    doc_losses = {tuple(doc.ids[:-1].tolist()): losses for doc, losses in zip(docs, per_token)}
 
     rows = builders.rank_rows_of_this_rank
     with cuda_to_cpu():
