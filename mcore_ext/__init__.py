@@ -9,7 +9,9 @@ import warnings
 _cpp_extension_log = logging.getLogger("torch.utils.cpp_extension")
 _previous_level = _cpp_extension_log.level
 _cpp_extension_log.setLevel(logging.ERROR)
-with warnings.catch_warnings():
+from mcore_ext._lazy_compile import deferred_torch_compile  # noqa: E402
+
+with warnings.catch_warnings(), deferred_torch_compile():
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed")
     warnings.filterwarnings("ignore", message=r"absl\.logging is not installed")
     # First: refuses a megatron-core that has the gate natively (it would add the rows twice).

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from mcore_ext import _mcore_compat
 from mcore_ext.attention import flex, halo, sliding
-from mcore_ext.attention.layout import KeyPrefixCausal, additive_mask, layout_for
+from mcore_ext.attention.layout import additive_mask, key_prefix_causal, layout_for
 from mcore_ext.attention.masks import allowed
 
 # cp_comm_type values that mean "all-gather K/V" (None is megatron's default).
@@ -208,7 +208,7 @@ def chunk_masks(layout, chunk, cp_size, cp_rank, causal, window, dtype, device):
     """Per local chunk (key start, key end, mask): SDPA's ``attn_mask`` for the chunk's queries
     against keys [start, end) in sequence order, made once per batch and layer kind.
 
-    Causal without a window: ``KeyPrefixCausal`` (no dense mask; a shared one where torch has to
+    Causal without a window: ``key_prefix_causal`` (no dense mask; a shared one where torch has to
     materialize it). A window: an additive mask, rows padded to a multiple of 8, shared.
     """
     left = window[0] if window is not None and window[0] >= 0 else None
@@ -225,8 +225,8 @@ def chunk_masks(layout, chunk, cp_size, cp_rank, causal, window, dtype, device):
 
         key = ("cp_chunk", chunk, index, start, end, causal, window, dtype, device)
         if causal and window is None:
-            mask = KeyPrefixCausal(chunk, end - start,
-                                   lambda _device, key=key, build=build: layout.cached(key, build))
+            mask = key_prefix_causal(chunk, end - start,
+                                     lambda _device, key=key, build=build: layout.cached(key, build))
         elif window is None:
             mask = None
         else:

@@ -15,10 +15,10 @@ anyway (one tensor shared by every layer of a kind, not one per layer), bounded 
 ``MASK_CACHE_BYTES``.
 """
 
+import functools
 from typing import Callable, Optional
 
 import torch
-from torch.nn.attention.bias import CausalBias, CausalVariant
 
 # Masks larger than this in total are built per call instead of cached (a packed 32K batch under
 # CP needs 0.5 GB per dense mask; a layout rarely holds more than one mask per layer kind).
@@ -148,7 +148,7 @@ def additive_mask(allowed: torch.Tensor, dtype) -> torch.Tensor:
     return view
 
 
-class KeyPrefixCausal(CausalBias):
+def key_prefix_causal(sq: int, sk: int, materialize: Callable) -> torch.Tensor:
     """Bottom-right-aligned causal attention of ``sq`` queries over ``sk`` keys: the last query
     sees every key, query i sees keys up to ``i + sk - sq`` (a CP chunk attending its key prefix).
 
@@ -158,14 +158,25 @@ class KeyPrefixCausal(CausalBias):
     by every layer. (torch's constructor also allocates ``2 x sq x sk`` floats it never reads:
     an empty tensor backs this one.)
     """
+    return _key_prefix_causal_class()(sq, sk, materialize)
 
-    @staticmethod
-    def __new__(cls, sq: int, sk: int, materialize: Callable):
-        return torch.Tensor._make_subclass(cls, torch.empty(0))
 
-    def __init__(self, sq: int, sk: int, materialize: Callable):
-        super().__init__(CausalVariant.LOWER_RIGHT, sq, sk)
-        self._shared = materialize
+@functools.cache
+def _key_prefix_causal_class():
+    # torch.nn.attention.bias imports TorchDynamo (about 1 s of CPU per process): import it when
+    # a layer first attends a key prefix (a CP chunk, decoding), not with the package.
+    from torch.nn.attention.bias import CausalBias, CausalVariant
 
-    def _materialize(self, device=None) -> torch.Tensor:
-        return self._shared(device)
+    class KeyPrefixCausal(CausalBias):
+        @staticmethod
+        def __new__(cls, sq: int, sk: int, materialize: Callable):
+            return torch.Tensor._make_subclass(cls, torch.empty(0))
+
+        def __init__(self, sq: int, sk: int, materialize: Callable):
+            super().__init__(CausalVariant.LOWER_RIGHT, sq, sk)
+            self._shared = materialize
+
+        def _materialize(self, device=None) -> torch.Tensor:
+            return self._shared(device)
+
+    return KeyPrefixCausal

@@ -16,7 +16,7 @@ It only dispatches; what it dispatches on is split by concern:
 All masks come from one position rule, ``masks.allowed(q_pos, k_pos, ...)``.
 
 On the sdpa kernel causal attention needs no dense mask, bottom-right aligned (KV-cache
-decoding, CP chunks) included (``layout.KeyPrefixCausal``), so SDPA keeps flash (GQA too) on a
+decoding, CP chunks) included (``layout.key_prefix_causal``), so SDPA keeps flash (GQA too) on a
 GPU; a causal window is banded (one ``[B, 2B]`` mask per batch and layer kind), other windows an
 additive mask made once per batch per layer kind.
 
@@ -41,7 +41,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
 from mcore_ext.attention import context_parallel, flex, sliding, varlen
-from mcore_ext.attention.layout import KeyPrefixCausal, additive_mask, layout_for
+from mcore_ext.attention.layout import additive_mask, key_prefix_causal, layout_for
 from mcore_ext.attention.masks import allowed
 
 _CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal, AttnMaskType.causal_bottom_right)
@@ -229,7 +229,7 @@ def position_mask(layout, sq, sk, causal, window, dtype, device):
     """SDPA's ``attn_mask`` for megatron's position rule (aligned bottom-right: query i is at
     key position i + sk - sq), or None where ``is_causal`` / no mask is exact.
 
-    Causal without a window is ``KeyPrefixCausal`` (no dense mask on a GPU); a window is an
+    Causal without a window is ``key_prefix_causal`` (no dense mask on a GPU); a window is an
     additive mask, made once per batch for every layer of the kind.
     """
     if window is None and (not causal or sq == sk):
@@ -242,7 +242,7 @@ def position_mask(layout, sq, sk, causal, window, dtype, device):
 
     key = ("dense", sq, sk, causal, window, dtype, device)
     if window is None:
-        return KeyPrefixCausal(sq, sk, lambda _device: layout.cached(key, build))
+        return key_prefix_causal(sq, sk, lambda _device: layout.cached(key, build))
     return layout.cached(key, build)
 
 
