@@ -1,4 +1,5 @@
-"""Megatron-Bridge (0.6.x) integration: ``GatedGPTModelProvider`` and a ``Step3p5ForCausalLM``
+"""Megatron-Bridge (0.6.x) integration: ``GatedGPTModelProvider`` / ``GatedHybridModelProvider``
+(mcore_ext's GPTModel / HybridModel) and a ``Step3p5ForCausalLM``
 bridge in mcore_ext's exact layout, registered on import (import this after ``megatron.bridge``
 is importable; the registration replaces Bridge's own Step-3.5 bridge). Usage: docs/bridge.md.
 """
@@ -23,7 +24,12 @@ if (importlib.util.find_spec("transformer_engine") is None
         "machine). mcore_ext without Bridge needs no TE: mcore_ext.hf converts Step-3.5 checkpoints"
     )
 
-from mcore_ext.bridge.provider import GatedGPTModelProvider, gated_block_spec  # noqa: E402
+from mcore_ext.bridge.provider import (  # noqa: E402
+    GatedGPTModelProvider,
+    GatedHybridModelProvider,
+    gated_block_spec,
+)
 from mcore_ext.bridge.step35 import GatedStep35Bridge, LayoutMapping  # noqa: E402
 
-__all__ = ["GatedGPTModelProvider", "GatedStep35Bridge", "LayoutMapping", "gated_block_spec"]
+__all__ = ["GatedGPTModelProvider", "GatedHybridModelProvider", "GatedStep35Bridge",
+           "LayoutMapping", "gated_block_spec"]

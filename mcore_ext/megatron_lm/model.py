@@ -31,7 +31,11 @@ from megatron.training.vocab_utils import calculate_padded_vocab_size  # noqa: E
 from mcore_ext.config import GatedTransformerConfig  # noqa: E402
 from mcore_ext.models import build_gpt_model, build_hybrid_model  # noqa: E402
 from mcore_ext.models.gpt import BUILT_GPT_SETTINGS, refuse_unbuilt_settings  # noqa: E402
-from mcore_ext.models.hybrid import ATTENTION, check_hybrid_pattern  # noqa: E402
+from mcore_ext.models.hybrid import (  # noqa: E402
+    ATTENTION,
+    BUILT_HYBRID_SETTINGS,
+    check_hybrid_pattern,
+)
 
 # Fields both GPTModelConfig (HybridModelConfig) and GatedTransformerConfig declare. The model
 # config forwards writes to its transformer but reads its own class default (10000, 1.0) back, and
@@ -89,15 +93,6 @@ class GatedHybridModelConfig(HybridModelConfig):
         _check(self)
 
 
-# The BUILT_GPT_SETTINGS a HybridModelConfig carries (it has no rope_scaling, and HybridModel
-# always scatters the embedding under sequence parallelism).
-_BUILT_HYBRID_SETTINGS = {
-    name: value for name, value in BUILT_GPT_SETTINGS.items()
-    if name in ("position_embedding_type", "seq_len_interpolation_factor",
-                "fp16_lm_cross_entropy", "parallel_output")
-}
-
-
 def _check(config) -> None:
     """What a gated model config must hold: a GatedTransformerConfig, no layer spec of its own
     (mcore_ext's is built from the backend), the settings mcore_ext's models build one way; for
@@ -108,7 +103,7 @@ def _check(config) -> None:
             "must be a mcore_ext GatedTransformerConfig"
         )
     if isinstance(config, GatedHybridModelConfig):
-        spec_field, built = "hybrid_stack_spec", _BUILT_HYBRID_SETTINGS
+        spec_field, built = "hybrid_stack_spec", BUILT_HYBRID_SETTINGS
         if not config.hybrid_layer_pattern:  # megatron would derive one from deprecated ratios
             raise ValueError("GatedHybridModelConfig.hybrid_layer_pattern "
                              "(--hybrid-layer-pattern) must be set, e.g. '*-*-' for 2 layers")
@@ -202,7 +197,8 @@ def gated_hybrid_config_from_args(args, num_layers: Optional[int] = None) -> Gat
     ``num_layers``: the ``--num-layers`` the user gave, if any (megatron's validation replaces it
     with the pattern's count, warning); it must be the pattern's layer count (megatron's meaning)
     or its attention count (the GPT entry's). Raises ValueError naming the flag for what is not
-    built: MTP, a symbol other than ``* - E |``, another ``--num-layers``, ``--spec``.
+    built: MTP, a symbol other than ``* - E |``, an ``E`` / ``-`` other than its GPT layer's
+    (``--num-experts``, ``--moe-layer-freq``), another ``--num-layers``, ``--spec``.
     """
     from megatron.training.argument_utils import hybrid_config_from_args
 
@@ -210,12 +206,19 @@ def gated_hybrid_config_from_args(args, num_layers: Optional[int] = None) -> Gat
 
     pattern = args.hybrid_layer_pattern
     attention = pattern.count(ATTENTION)
+    flags = types.SimpleNamespace(num_layers=attention, num_moe_experts=args.num_experts,
+                                  moe_layer_freq=args.moe_layer_freq)
     try:  # the symbols and MTP depths first: megatron reads MLA / MTP from the pattern
-        check_hybrid_pattern(pattern, types.SimpleNamespace(num_layers=attention))
+        check_hybrid_pattern(pattern, flags)
     except ValueError as err:  # in the flags' words
-        raise ValueError(str(err).replace(
-            f"hybrid_layer_pattern={pattern!r}", f"--hybrid-layer-pattern {pattern!r}").replace(
-            "use architecture gpt", "leave out --hybrid-layer-pattern")) from None
+        message = str(err).replace(
+            f"hybrid_layer_pattern={pattern!r}", f"--hybrid-layer-pattern {pattern!r}")
+        for field, flag in (("use architecture gpt", "leave out --hybrid-layer-pattern"),
+                            ("the config makes", "the flags make"),
+                            ("num_moe_experts ", "--num-experts "),
+                            ("moe_layer_freq ", "--moe-layer-freq ")):
+            message = message.replace(field, flag)
+        raise ValueError(message) from None
     if num_layers is not None and num_layers not in (args.num_layers, attention):
         raise ValueError(
             f"--num-layers {num_layers} disagrees with --hybrid-layer-pattern {pattern!r}: "

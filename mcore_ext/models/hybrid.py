@@ -27,13 +27,21 @@ from mcore_ext import _mcore_compat
 from mcore_ext.attention import layout as attention_layout
 from mcore_ext.config import GatedTransformerConfig
 from mcore_ext.layer_kinds import KindTransformerLayer
-from mcore_ext.models.gpt import stage_ends
+from mcore_ext.models.gpt import BUILT_GPT_SETTINGS, stage_ends
 from mcore_ext.moe import is_moe_layer
 from mcore_ext.specs import _final_norm, get_gpt_layer_spec, resolve_backend
 
 ATTENTION, MLP, MOE, PIPE, MTP = "*", "-", "E", "|", "/"
 # The symbols mcore_ext builds; megatron's others (Mamba, GDN, DSA, MLA) are refused by name.
 BUILT_SYMBOLS = (ATTENTION, MLP, MOE, PIPE)
+# The BUILT_GPT_SETTINGS a hybrid model config (megatron.training's HybridModelConfig, Bridge's
+# HybridModelProvider) carries: it has no rope_scaling, and HybridModel always scatters the
+# embedding under sequence parallelism.
+BUILT_HYBRID_SETTINGS = {
+    name: value for name, value in BUILT_GPT_SETTINGS.items()
+    if name in ("position_embedding_type", "seq_len_interpolation_factor",
+                "fp16_lm_cross_entropy", "parallel_output")
+}
 
 
 def gpt_hybrid_pattern(config) -> str:
@@ -44,8 +52,10 @@ def gpt_hybrid_pattern(config) -> str:
 
 def check_hybrid_pattern(pattern: str, config) -> None:
     """Raise ValueError naming ``hybrid_layer_pattern`` when mcore_ext cannot build it for
-    ``config``: a symbol other than ``* - E |``, MTP depths, or another count of attention
-    layers than ``num_layers`` (each ``*`` stands for one GPT layer, in order)."""
+    ``config``: a symbol other than ``* - E |``, MTP depths, another count of attention
+    layers than ``num_layers`` (each ``*`` stands for one GPT layer, in order), or an MLP symbol
+    (``-`` / ``E``) other than its GPT layer's (``is_moe_layer``: ``num_moe_experts``,
+    ``moe_layer_freq``)."""
     if MTP in pattern:
         raise ValueError(
             f"hybrid_layer_pattern={pattern!r}: MTP depths ('/') are not built on HybridModel "
@@ -60,6 +70,19 @@ def check_hybrid_pattern(pattern: str, config) -> None:
         raise ValueError(
             f"hybrid_layer_pattern={pattern!r} has {attention} attention layers ('*'), "
             f"num_layers is {config.num_layers}")
+    for number, symbol in enumerate(pattern.replace(PIPE, ""), start=1):
+        if symbol not in (MLP, MOE):
+            continue
+        gpt_number = gpt_layer_number(pattern, number)
+        moe = is_moe_layer(config, gpt_number)
+        if (symbol == MOE) != moe:
+            raise ValueError(
+                f"hybrid_layer_pattern={pattern!r}: hybrid layer {number} is {symbol!r} "
+                f"({'MoE' if symbol == MOE else 'dense MLP'}), the MLP of GPT layer "
+                f"{gpt_number}, which the config makes {'MoE' if moe else 'dense'} "
+                f"(num_moe_experts {getattr(config, 'num_moe_experts', None)}, moe_layer_freq "
+                f"{getattr(config, 'moe_layer_freq', 1)}): give its MLP as "
+                f"{MOE if moe else MLP!r}")
 
 
 def gpt_layer_number(pattern: str, hybrid_number: int) -> int:

@@ -1,5 +1,5 @@
-"""Megatron-Bridge 0.6.2: ``GatedGPTModelProvider`` and the registered ``Step3p5ForCausalLM``
-bridge (mcore_ext.bridge), on CPU with real gloo ranks.
+"""Megatron-Bridge 0.6.2: ``GatedGPTModelProvider``, ``GatedHybridModelProvider`` and the
+registered ``Step3p5ForCausalLM`` bridge (mcore_ext.bridge), on CPU with real gloo ranks.
 
 Needs the test-only environment of ``scripts/setup_bridge.sh`` (.venv-bridge: Bridge installed
 without its dependencies next to the project's venv); scripts/test.sh (CI) runs it after the
@@ -16,6 +16,10 @@ Bridge or megatron is patched.
   ``GatedGPTModelProvider.finalize`` raises naming the fields.
 - ``provide()`` at TP 2 builds mcore_ext's gated attention with ``[QKV_r ; Gate_r]`` rows and
   runs a forward whose logits depend on the gate rows.
+- ``GatedHybridModelProvider`` (Bridge's HybridModelProvider building mcore_ext's HybridModel):
+  ``from_gpt`` of a configured GPT provider at TP 2 x SP gives the GPT provider's logits for the
+  same weights (fp32, 1e-5), its dist checkpoint saves and loads bit for bit, and it refuses
+  at ``finalize()`` what build_hybrid_model does not build.
 - A tiny HF Step-3.5 checkpoint (tests/hf/models.py: two layer kinds with different head counts,
   a sliding window, per-kind RoPE, a SwiGLU clamp) loads through ``AutoBridge`` into a model
   whose fp32 logits equal ``mcore_ext.hf.load_pretrained``'s within 1e-6 at TP 2 (which
@@ -33,6 +37,7 @@ import importlib.util
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -117,6 +122,131 @@ def test_provider_builds_and_runs_the_gated_model_at_tp2(run_distributed):
         assert linear_qkv_rows == 132 and rows == 66
         assert shape == (2, 8, TINY["vocab_size"] // 2)
         assert gate_effect > 1e-3  # closing the gates changes the logits
+
+
+# ------------------------------------------------------------------ HybridModel (issue 36)
+
+KINDS = dict(layer_types=["full_attention", "sliding_attention"], sliding_window=4,
+             sliding_num_attention_heads=8, swiglu_limits=[0.0, 7.0], gated_linear_unit=True,
+             activation_func=torch.nn.functional.silu)
+
+
+def test_hybrid_provider_refuses_what_it_does_not_build():
+    """Bridge's HybridModelProvider fields build_hybrid_model does not implement are named at
+    finalize(), as the GPT provider's are; Bridge's own finalize would count every symbol of the
+    pattern as a layer (num_layers 4 for '*-*-'): this one keeps the GPT layers' 2."""
+    from tests.bridge.bridge_env import import_bridge
+
+    bridge = import_bridge()
+    gpt = _provider(**KINDS)
+    hybrid = bridge.GatedHybridModelProvider.from_gpt(gpt, hybrid_layer_pattern="*-*-")
+    hybrid.finalize()
+    assert hybrid.num_layers == 2 and hybrid.hybrid_layer_pattern == "*-*-"
+    assert hybrid.heterogeneous_block_specs  # mcore_ext's post-init ran (kinds differ in shape)
+    assert hybrid.sliding_config().window_size == (3, 0)
+    refused = [
+        ("hybrid_layer_pattern='*-*-*-' has 3 attention layers ('*'), num_layers is 2",
+         dict(hybrid_layer_pattern="*-*-*-")),
+        ("hybrid_layer_pattern='*M*-': symbol 'M' is not one of", dict(hybrid_layer_pattern="*M*-")),
+        ("hybrid_override_pattern='*-*-' is deprecated", dict(hybrid_override_pattern="*-*-")),
+        ("hybrid_mlp_ratio=0.5 is not supported", dict(hybrid_mlp_ratio=0.5)),
+        ("mtp_num_layers=1: MTP is not built on HybridModel", dict(mtp_num_layers=1)),
+    ]
+    for message, fields in refused:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            bridge.GatedHybridModelProvider(**{**_fields(gpt), **fields}).finalize()
+    with pytest.raises(ValueError, match="hybrid_stack_spec=.* would replace"):
+        bridge.GatedHybridModelProvider(**_fields(gpt), hybrid_stack_spec=lambda: None).finalize()
+    gpt.register_pre_wrap_hook(lambda model: model)  # what load_weights=True registers
+    with pytest.raises(ValueError, match="has pre-wrap hooks .* load GPTModel's parameters"):
+        bridge.GatedHybridModelProvider.from_gpt(gpt)
+
+
+def _fields(provider) -> dict:
+    """The constructor fields of ``provider`` the hybrid provider declares."""
+    import dataclasses
+
+    from mcore_ext.bridge import GatedHybridModelProvider
+
+    ours = {field.name for field in dataclasses.fields(GatedHybridModelProvider) if field.init}
+    return {field.name: getattr(provider, field.name) for field in dataclasses.fields(provider)
+            if field.init and field.name in ours and field.name != "transformer_layer_spec"}
+
+
+def _hybrid_like_gpt_and_checkpointed(directory, tp):
+    """The GPT provider's model and the hybrid provider's of the same config at TP ``tp``, the
+    GPT weights copied into the hybrid model (megatron's GPT -> hybrid names): this rank's
+    logits of both. Then the hybrid model saved with megatron's dist_checkpointing (what
+    Bridge's checkpointing calls) and loaded into a hybrid model of another seed: its tensors
+    and logits."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    import mcore_ext
+    from mcore_ext.models.hybrid import copy_weights
+    from tests.bridge.bridge_env import import_bridge
+
+    bridge = import_bridge()  # first: it stubs lora_layers before Bridge imports it
+    mcore_ext.init_parallel(tensor_model_parallel_size=tp)
+    try:
+        gpt_provider = _provider(tensor_model_parallel_size=tp, sequence_parallel=tp > 1, **KINDS)
+        gpt_provider.finalize()
+        provider = bridge.GatedHybridModelProvider.from_gpt(gpt_provider)
+        provider.finalize()
+        torch.manual_seed(0)
+        (gpt,) = gpt_provider.provide_distributed_model(wrap_with_ddp=False,
+                                                        use_cpu_initialization=True)
+        (hybrid,) = provider.provide_distributed_model(wrap_with_ddp=False,
+                                                       use_cpu_initialization=True)
+        copy_weights(gpt, hybrid, to_hybrid=True)
+        tokens = models.tokens(batch=2, seq=8) % TINY["vocab_size"]
+        positions = torch.arange(8).expand_as(tokens)
+        with torch.no_grad():
+            gpt_logits = gpt.eval()(tokens, positions, None)
+            hybrid_logits = hybrid.eval()(tokens, positions, None)
+
+        if dist.get_rank() == 0:
+            os.makedirs(directory)
+        dist.barrier()
+        dist_checkpointing.save(hybrid.sharded_state_dict(), directory)
+        torch.manual_seed(1)
+        (loaded,) = provider.provide_distributed_model(wrap_with_ddp=False,
+                                                       use_cpu_initialization=True)
+        differed = any(not torch.equal(a, b) for a, b in
+                       zip(hybrid.state_dict().values(), loaded.state_dict().values())
+                       if torch.is_tensor(a))
+        loaded.load_state_dict(dist_checkpointing.load(loaded.sharded_state_dict(), directory))
+        unequal = [name for name, tensor in hybrid.state_dict().items()
+                   if torch.is_tensor(tensor) and not torch.equal(tensor, loaded.state_dict()[name])]
+        with torch.no_grad():
+            loaded_logits = loaded.eval()(tokens, positions, None)
+        return dict(type=type(hybrid).__name__, shape=tuple(hybrid_logits.shape),
+                    diff=(hybrid_logits - gpt_logits).abs().max().item(),
+                    differed=differed, unequal=unequal,
+                    reloaded=torch.equal(loaded_logits, hybrid_logits),
+                    keys=sorted(hybrid.state_dict()))
+    finally:
+        mcore_ext.destroy_parallel()
+
+
+def test_hybrid_provider_computes_the_gpt_providers_logits_and_checkpoints_at_tp2(
+        run_distributed, tmp_path):
+    """``GatedHybridModelProvider.from_gpt`` at TP 2 x SP (fp32, the gate, full and sliding
+    kinds, a SwiGLU clamp): megatron's HybridModel with the GPT provider's weights gives its
+    logits (1e-5); saved and loaded through dist_checkpointing, every tensor and the logits come
+    back bit for bit."""
+    results = run_distributed(_hybrid_like_gpt_and_checkpointed, str(tmp_path / "ckpt"), 2,
+                              world_size=2, timeout=300)
+    for result in results:
+        assert result["type"] == "HybridModel"
+        assert result["shape"] == (2, 8, TINY["vocab_size"] // 2)
+        assert result["diff"] <= 1e-5, result["diff"]
+        assert result["differed"]  # the other seed's model was another model before the load
+        assert result["unequal"] == [] and result["reloaded"]
+        keys = result["keys"]
+        assert "decoder.final_norm.weight" in keys  # HybridModel's names: 2 GPT layers, 4 hybrid
+        assert any(key.startswith("decoder.layers.3.mlp.") for key in keys)
+        assert "decoder.layers.2.self_attention.linear_qkv.weight" in keys
 
 
 # ------------------------------------------------------------------------- HF Step-3.5

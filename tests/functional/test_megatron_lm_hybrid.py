@@ -3,8 +3,9 @@
 test_megatron_lm_pretrain plus the pattern of its 2 gated GPT layers.
 
 Default suite (one process, TP 1, about 40 CPU seconds): 3 iterations, the loss falls, the
-checkpoint is HybridModel's with the gate. Slow (2 CPU ranks at TP 2, 142 CPU seconds, 5 minutes
-on the shared cores):
+checkpoint is HybridModel's with the gate; the same for '*-*E' (a dense MLP and a MoE layer, 60
+CPU seconds). Slow: '*E*E' at TP 2 x SP and '*-|*-' at PP 2 (2 CPU ranks, 3 iterations each,
+164 CPU seconds); and (2 CPU ranks at TP 2, 142 CPU seconds, 5 minutes on the shared cores):
 
     full     5 iterations, checkpoints at 2 and 4 (and the final one at 5)
     resumed  loads full's iteration-2 checkpoint (--ckpt-step 2) and trains 3..5
@@ -57,6 +58,62 @@ def test_hybrid_model_trains_through_pretrain_on_one_rank(tmp_path):
     assert sorted(trained) == [1, 2, 3] and float(trained[3]) < float(trained[1])
     assert "GPTModel is deprecated" not in run.stdout + run.stderr
     _hybrid_checkpoint_keys(checkpoint_tensors(tmp_path / "iter_0000003"))
+
+
+# Both kinds of MLP: GPT layer 1 dense, layer 2 MoE (the flags' MoE layers must be the pattern's
+# 'E's: megatron's --moe-layer-freq 1 would make both MoE).
+MOE = ("--num-experts", "2", "--moe-router-topk", "2", "--moe-layer-freq", "[0,1]")
+
+
+def test_moe_pattern_trains_through_pretrain_on_one_rank(tmp_path):
+    """'*-*E': megatron's HybridModel with a dense MLP and a MoE layer (mcore_ext's MoE spec),
+    3 iterations through pretrain() in one process at TP 1: the loss falls, megatron logs the
+    MoE layer's load-balancing loss, and the checkpoint holds layer 1's MLP and layer 3's router
+    and experts."""
+    run = check(torchrun(*MODEL, *TRAINING, "--hybrid-layer-pattern", "*-*E", *MOE,
+                         "--tensor-model-parallel-size", "1", "--train-iters", "3",
+                         "--save", str(tmp_path), nproc=1, program=MEGATRON_LM,
+                         timeout=TIMEOUT_S), "pretrain_gpt hybrid MoE")
+    trained = losses(run)
+    assert sorted(trained) == [1, 2, 3] and float(trained[3]) < float(trained[1])
+    assert "load_balancing_loss" in run.stdout
+    keys = checkpoint_tensors(tmp_path / "iter_0000003")
+    _hybrid_checkpoint_keys(keys)
+    assert "decoder.layers.1.mlp.linear_fc2.weight" in keys  # '-': a dense MLP
+    assert not any(key.startswith("decoder.layers.1.mlp.router") for key in keys)
+    assert "decoder.layers.3.mlp.router.weight" in keys  # 'E': megatron's MoE layer
+    assert any(key.startswith("decoder.layers.3.mlp.experts.") for key in keys)
+
+
+@pytest.mark.slow
+def test_moe_at_tp2_with_sequence_parallel_and_pattern_stages_at_pp2_train(tmp_path):
+    """'*E*E' at TP 2 with sequence parallelism (megatron's MoE with TP needs it), and '*-|*-'
+    at PP 2 (the pattern's own pipeline stages), each 3 iterations on 2 CPU ranks through
+    pretrain(): the loss falls and the checkpoint holds every layer; at PP 2 the last stage has
+    exactly the final norm's parameters more than the first (one GPT layer on each; the shared
+    embedding / output weight on both)."""
+    moe = check(torchrun(*MODEL, *TRAINING, "--hybrid-layer-pattern", "*E*E", "--num-experts",
+                         "4", "--moe-router-topk", "2", "--sequence-parallel", "--train-iters",
+                         "3", "--save", str(tmp_path / "moe"), program=MEGATRON_LM,
+                         timeout=TIMEOUT_S), "pretrain_gpt hybrid MoE TP 2")
+    stages = check(torchrun(*MODEL, *TRAINING, "--hybrid-layer-pattern", "*-|*-",
+                            "--tensor-model-parallel-size", "1",
+                            "--pipeline-model-parallel-size", "2", "--train-iters", "3",
+                            "--save", str(tmp_path / "pp"), program=MEGATRON_LM,
+                            timeout=TIMEOUT_S), "pretrain_gpt hybrid PP 2")
+    for run in (moe, stages):
+        trained = losses(run)
+        assert sorted(trained) == [1, 2, 3] and float(trained[3]) < float(trained[1])
+    moe_keys = checkpoint_tensors(tmp_path / "moe" / "iter_0000003")
+    _hybrid_checkpoint_keys(moe_keys)
+    assert {f"decoder.layers.{n}.mlp.router.weight" for n in (1, 3)} <= moe_keys.keys()
+    assert "[ t 1/2," in moe.stdout
+    pp_keys = checkpoint_tensors(tmp_path / "pp" / "iter_0000003")
+    _hybrid_checkpoint_keys(pp_keys)
+    assert {f"decoder.layers.{n}.mlp.linear_fc2.weight" for n in (1, 3)} <= pp_keys.keys()
+    counts = dict(re.findall(r"number of parameters on \(tensor, gtp_remat, pipeline\) model "
+                             r"parallel rank \(0, 0, (\d)\): (\d+)", stages.stdout))
+    assert int(counts["1"]) - int(counts["0"]) == 2 * 64, counts  # final_norm weight and bias
 
 
 @pytest.fixture(scope="module")

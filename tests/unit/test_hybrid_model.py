@@ -233,6 +233,33 @@ def test_bad_pattern_is_refused(pattern, message):
     assert message in str(error.value)
 
 
+def test_moe_symbols_must_be_the_configs_moe_layers():
+    """Each ``-`` / ``E`` is the MLP of the GPT layer its attention count names: a pattern whose
+    MoE layers are not the config's (num_moe_experts, moe_layer_freq) would build another model
+    than the GPT one of that config (a dense MLP in a MoE layer's place, or experts a dense
+    layer has no fields for). Before, build_hybrid_model built either silently."""
+    from mcore_ext.models.hybrid import check_hybrid_pattern
+
+    moe = _moe_config(1, 1)  # GPT layers 2-4 MoE
+    check_hybrid_pattern("*-*E|*E*E", moe)
+    refused = {
+        "*E*E*E*E": "hybrid_layer_pattern='*E*E*E*E': hybrid layer 2 is 'E' (MoE), the MLP of "
+                    "GPT layer 1, which the config makes dense (num_moe_experts 4, "
+                    "moe_layer_freq [0, 1, 1, 1]): give its MLP as '-'",
+        "*-*-*E*E": "hybrid_layer_pattern='*-*-*E*E': hybrid layer 4 is '-' (dense MLP), the MLP "
+                    "of GPT layer 2, which the config makes MoE (num_moe_experts 4, "
+                    "moe_layer_freq [0, 1, 1, 1]): give its MLP as 'E'",
+    }
+    for pattern, message in refused.items():
+        with pytest.raises(ValueError) as error:
+            check_hybrid_pattern(pattern, moe)
+        assert str(error.value) == message
+    with pytest.raises(ValueError, match=re.escape(
+            "hybrid layer 4 is 'E' (MoE), the MLP of GPT layer 2, which the config makes dense "
+            "(num_moe_experts None, moe_layer_freq 1)")):
+        check_hybrid_pattern("*-*E", _dense_config(1, 1))
+
+
 def test_launcher_config_refuses_what_hybrid_does_not_build(tmp_path, monkeypatch):
     """model.architecture=hybrid: MTP is refused naming the fields; a megatron-core without
     HybridModel (0.16 - 0.18, stood in for by its version query) names the field and release."""

@@ -324,6 +324,12 @@ def test_hybrid_flags_build_the_hybrid_model_on_two_ranks(run_distributed):
     ([*HYBRID_FLAGS, "--mtp-num-layers", "1"],
      "--mtp-num-layers 1 with --hybrid-layer-pattern: MTP is not built on HybridModel yet "
      "(docs/known-gaps.md); leave out --hybrid-layer-pattern for the GPT model's MTP"),
+    (["--hybrid-layer-pattern", "*-*E", "--num-experts", "2", "--moe-router-topk", "2"],
+     "--hybrid-layer-pattern '*-*E': hybrid layer 2 is '-' (dense MLP), the MLP of GPT layer 1, "
+     "which the flags make MoE (--num-experts 2, --moe-layer-freq 1): give its MLP as 'E'"),
+    (["--hybrid-layer-pattern", "*E*-"],
+     "--hybrid-layer-pattern '*E*-': hybrid layer 2 is 'E' (MoE), the MLP of GPT layer 1, "
+     "which the flags make dense (--num-experts None, --moe-layer-freq 1): give its MLP as '-'"),
 ])
 def test_hybrid_flags_mcore_ext_does_not_build_are_refused(flags, message):
     from mcore_ext.megatron_lm import gated_hybrid_config_from_args
