@@ -9,9 +9,9 @@ import warnings
 _cpp_extension_log = logging.getLogger("torch.utils.cpp_extension")
 _previous_level = _cpp_extension_log.level
 _cpp_extension_log.setLevel(logging.ERROR)
-from mcore_ext._lazy_compile import deferred_torch_compile  # noqa: E402
+from mcore_ext._eager_fusions import eager_fusions  # noqa: E402
 
-with warnings.catch_warnings(), deferred_torch_compile():
+with warnings.catch_warnings(), eager_fusions():
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed")
     warnings.filterwarnings("ignore", message=r"absl\.logging is not installed")
     # First: refuses a megatron-core that has the gate natively (it would add the rows twice).

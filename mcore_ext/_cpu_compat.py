@@ -32,7 +32,7 @@ tensors of unequal sizes, which gloo refuses -> padded / all-reduced equivalents
 reduction (``MoEMetricsTracker.report``) averages over data-parallel ranks with
 ``ReduceOp.AVG``, which gloo lacks -> a sum divided by the group size, on gloo only.
 
-This is the only module that patches megatron-core or torch for a run (``_lazy_compile`` swaps
+This is the only module that patches megatron-core or torch for a run (``_eager_fusions`` swaps
 ``torch.compile`` only while megatron-core is imported). ``install()`` and ``cuda_to_cpu()``
 are no-ops when CUDA is available, so GPU runs execute megatron-core unmodified.
 """
