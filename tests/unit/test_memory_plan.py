@@ -150,7 +150,7 @@ EVERY_TARGET = ("all-linear", "experts.gate_up_proj", "experts.down_proj")
 
 @pytest.mark.parametrize("kind, targets, tp", [
     ("dense", "o_proj", 1), ("moe", "o_proj", 1), ("dense", "all-linear", 2),
-    ("step35", EVERY_TARGET, 1),
+    pytest.param("step35", EVERY_TARGET, 1, marks=pytest.mark.slow),
     pytest.param("dense", "all-linear", 1, marks=pytest.mark.slow)])
 def test_plan_of_a_lora_run_matches_the_measured_peak(run_distributed, kind, targets, tp):
     """A LoRA run (r 16, the base frozen, bf16): frozen linears save no input, frozen norms no
@@ -161,7 +161,8 @@ def test_plan_of_a_lora_run_matches_the_measured_peak(run_distributed, kind, tar
     fine-tuning one) read 1.219, 1.171, and for all-linear at TP 1 1.052. Step-3.5's miniature
     with every target (shared and routed experts, the MTP layer): 0.962; without the experts'
     and MTP terms (each routed copy's input and fc2 input and A x, the shared expert's input,
-    fc2 input and updates, frozen MTP norms and eh_proj) 0.930."""
+    fc2 input and updates, frozen MTP norms and eh_proj) 0.930 (in the slow suite: 27 CPU s,
+    and the default run keeps these adapters' exact parameter count in the test below)."""
     from mcore_ext.lora import LoraConfig
 
     lora = LoraConfig(rank=16, targets=targets)
