@@ -51,12 +51,16 @@ _EXPERT_PARAMETER = {"gate_up_proj": "experts.gate_up_proj", "down_proj": "exper
 
 
 def _refuse_mtp(model) -> None:
-    mtp = sorted(n for n in lora.lora_adapters(model) if n.startswith("mtp."))
+    # Every stage's: the MTP layers are on the last, and every rank must refuse alike.
+    mtp = sorted(_union_over_stages({n for n in lora.lora_adapters(model)
+                                     if n.startswith("mtp.")}))
     if mtp:
-        raise AdapterError(f"the MTP layers' adapters ({mtp[0]}, ...) have no module in "
+        err = AdapterError(f"the MTP layers' adapters ({mtp[0]}, ...) have no module in "
                            "transformers' Step-3.5 model (it drops MTP layers), so PEFT cannot "
                            "load them: export the merged model (without --adapter), or train "
                            "the adapters with model.mtp_num_layers=null")
+        err.on_every_rank = True  # the first rank says it
+        raise err
 
 
 def _peft_prefixes(model) -> dict:

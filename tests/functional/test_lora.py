@@ -415,3 +415,28 @@ def test_pp2_adapters_in_peft_format(pp_lora_runs):
     started, trained = (valid_losses(tmp / f"{n}.jsonl") for n in ("from_peft", "lora"))
     assert list(started) == [1] and list(trained) == [4], (started, trained)
     assert started[1] == pytest.approx(trained[4], abs=1e-6, rel=0), (started, trained)
+
+
+def _pp_mtp_export(tmp):
+    """configs/step35_mtp_tiny_cpu.yaml (2 MTP depths, on the last stage) at TP 1 x PP 2: a LoRA
+    run of 1 step from scratch, its adapters exported in PEFT's format at PP 2."""
+    from tests.functional.inprocess import launch
+
+    run = launch("--config", ROOT / "configs" / "step35_mtp_tiny_cpu.yaml", *PP_LORA[2:],
+                 "training.train_iters=1", "checkpoint.save_interval=1", "checkpoint.load=null",
+                 f"checkpoint.save={tmp / 'mtp'}", "lora.rank=4")
+    if run["code"]:
+        return run
+    return _hf("export", tmp / "mtp", tmp / "peft", "--adapter", "--pp", 2)
+
+
+@pytest.mark.slow
+def test_pp2_export_of_mtp_adapters_is_refused_on_every_stage(run_distributed, tmp_path):
+    """The MTP layers' adapters (no module in transformers' model) are on the last stage only;
+    both stages refuse the export alike, in one line, exit code 2, nothing written (a refusal
+    on the last stage alone would leave the first waiting in the stages' gather)."""
+    results = run_distributed(_pp_mtp_export, tmp_path, world_size=2, timeout=600)
+    assert [r["code"] for r in results] == [2, 2], results
+    err = "".join(r["stderr"] for r in results)
+    assert err.count("error: ") == 1 and "the MTP layers' adapters (mtp.layers.0." in err, err
+    assert "Traceback" not in err and not (tmp_path / "peft").exists()
