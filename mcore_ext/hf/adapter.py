@@ -7,8 +7,8 @@
 The module names are those of transformers' Step-3.5 model (``self_attn.q_proj`` ...
 ``g_proj``, ``o_proj``, ``mlp.gate_proj`` / ``up_proj`` / ``down_proj``, the shared expert's
 ``mlp.shared_experts.gate_proj`` ...), the layer numbers global (layer L of ``model.layers``).
-Each target's A and B are gathered over TP into the HF tensors, so every TP layout writes the
-same files. Pipeline parallelism is not supported here yet.
+Each target's A and B are gathered over TP into the HF tensors, and the pipeline stages' layers
+over PP, so every TP / PP layout writes the same files.
 
 Routed experts are fused 3-D parameters in transformers (``mlp.experts.gate_up_proj`` [E, 2 f,
 h], ``down_proj`` [E, h, f]); PEFT adapts them through ``target_parameters`` (its
@@ -23,7 +23,7 @@ in transformers' model (it drops MTP layers): their export is refused.
 
 ``load_adapter`` reads such a directory, written by ``save_adapter`` or by ``peft`` itself
 (``PeftModel.save_pretrained``), into a model's adapters at any TP: each rank takes its slice of
-the HF tensors. What the project cannot place (other modules: embeddings, lm_head, experts, MTP
+the HF tensors, each pipeline stage its layers'. What the project cannot place (other modules: embeddings, lm_head, experts, MTP
 layers; PEFT options that change the formula: DoRA, rsLoRA, per-module ranks, biases, a
 ``modules_to_save``) is refused, named, before anything is loaded.
 """
@@ -51,19 +51,21 @@ _EXPERT_PARAMETER = {"gate_up_proj": "experts.gate_up_proj", "down_proj": "exper
 
 
 def _refuse_mtp(model) -> None:
-    mtp = sorted(n for n in lora.lora_adapters(model) if n.startswith("mtp."))
+    # Every stage's: the MTP layers are on the last, and every rank must refuse alike.
+    mtp = sorted(_union_over_stages({n for n in lora.lora_adapters(model)
+                                     if n.startswith("mtp.")}))
     if mtp:
-        raise AdapterError(f"the MTP layers' adapters ({mtp[0]}, ...) have no module in "
+        err = AdapterError(f"the MTP layers' adapters ({mtp[0]}, ...) have no module in "
                            "transformers' Step-3.5 model (it drops MTP layers), so PEFT cannot "
                            "load them: export the merged model (without --adapter), or train "
                            "the adapters with model.mtp_num_layers=null")
+        err.on_every_rank = True  # the first rank says it
+        raise err
 
 
 def _peft_prefixes(model) -> dict:
     """{PEFT module prefix: LoraLinear} of ``model``'s adapters (a GPTModel), routed experts'
     left out (``_expert_adapters``)."""
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        raise NotImplementedError("a LoRA adapter in PEFT's format under pipeline parallelism")
     _refuse_mtp(model)
     prefixes = {}
     for name, adapter in lora.lora_adapters(model).items():
@@ -109,7 +111,8 @@ def _expert_parameters(cfg: "lora.LoraConfig") -> list:
 
 
 def adapter_tensors(model, cfg: "lora.LoraConfig") -> dict:
-    """{PEFT key: global fp32 tensor} of every adapter of ``model`` (a GPTModel), on every rank."""
+    """{PEFT key: global fp32 tensor} of every adapter of ``model`` (a GPTModel, this pipeline
+    stage's layers), on every rank: every stage's under PP."""
     tensors = {}
     prefixes = _peft_prefixes(model)
     parameters = _expert_parameters(cfg)
@@ -130,7 +133,20 @@ def adapter_tensors(model, cfg: "lora.LoraConfig") -> dict:
             b = _gather(b, dim=0, group=adapter.tp_group)
         tensors[f"{prefix}.lora_A.weight"] = a.cpu()
         tensors[f"{prefix}.lora_B.weight"] = b.cpu()
-    return tensors
+    return _union_over_stages(tensors)
+
+
+def _union_over_stages(items):
+    """The union of every pipeline stage's ``items`` (a dict or a set), on every rank."""
+    group = ps.get_pipeline_model_parallel_group()
+    if group.size() == 1:
+        return items
+    stages = [None] * group.size()
+    dist.all_gather_object(stages, items, group=group)
+    union = type(items)()
+    for stage in stages:
+        union.update(stage)
+    return union
 
 
 def _gather(tensor, dim, group):
@@ -232,7 +248,9 @@ def load_adapter(model, directory: str, cfg: "lora.LoraConfig") -> None:
     weights = os.path.join(directory, ADAPTER_WEIGHTS)
     with safe_open(weights, framework="pt") as f:
         keys = set(f.keys())
-        wanted = {f"{p}.lora_{m}.weight" for p in [*prefixes, *experts] for m in "AB"}
+        # Every stage's adapters: a key another stage places is not this file's stray.
+        wanted = _union_over_stages(
+            {f"{p}.lora_{m}.weight" for p in [*prefixes, *experts] for m in "AB"})
         # PEFT's keys of a named adapter carry its name (lora_A.<name>.weight) only in memory.
         unplaced = sorted({k.rpartition(".lora_")[0] for k in keys - wanted})
         if unplaced:

@@ -122,8 +122,9 @@ def format_plan(shape: ModelShape, rows: list, layout: Layout, work: Workload,
         f" fp32 router-bias elements) + {totals['mtp']:,} MTP = "
         f"{totals['parameters'] + totals['router_bias']:,} elements",
         *([f"LoRA: r {shape.lora_rank} on {' '.join(shape.lora_targets)}; the base frozen "
-           f"(bf16 weights only), the adapters trained: {rows[0].count.adapter:,} on a rank of "
-           "the first stage"] if shape.lora_rank else []),
+           f"(bf16 weights only), the adapters trained: "
+           f"{rows[0].count.adapter + rows[0].count.expert_adapter:,} on a rank of the first "
+           "stage"] if shape.lora_rank else []),
         f"layout: {layout.describe()} = {layout.world} ranks; sequence parallel "
         f"{'on' if layout.sp else 'off'}; distributed optimizer "
         f"{'on' if layout.distributed_optimizer else 'off'}",
@@ -140,8 +141,9 @@ def format_plan(shape: ModelShape, rows: list, layout: Layout, work: Workload,
         span = f"{min(c.layers)}-{max(c.layers)}" if c.layers else "-"
         g = {k: v / GIB for k, v in row.state.items()}
         worst = max(worst, row.total / GIB)
+        params = c.dense + c.expert + c.adapter + c.expert_adapter
         lines.append(
-            f"{c.stage:>5} {span:>11} {c.dense + c.expert + c.adapter:>15,} {g['bf16 weights']:>8.1f} "
+            f"{c.stage:>5} {span:>11} {params:>15,} {g['bf16 weights']:>8.1f} "
             f"{g['fp32 grads']:>8.1f} {g['fp32 main weights']:>8.1f} {g['Adam state']:>8.1f} "
             f"{a.per_microbatch / GIB:>8.1f} {a.microbatches:>6.2f} {a.peak / GIB:>9.1f} "
             f"{row.total / GIB:>10.1f}")

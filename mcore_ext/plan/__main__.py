@@ -27,7 +27,7 @@ def main(argv=None) -> int:
                         help="vocabulary before padding (default: the config's tokenizer's)")
     parser.add_argument("--gpu-gib", type=float, default=80.0, help="memory of one GPU")
     parser.add_argument("--without-mtp", action="store_true",
-                        help="plan the model without its MTP layers (a LoRA plan counts no MTP adapters yet)")
+                        help="plan the model without its MTP layers")
     add_activation_args(parser, dict(seq=None, micro_batch=None, cp=None, recompute=None))
     args = parser.parse_args(argv)
     # megatron's config warns about GPU-only settings (TE's fused attention, CUDA graphs)

@@ -186,9 +186,11 @@ def lora_bytes(shape: ModelShape, layer: LayerShape, layout: Layout, work: Workl
                ) -> Breakdown:
     """What a layer's adapters save: the rank-r intermediates for B's gradient, r wide per
     target (a column-parallel linear's ``A x`` over the whole sequence, gathered under SP; a
-    row-parallel one's reduced and, under SP, scattered ``A x``), and each column-parallel
-    target's update (``index_add`` keeps its source). A's gradient needs the linear's input,
-    which the adapter saves in place of its frozen base (counted as the linear's input)."""
+    row-parallel one's reduced and, under SP, scattered ``A x``; a routed expert's per routed
+    token copy), and each column-parallel target's update (``index_add`` keeps its source; a
+    routed expert's adapter covers its whole fc1, no index_add). A's gradient needs the linear's
+    input, which the adapter saves in place of its frozen base (counted as the linear's input).
+    On a MoE layer gate / up / down_proj adapt the shared expert."""
     n, n_sp = _tokens(shape, layout, work)
     out = Breakdown()
     if not shape.lora_rank:
@@ -196,7 +198,8 @@ def lora_bytes(shape: ModelShape, layer: LayerShape, layout: Layout, work: Workl
     targets = [t for t in shape.lora_targets if t != "g_proj" or layer.gate]
     column = [t for t in targets if t in QKV_TARGETS + ("gate_proj", "up_proj")]
     row = [t for t in targets if t in ("o_proj", "down_proj")]
-    if layer.moe:  # no MLP adapters on a MoE layer (apply_lora refuses them)
+    ffn = layer.shared_ffn if layer.moe else layer.ffn
+    if not ffn:  # a MoE layer without a shared expert
         column = [t for t in column if t in QKV_TARGETS]
         row = [t for t in row if t == "o_proj"]
     if not shape.gated_mlp:  # fc1 is up_proj alone
@@ -205,10 +208,14 @@ def lora_bytes(shape: ModelShape, layer: LayerShape, layout: Layout, work: Workl
     # A column-parallel target's update B A x lands at its columns through index_add, whose
     # autograd saves the update (its source) whole: [tokens, the target's rows on the rank].
     rows = dict(q_proj=layer.heads * layer.head_dim, k_proj=layer.groups * layer.head_dim,
-                v_proj=layer.groups * layer.head_dim, g_proj=layer.heads, gate_proj=layer.ffn,
-                up_proj=layer.ffn)
+                v_proj=layer.groups * layer.head_dim, g_proj=layer.heads, gate_proj=ffn,
+                up_proj=ffn)
     out.add("LoRA updates (index_add)",
             n * work.dtype_bytes * sum(rows[t] for t in column) / layout.tp)
+    experts = [t for t in targets if t.startswith("experts.")] if layer.moe else []
+    if experts:  # fc1's and fc2's A x, r wide per routed copy (expert TP 1)
+        copies = routed_copies(layer, layout, n_sp, work.expert_load)
+        out.add("LoRA experts' A x", copies * work.dtype_bytes * shape.lora_rank * len(experts))
     return out
 
 
@@ -283,19 +290,23 @@ def mlp_bytes(shape: ModelShape, layer: LayerShape, layout: Layout, work: Worklo
         _swiglu(out, "MLP", n, layer.ffn / tp, layer.clamp, b,
                 frozen_fc2=not _adapted(shape, "down_proj"))
         return out
-    # LoRA: the router, shared expert and experts are frozen (no MLP adapters on MoE layers)
-    if not lora:
+    # LoRA: the router, shared expert and experts are frozen; an adapted linear's adapter saves
+    # its input (the shared expert's gate / up / down_proj, the routed experts' gate_up_proj /
+    # down_proj)
+    if _adapted(shape, "gate_proj", "up_proj") and (not lora or layer.shared_ffn):
         out.add("MLP input", n_sp * b * h)
     e, k, etp = layer.experts, layer.topk, layout.expert_tp
     if layer.shared_ffn:
-        _swiglu(out, "shared expert", n, layer.shared_ffn / tp, layer.clamp, b, frozen_fc2=lora)
+        _swiglu(out, "shared expert", n, layer.shared_ffn / tp, layer.clamp, b,
+                frozen_fc2=not _adapted(shape, "down_proj"))
     tokens = n_sp  # the router sees the rank's sequence shard
     out.add("router", tokens * (FP32 * e + FP32 + FP32 * k + INT64 * k))
     out.add("dispatcher indices", tokens * INT64 * (e + k))
     copies = routed_copies(layer, layout, tokens, work.expert_load)
-    out.add("routed tokens", copies * ((0 if lora else b * h) + FP32))
+    out.add("routed tokens",
+            copies * ((b * h if _adapted(shape, "experts.gate_up_proj") else 0) + FP32))
     _swiglu(out, "experts", copies, layer.expert_ffn / etp, layer.expert_clamp, b, probs=True,
-            frozen_fc2=lora)
+            frozen_fc2=not _adapted(shape, "experts.down_proj"))
     return out
 
 
@@ -315,9 +326,14 @@ def layer_bytes(shape: ModelShape, layer: LayerShape, layout: Layout, work: Work
     out.merge(lora_bytes(shape, layer, layout, work))
     if layer.mtp:  # enorm, hnorm, eh_proj's input [2h] and output
         n, n_sp = _tokens(shape, layout, work)
-        _norm(out, "MTP norms", n_sp, 2 * shape.hidden)
-        out.add("MTP eh_proj", n_sp * work.dtype_bytes * 2 * shape.hidden
-                + n * work.dtype_bytes * shape.hidden / layout.tp)
+        b, h = work.dtype_bytes, shape.hidden
+        if shape.lora_rank:  # frozen: enorm's input (the embedding's) needs no gradient, hnorm
+            # keeps no normalized value, eh_proj no input
+            _norm(out, "MTP norms", n_sp, h, frozen=True)
+            out.add("MTP eh_proj", n * b * h / layout.tp)
+        else:
+            _norm(out, "MTP norms", n_sp, 2 * h)
+            out.add("MTP eh_proj", n_sp * b * 2 * h + n * b * h / layout.tp)
     return out
 
 

@@ -17,11 +17,14 @@ LoRA (``with_lora``: ``mcore_ext.lora``'s targets and adapters, counted as ``app
 them): the base weights are frozen, built before DDP and the optimizer, so they hold their bf16
 weights only (2 bytes, no gradient buffer, main copy or Adam state); the adapters, bf16 after
 Float16Module like the base, hold all of it: 2 + 4 + 12 bytes, the 12 sharded over DP x CP by
-the distributed optimizer (they are dense parameters, on experts none). Per adapted linear and
-target, A [r, in] and B [out, r] on a rank: a column-parallel linear (linear_qkv's q / k / v /
-g_proj, fc1's gate / up_proj) replicates A and holds B's block of the target's rows, or B whole
-where a rank's rows are not one block (fewer query groups than TP); a row-parallel one
-(linear_proj's o_proj, fc2's down_proj) splits A's columns over TP and replicates B.
+the distributed optimizer; a routed expert's adapters are expert parameters, their 12 bytes
+sharded over expert-DP. Per adapted linear and target, A [r, in] and B [out, r] on a rank: a
+column-parallel linear (linear_qkv's q / k / v / g_proj, fc1's gate / up_proj of a dense MLP or
+a shared expert) replicates A and holds B's block of the target's rows, or B whole where a
+rank's rows are not one block (fewer query groups than TP); a row-parallel one (linear_proj's
+o_proj, fc2's down_proj) splits A's columns over TP and replicates B. Each local routed expert
+(``experts.gate_up_proj`` / ``experts.down_proj``, expert TP 1) has its own A and B on its whole
+fc1 ([gate ; up]) and fc2. The MTP layers' attention and MLP are adapted as a main layer's.
 """
 
 from dataclasses import dataclass
@@ -43,6 +46,7 @@ class StageCount:
     expert: int  # routed-expert parameters on the rank
     expert_bias: int  # fp32 router-bias elements (a buffer in megatron)
     adapter: int = 0  # LoRA adapter parameters on the rank (trained; the base is then frozen)
+    expert_adapter: int = 0  # LoRA adapters of the rank's routed experts (expert parameters)
     frozen: bool = False  # LoRA: dense and expert parameters have no gradients or optimizer state
 
 
@@ -75,37 +79,37 @@ def layer_counts(shape: ModelShape, layer: LayerShape, tp: int, ep: int, etp: in
 
 def with_lora(shape: ModelShape, cfg) -> ModelShape:
     """``shape`` with ``cfg``'s adapters (an ``mcore_ext.lora.LoraConfig``; rank 0 = none);
-    PlanError for the adapters the plan does not count yet (on MTP layers, on experts), which
-    the launcher trains (``mcore_ext.lora``)."""
-    from mcore_ext.lora import MLP_TARGETS
+    PlanError for routed experts' targets on a model without experts (as ``apply_lora``)."""
+    from mcore_ext.lora import EXPERT_TARGETS
 
     if not cfg.enabled:
         return shape
-    if shape.mtp_layers:
-        raise PlanError(f"lora.rank={cfg.rank} with {shape.mtp_layers} MTP layers: the plan does "
-                        "not count MTP layers' adapters yet: plan the model --without-mtp")
-    mlp = [t for t in cfg.targets if t in MLP_TARGETS]
-    if mlp and shape.is_moe:
-        raise PlanError(f"lora.targets: {' '.join(mlp)} on a MoE model: the plan does not count "
-                        "the experts' adapters yet; plan q_proj k_proj v_proj g_proj o_proj")
+    experts = [t for t in cfg.targets if t in EXPERT_TARGETS]
+    if experts and not shape.is_moe:
+        raise PlanError(f"lora.targets: {' '.join(experts)} adapt routed experts, and the model "
+                        "has none")
     gated = any(layer.gate for layer in shape.layers)
     targets = tuple(t for t in cfg.targets if t != "g_proj" or gated)
     return ModelShape(**{**shape.__dict__, "lora_rank": cfg.rank, "lora_targets": targets})
 
 
-def adapter_counts(shape: ModelShape, layer: LayerShape, tp: int, rank: int = 0) -> int:
-    """LoRA adapter elements of one layer on TP rank ``rank`` (``apply_lora``'s shapes)."""
+def adapter_counts(shape: ModelShape, layer: LayerShape, tp: int, rank: int = 0, ep: int = 1
+                   ) -> tuple:
+    """(dense, routed-expert) LoRA adapter elements of one layer on TP rank ``rank`` at EP
+    ``ep`` (``apply_lora``'s shapes; a MoE layer's gate / up / down_proj adapt its shared
+    expert)."""
     from mcore_ext.lora import b_is_sharded, glu_rows, qkv_gate_rows
 
     r, h, targets = shape.lora_rank, shape.hidden, shape.lora_targets
     if not r:
-        return 0
+        return 0, 0
     heads, groups, hn = layer.heads, layer.groups, layer.head_dim
     totals = dict(q_proj=heads * hn, k_proj=groups * hn, v_proj=groups * hn, g_proj=heads)
     placement = qkv_gate_rows(heads, groups, hn, tp, rank)
-    if not layer.moe:
-        totals.update(gate_proj=layer.ffn, up_proj=layer.ffn)
-        placement.update(glu_rows(layer.ffn, tp, rank, shape.gated_mlp))
+    ffn = layer.shared_ffn if layer.moe else layer.ffn  # 0: a MoE layer without shared expert
+    if ffn:
+        totals.update(gate_proj=ffn, up_proj=ffn)
+        placement.update(glu_rows(ffn, tp, rank, shape.gated_mlp))
     count = 0
     for name, (rows, _) in placement.items():  # column-parallel: A [r, h], B's rows
         if name in targets:
@@ -113,9 +117,17 @@ def adapter_counts(shape: ModelShape, layer: LayerShape, tp: int, rank: int = 0)
             count += r * h + r * (total // tp if b_is_sharded(rows, total, tp, rank) else total)
     if "o_proj" in targets:  # row-parallel: A [r, in / tp], B [h, r]
         count += r * heads * hn // tp + h * r
-    if "down_proj" in targets and not layer.moe:
-        count += r * layer.ffn // tp + h * r
-    return count
+    if "down_proj" in targets and ffn:
+        count += r * ffn // tp + h * r
+    experts = 0
+    if layer.moe:  # each local expert: fc1 A [r, h], B [(2) f, r]; fc2 A [r, f], B [h, r]
+        fe, fc1 = layer.expert_ffn, 2 if shape.gated_mlp else 1
+        if "experts.gate_up_proj" in targets:
+            experts += r * h + fc1 * fe * r
+        if "experts.down_proj" in targets:
+            experts += r * fe + h * r
+        experts *= layer.experts // ep
+    return count, experts
 
 
 def split_layers(shape: ModelShape, pp: int, vpp: int = 1) -> list:
@@ -147,14 +159,19 @@ def stage_counts(shape: ModelShape, tp: int = 1, pp: int = 1, ep: int = 1,
     for e in experts:
         if e % ep:
             raise PlanError(f"num_moe_experts={e} is not divisible by EP={ep}")
+    if etp > 1 and any(t.startswith("experts.") for t in shape.lora_targets):
+        raise PlanError(f"lora.targets: routed experts' adapters with expert tensor parallelism "
+                        f"{etp}: the launcher trains them at "
+                        "parallelism.expert_tensor_parallel_size=1 only")
     vocab_rows = padded_vocab(shape, tp) // tp
     out = []
     for stage, layers in enumerate(split_layers(shape, pp, vpp)):
-        dense = expert = bias = adapter = 0
+        dense = expert = bias = adapter = expert_adapter = 0
         for index in layers:
             d, e, b = layer_counts(shape, shape.layers[index], tp, ep, etp)
             dense, expert, bias = dense + d, expert + e, bias + b
-            adapter += adapter_counts(shape, shape.layers[index], tp)
+            a, ea = adapter_counts(shape, shape.layers[index], tp, ep=ep)
+            adapter, expert_adapter = adapter + a, expert_adapter + ea
         # megatron builds the embedding on the first stage and, for the MTP layers' inputs, on
         # the last one too (GPTModel: pre_process or mtp_process).
         if stage == 0 or (stage == pp - 1 and shape.mtp_layers):
@@ -165,7 +182,7 @@ def stage_counts(shape: ModelShape, tp: int = 1, pp: int = 1, ep: int = 1,
             dense += heads * vocab_rows * shape.hidden
             if shape.tied_embeddings and pp == 1:
                 dense -= vocab_rows * shape.hidden
-        out.append(StageCount(stage, layers, dense, expert, bias, adapter,
+        out.append(StageCount(stage, layers, dense, expert, bias, adapter, expert_adapter,
                               frozen=bool(shape.lora_rank)))
     return out
 
@@ -177,13 +194,15 @@ def state_bytes(count: StageCount, *, dp: int, edp: int, distributed_optimizer: 
     params = count.dense + count.expert
     dense_share = 1 / dp if distributed_optimizer else 1
     expert_share = 1 / edp if distributed_optimizer else 1
+    adapters = count.adapter + count.expert_adapter
     if count.frozen:  # LoRA: the adapters alone are trained (dense: sharded over DP x CP)
-        trained, sharded = count.adapter, count.adapter * dense_share
+        trained = adapters
+        sharded = count.adapter * dense_share + count.expert_adapter * expert_share
     else:
-        trained = params + count.adapter
+        trained = params + adapters
         sharded = (count.dense + count.adapter) * dense_share + count.expert * expert_share
     return {
-        "bf16 weights": 2 * (params + count.adapter) + 4 * count.expert_bias,
+        "bf16 weights": 2 * (params + adapters) + 4 * count.expert_bias,
         "fp32 grads": 4 * trained,
         "fp32 main weights": 4 * sharded,
         "Adam state": 8 * sharded,

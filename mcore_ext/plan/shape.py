@@ -59,7 +59,7 @@ class ModelShape:
         return any(layer.moe for layer in self.layers)
 
     def without_mtp(self) -> "ModelShape":
-        """The main layers alone (the plan does not count adapters on MTP layers yet)."""
+        """The main layers alone (``--without-mtp``)."""
         return ModelShape(**{**self.__dict__, "layers": self.layers[: self.num_layers]})
 
     @classmethod

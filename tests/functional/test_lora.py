@@ -12,7 +12,9 @@ the same losses within 1e-4 (fp32). A base changed since the adapters were saved
 exit code 2. The run's iteration-16 adapters, written in PEFT's format, start a new run
 (``lora.init_from``) at the LoRA run's validation loss. Seven torchrun runs: 2.5 minutes on 2
 idle cores (15 on the loaded ones where it was written). The MoE + MTP test at the end (routed
-experts' adapters saved at EP 2, resumed at EP 1) runs the launcher in process: 35 CPU seconds.
+experts' adapters saved at EP 2, resumed at EP 1 and back at EP 2) runs the launcher in process.
+So do the PP 2 tests (the dense Step-3.5 miniature at TP 1 x PP 2: exact resume, PP 2 -> PP 1
+x DP 2 and -> TP 2, the adapters in PEFT's format written at PP 2 and loaded by a PP 2 run).
 """
 
 import json
@@ -226,7 +228,8 @@ MOE_LORA = ["--config", str(ROOT / "configs" / "step35_moe_tiny_cpu.yaml"), "dat
 def _moe_lora_runs(tmp):
     """configs/step35_moe_tiny_cpu.yaml (MoE layers 2-4 with a shared expert, 1 MTP layer) at
     EP 2: a base run of 2 steps; a LoRA run over it (every target, routed experts included) of 4
-    steps saving at 2 and 4; its iteration 2 resumed at EP 1 to 4."""
+    steps saving at 2 and 4; its iteration 2 resumed at EP 1 to 4 (saving at 3 and 4); that
+    run's iteration 3 resumed at EP 2 to 4."""
     from tests.functional.inprocess import launch
 
     base = launch(*MOE_LORA, "training.train_iters=2", f"checkpoint.save={tmp / 'base'}",
@@ -243,16 +246,25 @@ def _moe_lora_runs(tmp):
     if torch.distributed.get_rank() == 0:
         copy_checkpoint(tmp / "lora", 2, tmp / "ep1")
     torch.distributed.barrier()
-    ep1 = launch(*lora, "parallelism.expert_model_parallel_size=1",
+    # Saving at 3 and 4: its iteration 3 (EP 1) goes back to EP 2 for step 4.
+    ep1 = launch(*lora, "parallelism.expert_model_parallel_size=1", "checkpoint.save_interval=1",
                  f"checkpoint.save={tmp / 'ep1'}", f"logging.metrics_file={tmp / 'ep1.jsonl'}")
-    return base, full, ep1
+    if ep1["code"]:
+        return base, full, ep1
+    if torch.distributed.get_rank() == 0:
+        copy_checkpoint(tmp / "ep1", 3, tmp / "ep2")
+    torch.distributed.barrier()
+    ep2 = launch(*lora, f"checkpoint.save={tmp / 'ep2'}",
+                 f"logging.metrics_file={tmp / 'ep2.jsonl'}")
+    return base, full, ep1, ep2
 
 
-def test_expert_and_mtp_adapters_resume_from_ep2_at_ep1(run_distributed, tmp_path):
+def test_expert_and_mtp_adapters_reshard_ep2_ep1_ep2(run_distributed, tmp_path):
     """The adapters-only checkpoint of a LoRA run at EP 2 (each routed expert's A and B saved
     along the global expert axis, the shared expert's and the MTP layer's beside them, no frozen
-    weight) resumes at EP 1 with the uninterrupted run's losses within 1e-4 (fp32; the expert
-    gradients are reduced in another order)."""
+    weight) resumes at EP 1, and the EP 1 run's checkpoint at EP 2 (each rank its half of the
+    experts' adapters and Adam state), with the uninterrupted run's losses within 1e-4 (fp32;
+    the expert gradients are reduced in another order)."""
     from tests.functional.inprocess import losses as read_losses
 
     for result in run_distributed(_moe_lora_runs, tmp_path, world_size=2, timeout=600)[0]:
@@ -268,5 +280,163 @@ def test_expert_and_mtp_adapters_resume_from_ep2_at_ep1(run_distributed, tmp_pat
     assert any("shared_experts.linear_fc1_lora" in k for k in weights), sorted(weights)
     full, resumed = read_losses(tmp_path / "lora.jsonl"), read_losses(tmp_path / "ep1.jsonl")
     assert sorted(full) == [1, 2, 3, 4] and sorted(resumed) == [3, 4], (full, resumed)
+    back = read_losses(tmp_path / "ep2.jsonl")
+    assert sorted(back) == [4], back
+    for it, loss in [*resumed.items(), *back.items()]:
+        assert loss == pytest.approx(full[it], abs=1e-4, rel=0), (it, resumed, back, full)
+    # The EP 1 checkpoint holds the experts' adapters whole, as the EP 2 run's.
+    ep1 = checkpoint_tensors(tmp_path / "ep1" / "iter_0000003")
+    assert all(ep1[k].shape == v.shape for k, v in experts.items())
+
+
+# ------------------------------------ PP 2: resume, PP 2 -> PP 1 / TP 2, PEFT's format, in process
+
+# The dense Step-3.5 miniature (4 layers of both kinds; a layout hf export writes), made tinier.
+PP_LORA = ["--config", str(ROOT / "configs" / "step35_tiny_cpu.yaml"), "data.source=mock",
+           "model.seq_length=32", "training.micro_batch_size=2", "training.global_batch_size=4",
+           "training.eval_interval=null", "optimizer.lr_warmup_iters=0", "logging.log_interval=1",
+           "logging.metrics_file=null", "parallelism.tensor_model_parallel_size=1",
+           "parallelism.pipeline_model_parallel_size=2", "checkpoint.save_interval=2"]
+
+
+def _hf(*argv) -> dict:
+    """``python -m mcore_ext.hf ARGV`` on this rank, its output captured."""
+    import contextlib
+    import io
+
+    from mcore_ext.hf.__main__ import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in argv])
+    return {"code": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
+
+
+def _pp_lora_runs(tmp):
+    """configs/step35_tiny_cpu.yaml (made tinier) at TP 1 x PP 2, two layers a stage: a base
+    run of 2 steps; a LoRA run over it (every target) of 4 steps saving at 2 and 4, evaluated at
+    4; its iteration 2 resumed at PP 2, at PP 1 x DP 2 and at TP 2; its iteration 4's adapters
+    exported in PEFT's format at PP 2 and at PP 1; a new PP 2 run started from them (lr 0)."""
+    from tests.functional.inprocess import launch
+
+    rank0 = torch.distributed.get_rank() == 0
+    results = {"base": launch(*PP_LORA, "training.train_iters=2", f"checkpoint.save={tmp / 'base'}",
+                              "checkpoint.load=null")}
+    lora = [*PP_LORA, f"checkpoint.load={tmp / 'base'}", "checkpoint.finetune=true",
+            "lora.rank=4", "lora.alpha=8", "optimizer.lr=1e-2", "optimizer.lr_decay_style=constant",
+            "training.train_iters=4"]
+    results["lora"] = launch(*lora, f"checkpoint.save={tmp / 'lora'}", "training.eval_interval=4",
+                             f"logging.metrics_file={tmp / 'lora.jsonl'}")
+    for name, layout in (("pp2", []), ("pp1", ["parallelism.pipeline_model_parallel_size=1"]),
+                         ("tp2", ["parallelism.pipeline_model_parallel_size=1",
+                                  "parallelism.tensor_model_parallel_size=2"])):
+        if any(r["code"] for r in results.values()):
+            return results
+        if rank0:
+            copy_checkpoint(tmp / "lora", 2, tmp / name)
+        torch.distributed.barrier()
+        results[name] = launch(*lora, *layout, f"checkpoint.save={tmp / name}",
+                               f"logging.metrics_file={tmp / f'{name}.jsonl'}")
+    for pp in (2, 1):
+        results[f"export_pp{pp}"] = _hf("export", tmp / "lora", tmp / f"peft_pp{pp}", "--adapter",
+                                        "--pp", pp)
+    results["from_peft"] = launch(*lora, "training.train_iters=1", "optimizer.lr=0",
+                                  "optimizer.min_lr=0", "training.eval_interval=1", f"lora.init_from={tmp / 'peft_pp2'}",
+                                  f"checkpoint.save={tmp / 'from_peft'}",
+                                  f"logging.metrics_file={tmp / 'from_peft.jsonl'}")
+    return results
+
+
+@pytest.fixture(scope="module")
+def pp_lora_runs(run_distributed_shared, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("lora_pp")
+    results = run_distributed_shared(_pp_lora_runs, tmp, world_size=2, timeout=600)
+    return tmp, results
+
+
+def test_pp2_lora_trains_adapters_only_and_resumes_exactly(pp_lora_runs):
+    """At PP 2 each stage trains its layer's adapters (both stages' are saved, no frozen weight)
+    and the iteration-2 adapters resume to the uninterrupted run's losses bit for bit."""
+    from tests.functional.inprocess import losses as read_losses
+
+    tmp, results = pp_lora_runs
+    for name in ("base", "lora", "pp2"):
+        assert all(r[name]["code"] == 0 for r in results), [r[name] for r in results]
+    assert "TP 1 x PP 2 x DP 1" in results[0]["lora"]["stdout"], results[0]["lora"]["stdout"]
+    weights = {k: v for k, v in checkpoint_tensors(tmp / "lora" / "iter_0000004").items()
+               if not k.startswith("optimizer.")}
+    # 4 layers (keys per layer: the kinds' shapes differ) x 8 targets x (A, B): both stages'
+    # layers, every B trained away from zero.
+    assert len(weights) == 64 and all(ADAPTER in k for k in weights), sorted(weights)
+    assert {k.split(".")[2] for k in weights} == {"0", "1", "2", "3"}, sorted(weights)
+    assert all(v.abs().amax() > 0 for k, v in weights.items() if k.endswith("lora_B")), weights
+    full, resumed = read_losses(tmp / "lora.jsonl"), read_losses(tmp / "pp2.jsonl")
+    assert sorted(full) == [1, 2, 3, 4] and sorted(resumed) == [3, 4], (full, resumed)
+    assert {it: full[it] for it in resumed} == resumed  # bit for bit
+
+
+@pytest.mark.parametrize("name, layout", [("pp1", "TP 1 x PP 1 x DP 2"),
+                                          ("tp2", "TP 2 x PP 1 x DP 1")])
+def test_pp2_adapters_resume_at_another_layout(pp_lora_runs, name, layout):
+    """The PP 2 run's iteration-2 adapters resumed at PP 1 x DP 2 and at TP 2 x PP 1: the
+    uninterrupted run's losses of steps 3-4 within 1e-4 (fp32; reductions in another order)."""
+    from tests.functional.inprocess import losses as read_losses
+
+    tmp, results = pp_lora_runs
+    assert all(r[name]["code"] == 0 for r in results), [r[name] for r in results]
+    assert layout in results[0][name]["stdout"], results[0][name]["stdout"]
+    full, resumed = read_losses(tmp / "lora.jsonl"), read_losses(tmp / f"{name}.jsonl")
+    assert sorted(resumed) == [3, 4], resumed
     for it, loss in resumed.items():
         assert loss == pytest.approx(full[it], abs=1e-4, rel=0), (it, resumed, full)
+
+
+def test_pp2_adapters_in_peft_format(pp_lora_runs):
+    """``hf export --adapter`` at PP 2 writes the PP 1 export's files (every stage's layers, the
+    checkpoint's tensors under transformers' names), and a new PP 2 run started from them
+    (``lora.init_from``, lr 0) validates to the LoRA run's loss at step 4."""
+    from safetensors.torch import load_file
+
+    tmp, results = pp_lora_runs
+    for name in ("export_pp2", "export_pp1", "from_peft"):
+        assert all(r[name]["code"] == 0 for r in results), [r[name] for r in results]
+    pp2, pp1 = (load_file(tmp / f"peft_pp{pp}" / "adapter_model.safetensors") for pp in (2, 1))
+    assert sorted(pp2) == sorted(pp1) and all(torch.equal(pp2[k], pp1[k]) for k in pp1)
+    for key, value in checkpoint_tensors(tmp / "lora" / "iter_0000004").items():
+        if key.startswith("optimizer."):
+            continue
+        layer, _, local = key.removeprefix("decoder.layers.").partition(".")
+        local, _, rest = local.partition(".targets.")
+        peft = f"base_model.model.model.layers.{layer}.{_PEFT_MODULE[local]}.{rest}.weight"
+        assert torch.equal(pp2.pop(peft), value), peft
+    assert not pp2, sorted(pp2)
+    assert json.loads((tmp / "peft_pp2" / "adapter_config.json").read_text()) == json.loads(
+        (tmp / "peft_pp1" / "adapter_config.json").read_text())
+    started, trained = (valid_losses(tmp / f"{n}.jsonl") for n in ("from_peft", "lora"))
+    assert list(started) == [1] and list(trained) == [4], (started, trained)
+    assert started[1] == pytest.approx(trained[4], abs=1e-6, rel=0), (started, trained)
+
+
+def _pp_mtp_export(tmp):
+    """configs/step35_mtp_tiny_cpu.yaml (2 MTP depths, on the last stage) at TP 1 x PP 2: a LoRA
+    run of 1 step from scratch, its adapters exported in PEFT's format at PP 2."""
+    from tests.functional.inprocess import launch
+
+    run = launch("--config", ROOT / "configs" / "step35_mtp_tiny_cpu.yaml", *PP_LORA[2:],
+                 "training.train_iters=1", "checkpoint.save_interval=1", "checkpoint.load=null",
+                 f"checkpoint.save={tmp / 'mtp'}", "lora.rank=4")
+    if run["code"]:
+        return run
+    return _hf("export", tmp / "mtp", tmp / "peft", "--adapter", "--pp", 2)
+
+
+@pytest.mark.slow
+def test_pp2_export_of_mtp_adapters_is_refused_on_every_stage(run_distributed, tmp_path):
+    """The MTP layers' adapters (no module in transformers' model) are on the last stage only;
+    both stages refuse the export alike, in one line, exit code 2, nothing written (a refusal
+    on the last stage alone would leave the first waiting in the stages' gather)."""
+    results = run_distributed(_pp_mtp_export, tmp_path, world_size=2, timeout=600)
+    assert [r["code"] for r in results] == [2, 2], results
+    err = "".join(r["stderr"] for r in results)
+    assert err.count("error: ") == 1 and "the MTP layers' adapters (mtp.layers.0." in err, err
+    assert "Traceback" not in err and not (tmp_path / "peft").exists()

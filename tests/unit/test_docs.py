@@ -246,6 +246,12 @@ DECISIONS = {
     "32768 --recompute full --packed --without-mtp parallelism.tensor_model_parallel_size=8 "
     "parallelism.pipeline_model_parallel_size=1 parallelism.expert_model_parallel_size=8 "
     "lora.rank=16 lora.targets=[q_proj,k_proj,v_proj,g_proj,o_proj]": Run(expect="50.9 GiB"),
+    "python -m mcore_ext.plan --config configs/step35_flash.yaml --vocab-size 128896 --seq "
+    "32768 --recompute full --packed parallelism.tensor_model_parallel_size=8 "
+    "parallelism.pipeline_model_parallel_size=1 parallelism.expert_model_parallel_size=8 "
+    "lora.rank=16 lora.targets=[all-linear,experts.gate_up_proj,experts.down_proj]": Covered(
+        "tests/unit/test_memory_plan.py::"
+        "test_a_lora_plan_counts_mtp_and_expert_adapters_and_refuses_expert_tp"),
     "python -m mcore_ext.plan --config configs/step35_flash.yaml --vocab-size 128896 --dp 8":
         Run(expect="GiB"),
     "python -m mcore_ext.plan --config configs/step35_flash.yaml --vocab-size 128896 --seq "

@@ -145,8 +145,12 @@ def test_plan_of_packed_documents_matches_the_measured_peak(run_distributed, kin
     _check(run_distributed(_measure_and_plan, kind, "none", 1, 1, True, world_size=1))
 
 
+EVERY_TARGET = ("all-linear", "experts.gate_up_proj", "experts.down_proj")
+
+
 @pytest.mark.parametrize("kind, targets, tp", [
     ("dense", "o_proj", 1), ("moe", "o_proj", 1), ("dense", "all-linear", 2),
+    pytest.param("step35", EVERY_TARGET, 1, marks=pytest.mark.slow),
     pytest.param("dense", "all-linear", 1, marks=pytest.mark.slow)])
 def test_plan_of_a_lora_run_matches_the_measured_peak(run_distributed, kind, targets, tp):
     """A LoRA run (r 16, the base frozen, bf16): frozen linears save no input, frozen norms no
@@ -154,7 +158,11 @@ def test_plan_of_a_lora_run_matches_the_measured_peak(run_distributed, kind, tar
     the adapters save their r-wide ``A x`` and each column-parallel target's update (kept by
     index_add). Measured / planned: dense o_proj 0.987, MoE o_proj 0.942, dense all-linear at
     TP 2 + SP 0.984 / 0.985 (TP 1: 0.986). The plan without the LoRA terms (the full
-    fine-tuning one) read 1.219, 1.171, and for all-linear at TP 1 1.052."""
+    fine-tuning one) read 1.219, 1.171, and for all-linear at TP 1 1.052. Step-3.5's miniature
+    with every target (shared and routed experts, the MTP layer): 0.962; without the experts'
+    and MTP terms (each routed copy's input and fc2 input and A x, the shared expert's input,
+    fc2 input and updates, frozen MTP norms and eh_proj) 0.930 (in the slow suite: 27 CPU s,
+    and the default run keeps these adapters' exact parameter count in the test below)."""
     from mcore_ext.lora import LoraConfig
 
     lora = LoraConfig(rank=16, targets=targets)
@@ -279,6 +287,11 @@ LORA_MODELS = {
         "model.mtp_num_layers=null", "model.swiglu_limits=[0,0,0,16.0]",
         "model.layer_types=[full_attention,sliding_attention,sliding_attention,sliding_attention]",
         "parallelism.expert_model_parallel_size=2", "parallelism.expert_tensor_parallel_size=1"]),
+    # The MoE miniature whole: its MTP depth, every target, the shared and routed experts' too.
+    "moe_all": ("step35_moe_tiny_cpu.yaml", [
+        "lora.rank=4", "lora.targets=[all-linear,experts.gate_up_proj,experts.down_proj]",
+        "model.moe_router_bias_update_rate=0", "parallelism.expert_model_parallel_size=2",
+        "parallelism.expert_tensor_parallel_size=1"]),
 }
 
 
@@ -346,16 +359,17 @@ def _lora_state(tp, model, distributed):
                               distributed_optimizer=distributed)
         return dict(measured=measured, planned=planned, buffers=buffers, dp=dp,
                     adapters=sum(q.numel() for n, q in ddp.named_parameters() if "_lora." in n),
-                    planned_adapters=count.adapter)
+                    planned_adapters=count.adapter + count.expert_adapter)
     finally:
         mcore_ext.destroy_parallel()
 
 
-# The default run: the dense model at TP 2 (SP, B sharded) and the MoE model at TP 1 x DP 2 (the
-# distributed optimizer's DP shards, frozen experts at EP 2); the other two are the slow suite's.
+# The default run: the dense model at TP 2 (SP, B sharded) and the whole MoE model at TP 1 x DP 2
+# (the distributed optimizer's DP shards of the dense adapters, the routed experts' adapters at
+# EP 2 unsharded: expert-DP 1; the MTP layer's); the others are the slow suite's.
 @pytest.mark.parametrize("model, tp", [
-    ("dense", 2), ("moe", 1), pytest.param("dense", 1, marks=pytest.mark.slow),
-    pytest.param("moe", 2, marks=pytest.mark.slow)])
+    ("dense", 2), ("moe_all", 1), pytest.param("dense", 1, marks=pytest.mark.slow),
+    pytest.param("moe", 1, marks=pytest.mark.slow), pytest.param("moe", 2, marks=pytest.mark.slow)])
 def test_lora_plan_holds_what_the_launchers_model_and_optimizer_allocate(run_distributed,
                                                                          model, tp):
     """A LoRA run of the launcher at TP 1 x DP 2 and TP 2 (SP), with and without the distributed
@@ -381,22 +395,29 @@ def test_lora_plan_holds_what_the_launchers_model_and_optimizer_allocate(run_dis
             assert measured == pytest.approx(planned), (what, distributed, got)
 
 
-def test_a_lora_plan_refuses_the_adapters_it_does_not_count(capsys):
-    """Adapters on MTP layers and on experts (the launcher trains them; the plan does not count
-    them yet): one ``error:`` line, exit 2; ``--without-mtp`` plans the main layers alone."""
+def test_a_lora_plan_counts_mtp_and_expert_adapters_and_refuses_expert_tp(capsys):
+    """Step-3.5-Flash's config with its 3 MTP layers and every target, routed experts included,
+    at 32K on one node (docs/memory-plan.md's command) plans: 319.3M adapters on a rank (its
+    36 local experts' in 42 MoE layers), 62.8 GiB; routed experts' adapters at expert TP 2 are
+    one ``error:`` line, exit 2 (the launcher refuses them)."""
     import os
 
     from mcore_ext.plan.__main__ import main as plan_main
 
     _, root = _flash_shape_and_spec()
     config = ["--config", os.path.join(root, "configs", "step35_flash.yaml"), "--vocab-size",
-              "128896", "--dp", "8", "lora.rank=16"]
-    assert plan_main(config) == 2
-    assert capsys.readouterr().err.strip() == (
-        "error: lora.rank=16 with 3 MTP layers: the plan does not count MTP layers' adapters "
-        "yet: plan the model --without-mtp")
-    assert plan_main(["--without-mtp", *config]) == 2  # all-linear: the experts' MLPs
+              "128896"]
+    lora = ["lora.rank=16", "lora.targets=[all-linear,experts.gate_up_proj,experts.down_proj]"]
+    assert plan_main([*config, "--seq", "32768", "--recompute", "full", "--packed",
+                      "parallelism.tensor_model_parallel_size=8",
+                      "parallelism.pipeline_model_parallel_size=1",
+                      "parallelism.expert_model_parallel_size=8", *lora]) in (0, None)
+    out = capsys.readouterr().out
+    assert ("LoRA: r 16 on q_proj k_proj v_proj g_proj o_proj gate_proj up_proj down_proj "
+            "experts.gate_up_proj experts.down_proj;" in out), out
+    assert "the adapters trained: 319,339,776 on a rank" in out and "largest rank: 62.8 GiB" in out
+    assert plan_main([*config, "--dp", "16", *lora,
+                      "parallelism.expert_tensor_parallel_size=2"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "lora.targets: gate_proj up_proj down_proj on a MoE" in err
-    assert plan_main(["--without-mtp", *config, "lora.targets=[q_proj,o_proj]"]) in (0, None)
-    assert "LoRA: r 16 on q_proj o_proj" in capsys.readouterr().out
+    assert err.count("\n") == 1 and err.startswith(
+        "error: lora.targets: routed experts' adapters with expert tensor parallelism 2: "), err
