@@ -78,6 +78,10 @@ def test_muon_state_reshards_tp2_to_tp1(muon_runs):
 
 
 MOE_MUON = ["--config", MOE_TINY, "parallelism.expert_model_parallel_size=2",
+            # layer 1 dense, layer 2 MoE, the MTP depth (CPU seconds: 2 MoE layers fewer)
+            "model.num_layers=2", "model.moe_layer_freq=[0,1]",
+            "model.layer_types=[full_attention,sliding_attention,sliding_attention]",
+            "model.swiglu_limits=[0,16.0,0]", "model.moe_expert_swiglu_limits=[0,7.0]",
             "model.seq_length=32", "training.micro_batch_size=2", "training.global_batch_size=4",
             "training.eval_interval=null", "logging.log_interval=1", *MUON,
             "optimizer.lr_warmup_iters=2", "training.train_iters=6", "checkpoint.save_interval=3"]
@@ -106,9 +110,9 @@ def _muon_moe_runs(tmp, data):
 
 
 def test_muon_moe_run_trains_and_resumes_exactly(run_distributed, tmp_path, stdlib_prefix):
-    """The tiny Step-3.5 MoE config (3 MoE layers, 8 experts, a shared expert, the expert bias,
-    one MTP depth) with Muon at EP 2 trains and resumes bit for bit; the checkpoint holds Muon's
-    momentum for the experts and Adam's moments for the router and the MTP head."""
+    """The tiny Step-3.5 MoE config (a dense and a MoE layer: 8 experts, a shared expert, the
+    expert bias; one MTP depth) with Muon at EP 2 trains and resumes bit for bit; the checkpoint
+    holds Muon's momentum for the experts and Adam's moments for the router and the MTP head."""
     from mcore_ext import _mcore_compat
 
     if not _mcore_compat.has_muon():
@@ -123,12 +127,11 @@ def test_muon_moe_run_trains_and_resumes_exactly(run_distributed, tmp_path, stdl
     keys = set(dcp.FileSystemReader(str(tmp_path / "full" / "iter_0000003"))
                .read_metadata().state_dict_metadata)
     state = "optimizer.state"
-    for layer in (1, 2, 3):  # the MoE layers; layer 0 is dense
-        mlp = f"decoder.layers.{layer}.mlp"
-        assert {f"{state}.momentum_buffer.{mlp}.experts.experts.linear_fc1.weight",
-                f"{state}.momentum_buffer.{mlp}.experts.experts.linear_fc2.weight",
-                f"{state}.momentum_buffer.{mlp}.shared_experts.linear_fc1.weight",
-                f"{state}.exp_avg.{mlp}.router.weight"} <= keys, sorted(keys)
+    mlp = "decoder.layers.1.mlp"  # the MoE layer (layer 0 is dense)
+    assert {f"{state}.momentum_buffer.{mlp}.experts.experts.linear_fc1.weight",
+            f"{state}.momentum_buffer.{mlp}.experts.experts.linear_fc2.weight",
+            f"{state}.momentum_buffer.{mlp}.shared_experts.linear_fc1.weight",
+            f"{state}.exp_avg.{mlp}.router.weight"} <= keys, sorted(keys)
     assert f"{state}.exp_avg.mtp.layers.0.output_layer.weight" in keys, sorted(keys)
     assert not any(k.startswith(f"{state}.momentum_buffer.") and ("router" in k or "output" in k)
                    for k in keys), sorted(keys)

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests import builders
-from tests.unit.test_muon import LR, MOMENTUM, TOL, WEIGHT_DECAY, newton_schulz
+from tests.unit.test_muon import LR, MOMENTUM, TOL, WEIGHT_DECAY, muon_update
 
 MOE_TINY = str(Path(__file__).resolve().parents[2] / "configs" / "step35_moe_tiny_cpu.yaml")
 VOCAB, SEQ, HIDDEN, GROUPS, HEAD_DIM, EXPERTS, ADAM_EPS = 64, 16, 32, 2, 16, 4, 1e-8
@@ -98,11 +98,8 @@ def _muon_moe_step_on_this_rank(ep):
 
 
 def _muon(weight, grad):
-    """One Muon step of one matrix from a zero momentum (Nesterov)."""
-    momentum = (1 - MOMENTUM) * grad
-    nesterov = grad + MOMENTUM * (momentum - grad)
-    update = newton_schulz(nesterov) * max(nesterov.shape) ** 0.5  # spectral scale
-    return weight * (1 - LR * WEIGHT_DECAY) - LR * update
+    """One Muon step of one matrix from a zero momentum (Nesterov, spectral scale)."""
+    return muon_update(weight, grad, {"matrix": slice(None)})["matrix"]
 
 
 def _adam(weight, grad):
