@@ -37,6 +37,8 @@ there were one megatron-core; each shim below says which releases need it and wh
 12. ``HybridModel`` (``megatron.core.models.hybrid``) exists from 0.19 (``check_hybrid_model``).
 13. Muon (0.19+, with ``emerging-optimizers``) splits ``linear_qkv`` into q, k, v only; the gated
     layer's gate rows are split off as a fourth matrix (``_install_gate_aware_muon``, ``has_muon``).
+    It takes every 2-D weight but the embedding and output layers, a MoE router's included; the
+    router goes to Adam (``_install_router_on_adam``).
 
 This module adapts megatron-core to other releases; ``_cpu_compat`` adapts it to a CPU.
 """
@@ -666,6 +668,35 @@ def _install_gate_aware_muon() -> None:
 
 
 _install_gate_aware_muon()
+
+
+# The router's weight in megatron's MoE layer (TopKRouter), under any prefix.
+MOE_ROUTER_WEIGHT = "*.router.weight"
+
+
+def _install_router_on_adam() -> None:
+    """megatron's Muon entry sends to Adam what ``_is_nonlinear_or_embedding`` picks (vectors,
+    the embedding and output layers) through its registry's ``default_param_overrides``; every
+    other 2-D weight goes to Muon, a MoE router's ``[experts, hidden]`` weight included. The
+    router scores experts rather than mapping the hidden state, and issue 35 asks for it on
+    Adam: one more override of the same kind, by name, in Muon's and adaptive Muon's entries
+    (megatron applies ``muon_scalar_optimizer`` to it as to its own). Routed experts need
+    nothing: each expert's fc1 and fc2 are parameters of their own (``SequentialMLP``,
+    mcore_ext's grouped form of it, ``TEGroupedMLP``'s ``weight{i}``), orthogonalised expert by
+    expert. The expert bias is a buffer that megatron's bias update moves, not a parameter.
+    Releases without Muon: nothing to do."""
+    try:
+        from megatron.core.optimizer.emerging_optimizers import _EMERGING_OPTIMIZERS
+        from megatron.core.optimizer.optimizer_config import ParamKey
+    except ImportError:  # 0.16 - 0.18
+        return
+    for name in ("muon", "adaptive_muon"):
+        if name in _EMERGING_OPTIMIZERS:
+            overrides = _EMERGING_OPTIMIZERS[name].default_param_overrides
+            overrides.setdefault(ParamKey(name=MOE_ROUTER_WEIGHT), {"optimizer": "adam"})
+
+
+_install_router_on_adam()
 
 
 def has_muon() -> bool:

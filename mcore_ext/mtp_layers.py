@@ -57,6 +57,8 @@ class Step35MultiTokenPredictionLayer(MultiTokenPredictionLayer):
             gather_output=False,
             **_mcore_compat.tp_group_kwargs(getattr(self, "tp_group", None)),
         )
+        # An output layer, as GPTModel tags its own: Adam's under Muon, decoupled_lr's.
+        self.output_layer.weight.is_embedding_or_output_parameter = True
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: Optional[dict] = None):

@@ -119,11 +119,11 @@ def ddp_and_optimizer(config, gpt, distributed_optimizer: bool):
     return model, optimizer
 
 
-def train_step(model, optimizer, tokens) -> float:
+def train_step(model, optimizer, tokens, before_step=None) -> float:
     """One optimizer step of a DDP GPTModel on a global batch ``tokens`` [B, S + 1] (inputs and
     next-token labels), this data-parallel rank's share of it as one micro-batch through
     megatron's schedule; returns the mean loss over DP (the last pipeline stage's, on every
-    rank)."""
+    rank). ``before_step()`` runs between the reduced gradients and the optimizer step."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -148,6 +148,8 @@ def train_step(model, optimizer, tokens) -> float:
     out = get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=iter([local]), model=[model],
         num_microbatches=1, seq_length=seq, micro_batch_size=local.size(0), forward_only=False)
+    if before_step is not None:
+        before_step()
     optimizer.step()
     loss = torch.zeros(())
     if ps.is_pipeline_last_stage():

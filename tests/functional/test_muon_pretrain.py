@@ -1,20 +1,27 @@
 """The launcher with ``optimizer.type=muon`` (megatron-core's Muon, Adam for the rest): the tiny
-gated config at TP 2 on 2 gloo ranks trains, resumes exactly, and reshards to TP 1.
+gated config at TP 2 on 2 gloo ranks trains, resumes exactly, and reshards to TP 1; the tiny
+Step-3.5 MoE config (MTP included) at EP 2 trains and resumes exactly.
 
 Three torchrun runs (about 1.5 min on 2 loaded cores), with ``muon_tp_mode=duplicated`` so that a
 projection is orthogonalised whole at any TP: ``full`` runs 8 steps saving at 4 and 8;
 ``resumed`` starts from a copy of ``full``'s iteration 4 and runs to 8 at TP 2 (same floats);
 ``tp1`` does the same at TP 1 x DP 2 (same losses within 1e-4, as the Adam runs' TP change).
+The MoE config at EP 2 runs in the test's gloo ranks (tests/functional/inprocess.py: no
+torchrun, no imports per run): ``full`` 6 steps saving at 3, ``resumed`` from 3, bit for bit,
+routed experts' momentum in the expert-parallel optimizer, the router and the MTP head on Adam.
 A config error is one line and exit code 2.
 """
 
 import shutil
+import types
 
 import pytest
 
 from tests.functional.test_pretrain import (  # noqa: F401 (stdlib_prefix: a fixture)
-    TINY, TRACKER, check, check_exact_resume, launcher, losses, stdlib_prefix,
+    ROOT, TINY, TRACKER, check, check_exact_resume, launcher, losses, stdlib_prefix,
     torchrun)
+
+MOE_TINY = str(ROOT / "configs" / "step35_moe_tiny_cpu.yaml")
 
 SMALL = ["model.seq_length=64", "training.micro_batch_size=4", "training.global_batch_size=8",
          "training.eval_interval=100", "logging.log_interval=1", "optimizer.lr_warmup_iters=2"]
@@ -68,6 +75,66 @@ def test_muon_state_reshards_tp2_to_tp1(muon_runs):
     for step in range(5, 9):
         assert tp1[step] == pytest.approx(full[step], abs=1e-4, rel=0), (step, tp1, full)
     assert "TP 1 x PP 1 x DP 2" in muon_runs["tp1"].stdout
+
+
+MOE_MUON = ["--config", MOE_TINY, "parallelism.expert_model_parallel_size=2",
+            # layer 1 dense, layer 2 MoE, the MTP depth (CPU seconds: 2 MoE layers fewer)
+            "model.num_layers=2", "model.moe_layer_freq=[0,1]",
+            "model.layer_types=[full_attention,sliding_attention,sliding_attention]",
+            "model.swiglu_limits=[0,16.0,0]", "model.moe_expert_swiglu_limits=[0,7.0]",
+            "model.seq_length=32", "training.micro_batch_size=2", "training.global_batch_size=4",
+            "training.eval_interval=null", "logging.log_interval=1", *MUON,
+            "optimizer.lr_warmup_iters=2", "training.train_iters=6", "checkpoint.save_interval=3"]
+
+
+def _muon_moe_runs(tmp, data):
+    """The MoE config at EP 2 in this rank's process (tests/functional/inprocess.py): ``full``
+    6 steps saving at 3 and 6, ``resumed`` from a copy of its iteration 3."""
+    import torch.distributed as dist
+
+    from tests.functional.inprocess import launch
+
+    full = launch(*MOE_MUON, f"data.prefix={data}", f"checkpoint.save={tmp / 'full'}",
+                  "checkpoint.load=null",
+                  f"logging.metrics_file={tmp / 'full.jsonl'}")
+    if full["code"]:
+        return full, None
+    if dist.get_rank() == 0:
+        shutil.copytree(tmp / "full" / "iter_0000003", tmp / "resumed" / "iter_0000003")
+        (tmp / "resumed" / TRACKER).write_text("3")
+    dist.barrier()
+    resumed = launch(*MOE_MUON, f"data.prefix={data}", f"checkpoint.load={tmp / 'resumed'}",
+                     "checkpoint.save=null",
+                     f"logging.metrics_file={tmp / 'resumed.jsonl'}")
+    return full, resumed
+
+
+def test_muon_moe_run_trains_and_resumes_exactly(run_distributed, tmp_path, stdlib_prefix):
+    """The tiny Step-3.5 MoE config (a dense and a MoE layer: 8 experts, a shared expert, the
+    expert bias; one MTP depth) with Muon at EP 2 trains and resumes bit for bit; the checkpoint
+    holds Muon's momentum for the experts and Adam's moments for the router and the MTP head."""
+    from mcore_ext import _mcore_compat
+
+    if not _mcore_compat.has_muon():
+        pytest.skip(f"megatron-core {_mcore_compat.megatron_core_version()} has no Muon")
+    full, resumed = run_distributed(_muon_moe_runs, tmp_path, stdlib_prefix, world_size=2,
+                                    timeout=600)[0]
+    assert full["code"] == 0 and resumed and resumed["code"] == 0, (full, resumed)
+    assert "(experts: EP 2)" in full["stdout"], full["stdout"]
+    check_exact_resume(tmp_path, types.SimpleNamespace(**resumed), steps=6, saved_at=3)
+    import torch.distributed.checkpoint as dcp
+
+    keys = set(dcp.FileSystemReader(str(tmp_path / "full" / "iter_0000003"))
+               .read_metadata().state_dict_metadata)
+    state = "optimizer.state"
+    mlp = "decoder.layers.1.mlp"  # the MoE layer (layer 0 is dense)
+    assert {f"{state}.momentum_buffer.{mlp}.experts.experts.linear_fc1.weight",
+            f"{state}.momentum_buffer.{mlp}.experts.experts.linear_fc2.weight",
+            f"{state}.momentum_buffer.{mlp}.shared_experts.linear_fc1.weight",
+            f"{state}.exp_avg.{mlp}.router.weight"} <= keys, sorted(keys)
+    assert f"{state}.exp_avg.mtp.layers.0.output_layer.weight" in keys, sorted(keys)
+    assert not any(k.startswith(f"{state}.momentum_buffer.") and ("router" in k or "output" in k)
+                   for k in keys), sorted(keys)
 
 
 def test_muon_config_error_is_one_line_exit_2():

@@ -181,6 +181,14 @@ def test_muon_config_errors_name_the_field(overrides, message):
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
+def test_muon_is_accepted_on_the_moe_config():
+    """The Step-3.5 MoE config takes Muon (the router on Adam: tests/unit/test_muon_moe.py)."""
+    from mcore_ext.training.config import load_config
+
+    moe = str(Path(TINY).with_name("step35_moe_tiny_cpu.yaml"))
+    assert load_config(moe, ["optimizer.type=muon"], world_size=4).optimizer.type == "muon"
+
+
 def test_muon_config_reaches_megatron():
     from mcore_ext.run_config.megatron_configs import optimizer_config
     from mcore_ext.training.config import load_config

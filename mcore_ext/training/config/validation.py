@@ -274,11 +274,6 @@ def _validate_muon(cfg: PretrainConfig) -> None:
         raise ConfigError(
             f"optimizer.type=muon with lora.rank={cfg.lora.rank}: Muon on LoRA adapters is not "
             "built (docs/known-gaps.md); use optimizer.type=adam for LoRA")
-    if m.num_moe_experts:
-        raise ConfigError(
-            f"optimizer.type=muon with model.num_moe_experts={m.num_moe_experts}: Muon on MoE "
-            "models (router, grouped experts) is not built (docs/known-gaps.md); use "
-            "optimizer.type=adam")
     groups = min(m.num_query_groups, m.sliding_num_query_groups or m.num_query_groups)
     if m.head_wise_attn_gate and o.muon_split_qkv and groups < tp:
         raise ConfigError(
