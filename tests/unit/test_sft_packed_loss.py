@@ -258,11 +258,14 @@ def _per_token_step(data_iterator, model):
 
 
 def _document_losses(model, batches):
-    """{document's tokens: its per-token CE losses}, from the last pipeline stage ({} else)."""
+    """{document's tokens: its per-token CE losses}, from the last pipeline stage ({} else);
+    under CP each rank's losses (``cp_shard``'s slots) put back in place from every rank."""
+    import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from mcore_ext.training import loop
+    from mcore_ext.training.data import cp_shard
 
     with torch.no_grad():
         out = get_forward_backward_func()(
@@ -271,18 +274,29 @@ def _document_losses(model, batches):
             **loop.schedule_shape(SEQ, batches[0]["tokens"].size(1) // SEQ, packed=True))
     if not parallel_state.is_pipeline_last_stage():
         return {}
+    group = parallel_state.get_context_parallel_group()
     losses = {}
     for batch, result in zip(batches, out):
+        t = batch["tokens"].size(1)
+        tokens = result["tokens"]
+        if group.size() > 1:
+            slots = cp_shard(dict(batch, tokens=torch.arange(t)[None]))["tokens"][0]
+            every = [torch.empty_like(tokens) for _ in range(group.size())]
+            every_slots = [torch.empty_like(slots) for _ in range(group.size())]
+            dist.all_gather(every, tokens, group=group)
+            dist.all_gather(every_slots, slots, group=group)
+            tokens = tokens.new_zeros(t)
+            tokens[torch.cat(every_slots)] = torch.cat(every)
         for at, length in zip(batch["cu_seqlens_padded"][:-1].tolist(),
                               batch["cu_seqlens"].diff().tolist()):
             key = tuple(batch["tokens"][0, at:at + length].tolist())
-            losses[key] = result["tokens"][at:at + length]
+            losses[key] = tokens[at:at + length]
     return losses
 
 
-def _packed_sft_pipeline(tp, rows_per_micro_batch):
-    """At PP 2 (x TP ``tp``): the loss, each document's per-token losses and the stage's
-    gradients (embedding first, lm_head last) against the per-document reference; another
+def _packed_sft_pipeline(tp, rows_per_micro_batch, cp=1):
+    """At PP 2 (x TP ``tp``, x CP ``cp``): the loss, each document's per-token losses and the
+    stage's gradients (embedding first, lm_head last) against the per-document reference; another
     first document in micro-batch 0 and every document's losses after it."""
     from megatron.core import parallel_state
 
@@ -291,13 +305,15 @@ def _packed_sft_pipeline(tp, rows_per_micro_batch):
     from tests.unit.test_layer_kinds import (EPS, VOCAB, _config, _global_weights,
                                              load_global_weights)
 
-    mcore_ext.init_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=2)
+    mcore_ext.init_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=2,
+                            context_parallel_size=cp)
     config = _config("gqa", tp, sequence_parallel=tp > 1, pipeline_model_parallel_size=2,
-                     pipeline_dtype=torch.float32, calculate_per_token_loss=True)
+                     context_parallel_size=cp, pipeline_dtype=torch.float32,
+                     calculate_per_token_loss=True)
     layers = builders.reference_layers(config)
     weights = _global_weights(layers)
-    docs = _conversations(VOCAB, LENGTHS)
-    batches = _micro_batches(docs, 1, size=rows_per_micro_batch)
+    docs = _conversations(VOCAB, CP_LENGTHS if cp > 1 else LENGTHS)
+    batches = _micro_batches(docs, cp, size=rows_per_micro_batch)
 
     ref_weights, expected, _, per_token = _per_document_reference(docs, weights, layers, EPS)
     doc_losses = {tuple(doc.ids[:-1].tolist()): losses for doc, losses in zip(docs, per_token)}
@@ -322,10 +338,11 @@ def _packed_sft_pipeline(tp, rows_per_micro_batch):
         first = batches[0]["cu_seqlens_padded"][1].item()
         changed[0]["tokens"][0, :first] = (changed[0]["tokens"][0, :first] + 1) % VOCAB
         after = _document_losses(model, changed)
-    first_doc = tuple(batches[0]["tokens"][0, :first].tolist())
+    real = batches[0]["cu_seqlens"][1].item()  # its tokens (at CP, padded to 4 slots)
+    first_doc = tuple(batches[0]["tokens"][0, :real].tolist())
     moved = {key: (after[key] - value).abs().max().item()
              for key, value in got.items() if key != first_doc}
-    new_first = tuple(changed[0]["tokens"][0, :first].tolist())
+    new_first = tuple(changed[0]["tokens"][0, :real].tolist())
     return dict(
         last=parallel_state.is_pipeline_last_stage(), loss=loss, expected=expected.item(),
         layers=[layer.layer_number for layer in model.module.decoder.layers],
@@ -338,25 +355,30 @@ def _packed_sft_pipeline(tp, rows_per_micro_batch):
     )
 
 
-@pytest.mark.parametrize("tp, rows", [(1, 2), (1, 1), pytest.param(2, 2, marks=pytest.mark.slow)],
-                         ids=["pp2_micro2", "pp2_micro1", "tp2_pp2"])
-def test_packed_sft_loss_at_pp2_matches_per_document_reference(run_distributed, tp, rows):
+@pytest.mark.parametrize("tp, cp, rows", [
+    (1, 1, 2), (1, 1, 1), (1, 2, 2), pytest.param(2, 1, 2, marks=pytest.mark.slow),
+], ids=["pp2_micro2", "pp2_micro1", "cp2_pp2", "tp2_pp2"])
+def test_packed_sft_loss_at_pp2_matches_per_document_reference(run_distributed, tp, cp, rows):
     """PP 2 (layers 1-2 | 3-4, both kinds on each stage), micro-batches of ``rows`` packed rows
-    (2 or 4 micro-batches through the 1F1B schedule), and TP 2 + SP x PP 2 (4 ranks, slow): the
-    THD micro-batch crosses the stages as [rows x 8, 1, h] (``loop.schedule_shape``) and every
-    stage builds its ``PackedSeqParams``. Loss, every document's per-token losses, the first
-    stage's embedding and the last stage's lm_head gradients within 1e-5 of the reference;
-    another first document moves no other document's losses."""
-    results = run_distributed(_packed_sft_pipeline, tp, rows, world_size=2 * tp, timeout=600)
+    (2 or 4 micro-batches through the 1F1B schedule), CP 2 x PP 2 (4 ranks: CP's documents, padded
+    to 4 slots, split per document on every stage, the THD micro-batch crossing the stages as
+    [rows x 8 / CP, 1, h]) and TP 2 + SP x PP 2 (4 ranks, slow): the THD micro-batch crosses the
+    stages as [rows x 8 / CP, 1, h] (``loop.schedule_shape``) and every stage builds its
+    ``PackedSeqParams``. Loss, every document's per-token losses, the first stage's embedding and
+    the last stage's lm_head gradients within 1e-5 of the reference; another first document moves
+    no other document's losses."""
+    results = run_distributed(_packed_sft_pipeline, tp, rows, cp, world_size=2 * tp * cp,
+                              timeout=600)
     last = [r for r in results if r["last"]]
     first = [r for r in results if not r["last"]]
-    assert len(last) == len(first) == tp
+    lengths = CP_LENGTHS if cp > 1 else LENGTHS
+    assert len(last) == len(first) == tp * cp
     for r in first:
         assert r["layers"] == [1, 2] and set(r["grad_diff"]) == {"embedding.word_embeddings.weight"}
         assert r["grad_diff"]["embedding.word_embeddings.weight"] <= TOL, r
     for r in last:
         assert r["layers"] == [3, 4] and set(r["grad_diff"]) == {"output_layer.weight"}
-        assert r["matched"] == sorted(LENGTHS), r  # every document, found in its slots
+        assert r["matched"] == sorted(lengths), r  # every document, found in its slots
         assert abs(r["loss"] - r["expected"]) <= TOL, r
         assert r["loss_diff"] <= TOL, r
         assert r["grad_scale"] > 1e-3 and r["grad_diff"]["output_layer.weight"] <= TOL, r
