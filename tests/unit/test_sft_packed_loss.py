@@ -457,3 +457,108 @@ def test_mtp_shifts_labels_within_each_padded_document_under_cp2(run_distributed
                 expected = _shifted_within_documents(r["batch"], "labels")
                 wrong += {i: r["real"][0][i].item() for i in expected} != expected
         assert wrong, per_rank  # the control: the real boundaries shift otherwise
+
+
+def _mtp_packed_loss():
+    """Step-3.5's MTP (2 depths, test_mtp's model) on one THD micro-batch of the 4 packed rows of
+    ``LENGTHS`` in training: each depth's tracked loss and the gradients of its own head and its
+    ``eh_proj`` (from ``(losses x mask).sum()``'s backward, megatron's backward scale 1), with the
+    per-document reference of the formula."""
+    import mcore_ext
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+    from mcore_ext import _mcore_compat
+    from mcore_ext._cpu_compat import cuda_to_cpu
+    from mcore_ext.training.data import packed_seq_params
+    from tests.unit import test_mtp
+
+    mcore_ext.init_parallel()
+    docs = _conversations(test_mtp.VOCAB, LENGTHS)
+    batch = _micro_batches(docs, 1, size=4)[0]
+    with cuda_to_cpu():
+        model, weights, main_layers, mtp_layers = test_mtp._build_loaded(
+            1, True, calculate_per_token_loss=True)
+        model.train()
+        MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+        _mcore_compat.take_mtp_losses(test_mtp.MTP_DEPTHS)  # nothing left from before
+        losses = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                       loss_mask=batch["loss_mask"].float(),
+                       packed_seq_params=packed_seq_params(batch, "cpu"))
+        (losses * batch["loss_mask"]).sum().backward()
+        tracked = _mcore_compat.take_mtp_losses(test_mtp.MTP_DEPTHS).tolist()
+    params = dict(model.named_parameters())
+    grads = {(k, name): params[f"mtp.layers.{k}.{key}"].grad.clone()
+             for k in range(test_mtp.MTP_DEPTHS)
+             for name, key in (("shared_head_output", "output_layer.weight"),
+                               ("eh_proj", "eh_proj.weight"))}
+    return dict(tracked=tracked, grads=grads, loss_tokens=batch["loss_mask"].sum().item(),
+                scale=model.config.mtp_loss_scaling_factor / model.config.mtp_num_layers,
+                weights=weights, main_layers=main_layers, mtp_layers=mtp_layers,
+                rows=batch["tokens"].view(-1, SEQ), docs=[(d.ids, d.loss) for d in docs])
+
+
+def _mtp_reference(r):
+    """Per depth k the MTP loss from the formula: each document alone from position 0 (depth k
+    at position t predicts the document's token t + k + 2, weighed by that token's loss mask;
+    positions with no such token take no part), the sum over every document's loss tokens
+    divided by their number; and the gradients of the scaled sum of the depths' losses."""
+    from tests.unit import test_mtp
+
+    weights = dict(r["weights"], mtp=[dict(w, shared_head_output=w["shared_head_output"].clone()
+                                           .requires_grad_(), eh_proj=w["eh_proj"].clone()
+                                           .requires_grad_()) for w in r["weights"]["mtp"]])
+    totals = [0.0] * test_mtp.MTP_DEPTHS
+    counts = [0.0] * test_mtp.MTP_DEPTHS
+    for ids, loss in r["docs"]:
+        ids, mask = torch.from_numpy(ids), torch.from_numpy(loss).float()
+        n = len(ids) - 1  # the document's input tokens
+        depths = reference.step35_mtp_logits(ids[None, :-1], weights, r["main_layers"],
+                                             r["mtp_layers"], test_mtp.EPS)
+        for k, logits in enumerate(depths):
+            if n - k - 1 <= 0:
+                continue
+            target = ids[k + 2:]  # position t's token t + k + 2, t < n - k - 1
+            per_token = F.cross_entropy(logits[0, :n - k - 1], target, reduction="none")
+            totals[k] = totals[k] + (per_token * mask[k + 2:]).sum()
+            counts[k] += mask[k + 2:].sum().item()
+    means = [total / count for total, count in zip(totals, counts)]
+    (r["scale"] * sum(means)).backward()
+    grads = {(k, name): w[name].grad for k, w in enumerate(weights["mtp"])
+             for name in ("shared_head_output", "eh_proj")}
+    # Control: each packed row read as one sequence (documents see those before them, the
+    # shift crosses into the next document).
+    crossing = []
+    for k in range(test_mtp.MTP_DEPTHS):
+        rows = r["rows"]
+        logits = reference.step35_mtp_logits(rows, r["weights"], r["main_layers"],
+                                             r["mtp_layers"], test_mtp.EPS)[k]
+        crossing.append(F.cross_entropy(logits[:, :SEQ - k - 2].reshape(-1, logits.size(-1)),
+                                         rows[:, k + 2:].reshape(-1)).item())
+    return [m.item() for m in means], grads, crossing
+
+
+def test_mtp_loss_of_packed_rows_matches_per_document_reference(run_distributed):
+    """megatron's MTP loss (``process_mtp_loss``: labels and loss mask rolled within each
+    document, ``roll_tensor`` with the packed boundaries) on 4 packed rows of 8 with 7
+    conversations of 1 to 8 positions and 2 padding documents, one micro-batch: each depth's
+    loss within 1e-5 of the formula's, each depth's head and ``eh_proj`` gradients too (megatron
+    scales the depth's summed loss by original / rolled loss tokens and finalize_model_grads
+    divides by the original ones: scale x the gradient of the depths' mean losses, once divided
+    by the original count here). Documents of 1 and 2 positions have no depth-1 token; the
+    control, each row read as one sequence, is far off."""
+    from tests.unit import test_mtp
+
+    from mcore_ext import _mcore_compat
+
+    if _mcore_compat.megatron_core_version().startswith("0.16"):
+        pytest.skip("Step's MTP needs megatron-core >= 0.17 (process_mtp_loss)")
+    (r,) = run_distributed(_mtp_packed_loss, world_size=1)
+    expected, grads, crossing = _mtp_reference(r)
+    assert len(r["tracked"]) == test_mtp.MTP_DEPTHS
+    for got, want, control in zip(r["tracked"], expected, crossing):
+        assert abs(got - want) <= TOL < abs(control - want) / 100, (r["tracked"], expected,
+                                                                    crossing)
+    for key, want in grads.items():
+        assert want.abs().max() > 1e-3, key  # the gradient check sees something
+        got = r["grads"][key] / r["loss_tokens"]
+        assert (got - want).abs().max() <= TOL, (key, (got - want).abs().max())
