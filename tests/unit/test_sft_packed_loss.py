@@ -1,5 +1,6 @@
 """The SFT loss of packed rows, at TP 2 with sequence parallelism, at CP 2 and at PP 2 (micro-batch
-2 and 1; TP 2 x PP 2 with -m slow), against plain PyTorch written from the formula.
+2 and 1; CP 2 x PP 2 on 4 ranks; TP 2 x PP 2 with -m slow), and Step-3.5's MTP loss of packed
+rows, against plain PyTorch written from the formula.
 
 Conversations of 1 to 8 positions (shorter and longer than the sliding window, 3) are packed by
 the launcher's own ``ChatDataset`` into 4 rows of 8 and collated by ``collate_packed`` into 2 THD
@@ -13,7 +14,8 @@ chunks (1 or 2 slots) are shorter than the window (the sliding layers' halo reac
 other rank's chunks, and stops at the document's start), and padding inside documents; the full
 layers take the all-gather path. At PP 2 (layers 1-2 | 3-4) the THD micro-batch crosses the
 stages in the launcher's shape (``loop.schedule_shape``); the last stage's per-token losses of
-every document are compared with the reference's, the gradients on the stage that holds them.
+every document are compared with the reference's, the gradients on the stage that holds them;
+at CP 2 x PP 2 each CP rank's per-token losses are put back in their slots first.
 
 The reference (``tests.reference.step35_logits``) runs each conversation on its own from position
 0, so per-document causal attention and restarted positions are what it means; the loss is
