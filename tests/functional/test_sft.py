@@ -152,9 +152,9 @@ def _train_losses(path):
 
 
 def _pipeline_run_and_resume(tmp_path, name, nproc, *layout):
-    """The recipe at TP 1 and ``layout`` (PP 2 in it): global batch 4 (a multiple of micro 2 x
-    DP), lr 6e-3 after 2 warmup steps, 6 steps saving at 3, then a copy of the step-3
-    checkpoint resumed at the same layout to 6. Returns the two runs."""
+    """The recipe at TP 1 and ``layout`` (PP 2 and the global batch in it), lr 6e-3 after 2
+    warmup steps, 6 steps saving at 3, then a copy of the step-3 checkpoint resumed at the same
+    layout to 6 (``check_exact_resume``). Returns the two runs."""
     common = ["--config", RECIPE, "parallelism.tensor_model_parallel_size=1",
               "parallelism.sequence_parallel=false", *layout, "training.train_iters=6",
               "optimizer.lr_warmup_iters=2", "optimizer.lr=6e-3", "training.eval_interval=null",
@@ -179,8 +179,8 @@ def test_recipe_at_pipeline_parallel_2_trains_and_resumes_exactly_and_at_pp1(tmp
     step-3 checkpoint resumed to 6: the loss falls below 0.8 x its first (0.73 x measured) and
     steps 4-6 repeat to the last bit. The step-3 checkpoint also resumes at PP 1 (one process,
     the same 2 micro-batches of 2 rows): the PP 2 run's main and MTP losses of steps 4-6 (the
-    same floats measured; 1e-5 allowed for the order of reductions). 63 + 23 CPU seconds on
-    the busy 2 cores."""
+    same floats measured; 1e-5 allowed for the order of reductions). ~23 CPU seconds for the PP
+    1 run, 106 in all on the loaded 2 cores."""
     pp2 = ["parallelism.pipeline_model_parallel_size=2", "training.global_batch_size=4"]
     full, _ = _pipeline_run_and_resume(tmp_path, "pp2", 2, *pp2)
     assert "world 2 = TP 1 x PP 2 x DP 1" in full.stdout and "2 micro-batches" in full.stdout
@@ -216,7 +216,7 @@ def test_recipe_at_4_rank_pipeline_layouts_trains_and_resumes_exactly(tmp_path, 
     document split over the CP ranks on both stages, the THD micro-batch crossing the stages as
     [128, 1, h]) and EP 2 x PP 2 (DP 2; the 4 experts of each MoE layer 2 per rank on both
     stages, the MTP depth's MoE on the last). 6 steps saving at 3, the loss below 0.8 x its first
-    (0.74 x and 0.73 x measured), steps 4-6 resumed from 3 to the last bit. ~80 and ~150 CPU
-    seconds (both runs), hence slow."""
+    (0.74 x and 0.73 x measured), steps 4-6 resumed from 3 to the last bit. ~150 CPU seconds
+    each (both runs), hence slow."""
     full, _ = _pipeline_run_and_resume(tmp_path, world, 4, *layout)
     assert world in full.stdout and "2 micro-batches" in full.stdout, full.stdout
