@@ -3,7 +3,8 @@ tiny Step-3.5 with MoE + MTP, TP 2 + SP, packed conversations of configs/sft_tin
 ranks, shortened to 8 steps and saving at 4 (~1.5 minutes on 2 busy cores), then resumed from its
 step-4 checkpoint at TP 2 and at TP 1 x DP 2 to step 8 (~40 s each); a bad line of chat data
 under torchrun is one error before training; the recipe at CP 2 trains; the recipe at PP 2 trains
-and resumes exactly; pretraining text with data.document_masking trains.
+and resumes exactly, also at PP 1; at CP 2 x PP 2 and EP 2 x PP 2 (-m slow) it trains and resumes
+exactly; pretraining text with data.document_masking trains.
 """
 
 import json
@@ -144,27 +145,78 @@ def test_recipe_at_context_parallel_2_trains_packed_conversations(tmp_path):
     assert all(math.isfinite(r["mtp_losses"][0]) for r in records if r["kind"] == "train")
 
 
-def test_recipe_at_pipeline_parallel_2_trains_and_resumes_exactly(tmp_path):
-    """The recipe at TP 1 x PP 2 (layers 1-2 | 3-4, MoE on both stages, the MTP depth on the
-    last): each packed micro-batch of 2 rows crosses the stages as one [256, 1, h] THD sequence,
-    2 micro-batches per step through the 1F1B schedule. Global batch 4, lr 6e-3 after 2 warmup
-    steps, 6 steps saving at 3, then a copy of the step-3 checkpoint resumed to 6 (63 CPU
-    seconds in all on the busy 2 cores): the loss falls below 0.8 x its first (0.73 x measured)
-    and steps 4-6 repeat to the last bit."""
+def _train_losses(path):
+    """{iteration: (loss, MTP losses)} of a run's training steps."""
+    records = [json.loads(line) for line in Path(path).read_text().splitlines()]
+    return {r["iteration"]: (r["loss"], r["mtp_losses"]) for r in records if r["kind"] == "train"}
+
+
+def _pipeline_run_and_resume(tmp_path, name, nproc, *layout):
+    """The recipe at TP 1 and ``layout`` (PP 2 and the global batch in it), lr 6e-3 after 2
+    warmup steps, 6 steps saving at 3, then a copy of the step-3 checkpoint resumed at the same
+    layout to 6 (``check_exact_resume``). Returns the two runs."""
     common = ["--config", RECIPE, "parallelism.tensor_model_parallel_size=1",
-              "parallelism.sequence_parallel=false", "parallelism.pipeline_model_parallel_size=2",
-              "training.global_batch_size=4", "training.train_iters=6",
-              "optimizer.lr_warmup_iters=2", "optimizer.lr=6e-3",
-              "training.eval_interval=null",
+              "parallelism.sequence_parallel=false", *layout, "training.train_iters=6",
+              "optimizer.lr_warmup_iters=2", "optimizer.lr=6e-3", "training.eval_interval=null",
               "logging.log_interval=1", "checkpoint.save_interval=3"]
     full = check(torchrun(*common, f"checkpoint.save={tmp_path / 'ckpt'}", "checkpoint.load=null",
-                          f"logging.metrics_file={tmp_path / 'full.jsonl'}"), "pp2")
-    assert "world 2 = TP 1 x PP 2 x DP 1" in full.stdout and "2 micro-batches" in full.stdout
-    records = [json.loads(line) for line in (tmp_path / "full.jsonl").read_text().splitlines()]
-    assert all(math.isfinite(r["mtp_losses"][0]) for r in records if r["kind"] == "train")
+                          f"logging.metrics_file={tmp_path / 'full.jsonl'}", nproc=nproc), name)
+    assert all(math.isfinite(mtp[0]) for _, mtp in _train_losses(tmp_path / "full.jsonl").values())
     resumed = tmp_path / "resumed"
     shutil.copytree(tmp_path / "ckpt" / "iter_0000003", resumed / "iter_0000003")
     (resumed / TRACKER).write_text("3")
     again = check(torchrun(*common, f"checkpoint.save={resumed}", f"checkpoint.load={resumed}",
-                           f"logging.metrics_file={tmp_path / 'resumed.jsonl'}"), "pp2 resumed")
+                           f"logging.metrics_file={tmp_path / 'resumed.jsonl'}", nproc=nproc),
+                  f"{name} resumed")
     check_exact_resume(tmp_path, again, steps=6, saved_at=3)
+    return full, again
+
+
+def test_recipe_at_pipeline_parallel_2_trains_and_resumes_exactly_and_at_pp1(tmp_path):
+    """The recipe at TP 1 x PP 2 (layers 1-2 | 3-4, MoE on both stages, the MTP depth on the
+    last): each packed micro-batch of 2 rows crosses the stages as one [256, 1, h] THD sequence,
+    2 micro-batches per step through the 1F1B schedule. 6 steps saving at 3, then a copy of the
+    step-3 checkpoint resumed to 6: the loss falls below 0.8 x its first (0.73 x measured) and
+    steps 4-6 repeat to the last bit. The step-3 checkpoint also resumes at PP 1 (one process,
+    the same 2 micro-batches of 2 rows): the PP 2 run's main and MTP losses of steps 4-6 (the
+    same floats measured; 1e-5 allowed for the order of reductions). ~23 CPU seconds for the PP
+    1 run, 106 in all on the loaded 2 cores."""
+    pp2 = ["parallelism.pipeline_model_parallel_size=2", "training.global_batch_size=4"]
+    full, _ = _pipeline_run_and_resume(tmp_path, "pp2", 2, *pp2)
+    assert "world 2 = TP 1 x PP 2 x DP 1" in full.stdout and "2 micro-batches" in full.stdout
+    at_3 = tmp_path / "at_pp1"
+    shutil.copytree(tmp_path / "ckpt" / "iter_0000003", at_3 / "iter_0000003")
+    (at_3 / TRACKER).write_text("3")
+    pp1 = check(torchrun("--config", RECIPE, "parallelism.tensor_model_parallel_size=1",
+                         "parallelism.sequence_parallel=false", "training.global_batch_size=4",
+                         "training.train_iters=6", "optimizer.lr_warmup_iters=2",
+                         "optimizer.lr=6e-3", "training.eval_interval=null",
+                         "logging.log_interval=1", "checkpoint.save=null",
+                         f"checkpoint.load={at_3}",
+                         f"logging.metrics_file={tmp_path / 'pp1.jsonl'}", nproc=1), "pp1")
+    assert "layout {'tp': 1, 'pp': 2, 'dp': 1} -> {'tp': 1, 'pp': 1, 'dp': 1}" in pp1.stdout
+    continued = _train_losses(tmp_path / "full.jsonl")
+    at_pp1 = _train_losses(tmp_path / "pp1.jsonl")
+    assert sorted(at_pp1) == [4, 5, 6], at_pp1
+    for step in (4, 5, 6):
+        (loss, mtp), (expected, expected_mtp) = at_pp1[step], continued[step]
+        assert loss == pytest.approx(expected, abs=1e-5, rel=0), (step, at_pp1, continued)
+        assert mtp == pytest.approx(expected_mtp, abs=1e-5, rel=0), (step, at_pp1, continued)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout, world", [
+    (["parallelism.context_parallel_size=2", "parallelism.pipeline_model_parallel_size=2",
+      "training.global_batch_size=4"], "world 4 = TP 1 x CP 2 x PP 2 x DP 1"),
+    (["parallelism.expert_model_parallel_size=2", "parallelism.pipeline_model_parallel_size=2",
+      "training.global_batch_size=8"], "world 4 = TP 1 x PP 2 x DP 2 (experts: EP 2)"),
+], ids=["cp2_pp2", "ep2_pp2"])
+def test_recipe_at_4_rank_pipeline_layouts_trains_and_resumes_exactly(tmp_path, layout, world):
+    """The recipe on 4 ranks, 2 micro-batches of 2 packed rows per step: CP 2 x PP 2 (each
+    document split over the CP ranks on both stages, the THD micro-batch crossing the stages as
+    [128, 1, h]) and EP 2 x PP 2 (DP 2; the 4 experts of each MoE layer 2 per rank on both
+    stages, the MTP depth's MoE on the last). 6 steps saving at 3, the loss below 0.8 x its first
+    (0.74 x and 0.73 x measured), steps 4-6 resumed from 3 to the last bit. ~150 CPU seconds
+    each (both runs), hence slow."""
+    full, _ = _pipeline_run_and_resume(tmp_path, world, 4, *layout)
+    assert world in full.stdout and "2 micro-batches" in full.stdout, full.stdout

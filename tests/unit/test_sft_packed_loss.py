@@ -1,5 +1,6 @@
 """The SFT loss of packed rows, at TP 2 with sequence parallelism, at CP 2 and at PP 2 (micro-batch
-2 and 1; TP 2 x PP 2 with -m slow), against plain PyTorch written from the formula.
+2 and 1; CP 2 x PP 2 on 4 ranks; TP 2 x PP 2 with -m slow), and Step-3.5's MTP loss of packed
+rows, against plain PyTorch written from the formula.
 
 Conversations of 1 to 8 positions (shorter and longer than the sliding window, 3) are packed by
 the launcher's own ``ChatDataset`` into 4 rows of 8 and collated by ``collate_packed`` into 2 THD
@@ -13,7 +14,8 @@ chunks (1 or 2 slots) are shorter than the window (the sliding layers' halo reac
 other rank's chunks, and stops at the document's start), and padding inside documents; the full
 layers take the all-gather path. At PP 2 (layers 1-2 | 3-4) the THD micro-batch crosses the
 stages in the launcher's shape (``loop.schedule_shape``); the last stage's per-token losses of
-every document are compared with the reference's, the gradients on the stage that holds them.
+every document are compared with the reference's, the gradients on the stage that holds them;
+at CP 2 x PP 2 each CP rank's per-token losses are put back in their slots first.
 
 The reference (``tests.reference.step35_logits``) runs each conversation on its own from position
 0, so per-document causal attention and restarted positions are what it means; the loss is
@@ -258,11 +260,14 @@ def _per_token_step(data_iterator, model):
 
 
 def _document_losses(model, batches):
-    """{document's tokens: its per-token CE losses}, from the last pipeline stage ({} else)."""
+    """{document's tokens: its per-token CE losses}, from the last pipeline stage ({} else);
+    under CP each rank's losses (``cp_shard``'s slots) put back in place from every rank."""
+    import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from mcore_ext.training import loop
+    from mcore_ext.training.data import cp_shard
 
     with torch.no_grad():
         out = get_forward_backward_func()(
@@ -271,18 +276,29 @@ def _document_losses(model, batches):
             **loop.schedule_shape(SEQ, batches[0]["tokens"].size(1) // SEQ, packed=True))
     if not parallel_state.is_pipeline_last_stage():
         return {}
+    group = parallel_state.get_context_parallel_group()
     losses = {}
     for batch, result in zip(batches, out):
+        t = batch["tokens"].size(1)
+        tokens = result["tokens"]
+        if group.size() > 1:
+            slots = cp_shard(dict(batch, tokens=torch.arange(t)[None]))["tokens"][0]
+            every = [torch.empty_like(tokens) for _ in range(group.size())]
+            every_slots = [torch.empty_like(slots) for _ in range(group.size())]
+            dist.all_gather(every, tokens, group=group)
+            dist.all_gather(every_slots, slots, group=group)
+            tokens = tokens.new_zeros(t)
+            tokens[torch.cat(every_slots)] = torch.cat(every)
         for at, length in zip(batch["cu_seqlens_padded"][:-1].tolist(),
                               batch["cu_seqlens"].diff().tolist()):
             key = tuple(batch["tokens"][0, at:at + length].tolist())
-            losses[key] = result["tokens"][at:at + length]
+            losses[key] = tokens[at:at + length]
     return losses
 
 
-def _packed_sft_pipeline(tp, rows_per_micro_batch):
-    """At PP 2 (x TP ``tp``): the loss, each document's per-token losses and the stage's
-    gradients (embedding first, lm_head last) against the per-document reference; another
+def _packed_sft_pipeline(tp, rows_per_micro_batch, cp=1):
+    """At PP 2 (x TP ``tp``, x CP ``cp``): the loss, each document's per-token losses and the
+    stage's gradients (embedding first, lm_head last) against the per-document reference; another
     first document in micro-batch 0 and every document's losses after it."""
     from megatron.core import parallel_state
 
@@ -291,13 +307,15 @@ def _packed_sft_pipeline(tp, rows_per_micro_batch):
     from tests.unit.test_layer_kinds import (EPS, VOCAB, _config, _global_weights,
                                              load_global_weights)
 
-    mcore_ext.init_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=2)
+    mcore_ext.init_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=2,
+                            context_parallel_size=cp)
     config = _config("gqa", tp, sequence_parallel=tp > 1, pipeline_model_parallel_size=2,
-                     pipeline_dtype=torch.float32, calculate_per_token_loss=True)
+                     context_parallel_size=cp, pipeline_dtype=torch.float32,
+                     calculate_per_token_loss=True)
     layers = builders.reference_layers(config)
     weights = _global_weights(layers)
-    docs = _conversations(VOCAB, LENGTHS)
-    batches = _micro_batches(docs, 1, size=rows_per_micro_batch)
+    docs = _conversations(VOCAB, CP_LENGTHS if cp > 1 else LENGTHS)
+    batches = _micro_batches(docs, cp, size=rows_per_micro_batch)
 
     ref_weights, expected, _, per_token = _per_document_reference(docs, weights, layers, EPS)
     doc_losses = {tuple(doc.ids[:-1].tolist()): losses for doc, losses in zip(docs, per_token)}
@@ -322,10 +340,11 @@ def _packed_sft_pipeline(tp, rows_per_micro_batch):
         first = batches[0]["cu_seqlens_padded"][1].item()
         changed[0]["tokens"][0, :first] = (changed[0]["tokens"][0, :first] + 1) % VOCAB
         after = _document_losses(model, changed)
-    first_doc = tuple(batches[0]["tokens"][0, :first].tolist())
+    real = batches[0]["cu_seqlens"][1].item()  # its tokens (at CP, padded to 4 slots)
+    first_doc = tuple(batches[0]["tokens"][0, :real].tolist())
     moved = {key: (after[key] - value).abs().max().item()
              for key, value in got.items() if key != first_doc}
-    new_first = tuple(changed[0]["tokens"][0, :first].tolist())
+    new_first = tuple(changed[0]["tokens"][0, :real].tolist())
     return dict(
         last=parallel_state.is_pipeline_last_stage(), loss=loss, expected=expected.item(),
         layers=[layer.layer_number for layer in model.module.decoder.layers],
@@ -338,25 +357,30 @@ def _packed_sft_pipeline(tp, rows_per_micro_batch):
     )
 
 
-@pytest.mark.parametrize("tp, rows", [(1, 2), (1, 1), pytest.param(2, 2, marks=pytest.mark.slow)],
-                         ids=["pp2_micro2", "pp2_micro1", "tp2_pp2"])
-def test_packed_sft_loss_at_pp2_matches_per_document_reference(run_distributed, tp, rows):
+@pytest.mark.parametrize("tp, cp, rows", [
+    (1, 1, 2), (1, 1, 1), (1, 2, 2), pytest.param(2, 1, 2, marks=pytest.mark.slow),
+], ids=["pp2_micro2", "pp2_micro1", "cp2_pp2", "tp2_pp2"])
+def test_packed_sft_loss_at_pp2_matches_per_document_reference(run_distributed, tp, cp, rows):
     """PP 2 (layers 1-2 | 3-4, both kinds on each stage), micro-batches of ``rows`` packed rows
-    (2 or 4 micro-batches through the 1F1B schedule), and TP 2 + SP x PP 2 (4 ranks, slow): the
-    THD micro-batch crosses the stages as [rows x 8, 1, h] (``loop.schedule_shape``) and every
-    stage builds its ``PackedSeqParams``. Loss, every document's per-token losses, the first
-    stage's embedding and the last stage's lm_head gradients within 1e-5 of the reference;
-    another first document moves no other document's losses."""
-    results = run_distributed(_packed_sft_pipeline, tp, rows, world_size=2 * tp, timeout=600)
+    (2 or 4 micro-batches through the 1F1B schedule), CP 2 x PP 2 (4 ranks: CP's documents, padded
+    to 4 slots, split per document on every stage, the THD micro-batch crossing the stages as
+    [rows x 8 / CP, 1, h]) and TP 2 + SP x PP 2 (4 ranks, slow): the THD micro-batch crosses the
+    stages as [rows x 8 / CP, 1, h] (``loop.schedule_shape``) and every stage builds its
+    ``PackedSeqParams``. Loss, every document's per-token losses, the first stage's embedding and
+    the last stage's lm_head gradients within 1e-5 of the reference; another first document moves
+    no other document's losses."""
+    results = run_distributed(_packed_sft_pipeline, tp, rows, cp, world_size=2 * tp * cp,
+                              timeout=600)
     last = [r for r in results if r["last"]]
     first = [r for r in results if not r["last"]]
-    assert len(last) == len(first) == tp
+    lengths = CP_LENGTHS if cp > 1 else LENGTHS
+    assert len(last) == len(first) == tp * cp
     for r in first:
         assert r["layers"] == [1, 2] and set(r["grad_diff"]) == {"embedding.word_embeddings.weight"}
         assert r["grad_diff"]["embedding.word_embeddings.weight"] <= TOL, r
     for r in last:
         assert r["layers"] == [3, 4] and set(r["grad_diff"]) == {"output_layer.weight"}
-        assert r["matched"] == sorted(LENGTHS), r  # every document, found in its slots
+        assert r["matched"] == sorted(lengths), r  # every document, found in its slots
         assert abs(r["loss"] - r["expected"]) <= TOL, r
         assert r["loss_diff"] <= TOL, r
         assert r["grad_scale"] > 1e-3 and r["grad_diff"]["output_layer.weight"] <= TOL, r
@@ -435,3 +459,108 @@ def test_mtp_shifts_labels_within_each_padded_document_under_cp2(run_distributed
                 expected = _shifted_within_documents(r["batch"], "labels")
                 wrong += {i: r["real"][0][i].item() for i in expected} != expected
         assert wrong, per_rank  # the control: the real boundaries shift otherwise
+
+
+def _mtp_packed_loss():
+    """Step-3.5's MTP (2 depths, test_mtp's model) on one THD micro-batch of the 4 packed rows of
+    ``LENGTHS`` in training: each depth's tracked loss and the gradients of its own head and its
+    ``eh_proj`` (from ``(losses x mask).sum()``'s backward, megatron's backward scale 1), with the
+    per-document reference of the formula."""
+    import mcore_ext
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+    from mcore_ext import _mcore_compat
+    from mcore_ext._cpu_compat import cuda_to_cpu
+    from mcore_ext.training.data import packed_seq_params
+    from tests.unit import test_mtp
+
+    mcore_ext.init_parallel()
+    docs = _conversations(test_mtp.VOCAB, LENGTHS)
+    batch = _micro_batches(docs, 1, size=4)[0]
+    with cuda_to_cpu():
+        model, weights, main_layers, mtp_layers = test_mtp._build_loaded(
+            1, True, calculate_per_token_loss=True)
+        model.train()
+        MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+        _mcore_compat.take_mtp_losses(test_mtp.MTP_DEPTHS)  # nothing left from before
+        losses = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                       loss_mask=batch["loss_mask"].float(),
+                       packed_seq_params=packed_seq_params(batch, "cpu"))
+        (losses * batch["loss_mask"]).sum().backward()
+        tracked = _mcore_compat.take_mtp_losses(test_mtp.MTP_DEPTHS).tolist()
+    params = dict(model.named_parameters())
+    grads = {(k, name): params[f"mtp.layers.{k}.{key}"].grad.clone()
+             for k in range(test_mtp.MTP_DEPTHS)
+             for name, key in (("shared_head_output", "output_layer.weight"),
+                               ("eh_proj", "eh_proj.weight"))}
+    return dict(tracked=tracked, grads=grads, loss_tokens=batch["loss_mask"].sum().item(),
+                scale=model.config.mtp_loss_scaling_factor / model.config.mtp_num_layers,
+                weights=weights, main_layers=main_layers, mtp_layers=mtp_layers,
+                rows=batch["tokens"].view(-1, SEQ), docs=[(d.ids, d.loss) for d in docs])
+
+
+def _mtp_reference(r):
+    """Per depth k the MTP loss from the formula: each document alone from position 0 (depth k
+    at position t predicts the document's token t + k + 2, weighed by that token's loss mask;
+    positions with no such token take no part), the sum over every document's loss tokens
+    divided by their number; and the gradients of the scaled sum of the depths' losses."""
+    from tests.unit import test_mtp
+
+    weights = dict(r["weights"], mtp=[dict(w, shared_head_output=w["shared_head_output"].clone()
+                                           .requires_grad_(), eh_proj=w["eh_proj"].clone()
+                                           .requires_grad_()) for w in r["weights"]["mtp"]])
+    totals = [0.0] * test_mtp.MTP_DEPTHS
+    counts = [0.0] * test_mtp.MTP_DEPTHS
+    for ids, loss in r["docs"]:
+        ids, mask = torch.from_numpy(ids), torch.from_numpy(loss).float()
+        n = len(ids) - 1  # the document's input tokens
+        depths = reference.step35_mtp_logits(ids[None, :-1], weights, r["main_layers"],
+                                             r["mtp_layers"], test_mtp.EPS)
+        for k, logits in enumerate(depths):
+            if n - k - 1 <= 0:
+                continue
+            target = ids[k + 2:]  # position t's token t + k + 2, t < n - k - 1
+            per_token = F.cross_entropy(logits[0, :n - k - 1], target, reduction="none")
+            totals[k] = totals[k] + (per_token * mask[k + 2:]).sum()
+            counts[k] += mask[k + 2:].sum().item()
+    means = [total / count for total, count in zip(totals, counts)]
+    (r["scale"] * sum(means)).backward()
+    grads = {(k, name): w[name].grad for k, w in enumerate(weights["mtp"])
+             for name in ("shared_head_output", "eh_proj")}
+    # Control: each packed row read as one sequence (documents see those before them, the
+    # shift crosses into the next document).
+    crossing = []
+    for k in range(test_mtp.MTP_DEPTHS):
+        rows = r["rows"]
+        logits = reference.step35_mtp_logits(rows, r["weights"], r["main_layers"],
+                                             r["mtp_layers"], test_mtp.EPS)[k]
+        crossing.append(F.cross_entropy(logits[:, :SEQ - k - 2].reshape(-1, logits.size(-1)),
+                                         rows[:, k + 2:].reshape(-1)).item())
+    return [m.item() for m in means], grads, crossing
+
+
+def test_mtp_loss_of_packed_rows_matches_per_document_reference(run_distributed):
+    """megatron's MTP loss (``process_mtp_loss``: labels and loss mask rolled within each
+    document, ``roll_tensor`` with the packed boundaries) on 4 packed rows of 8 with 7
+    conversations of 1 to 8 positions and 2 padding documents, one micro-batch: each depth's
+    loss within 1e-5 of the formula's, each depth's head and ``eh_proj`` gradients too (megatron
+    scales the depth's summed loss by original / rolled loss tokens and finalize_model_grads
+    divides by the original ones: scale x the gradient of the depths' mean losses, once divided
+    by the original count here). Documents of 1 and 2 positions have no depth-1 token; the
+    control, each row read as one sequence, is far off."""
+    from tests.unit import test_mtp
+
+    from mcore_ext import _mcore_compat
+
+    if _mcore_compat.megatron_core_version().startswith("0.16"):
+        pytest.skip("Step's MTP needs megatron-core >= 0.17 (process_mtp_loss)")
+    (r,) = run_distributed(_mtp_packed_loss, world_size=1)
+    expected, grads, crossing = _mtp_reference(r)
+    assert len(r["tracked"]) == test_mtp.MTP_DEPTHS
+    for got, want, control in zip(r["tracked"], expected, crossing):
+        assert abs(got - want) <= TOL < abs(control - want) / 100, (r["tracked"], expected,
+                                                                    crossing)
+    for key, want in grads.items():
+        assert want.abs().max() > 1e-3, key  # the gradient check sees something
+        got = r["grads"][key] / r["loss_tokens"]
+        assert (got - want).abs().max() <= TOL, (key, (got - want).abs().max())
