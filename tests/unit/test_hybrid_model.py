@@ -53,7 +53,8 @@ def _dense_mtp_config(tp, ep, cp=1):
     """The dense gated model with one depth of megatron's own MTP (shared head, post-norm)."""
     return builders.gated_config(
         num_layers=2, num_query_groups=2, ffn_hidden_size=48, tensor_model_parallel_size=tp,
-        sequence_parallel=tp > 1, normalization="RMSNorm", qk_layernorm=True, mtp_num_layers=1)
+        sequence_parallel=tp > 1, normalization="RMSNorm", qk_layernorm=True, mtp_num_layers=1,
+        mtp_step35_heads=False)
 
 
 def _kinds_mtp_config(tp, ep, cp=1):
