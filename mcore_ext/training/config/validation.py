@@ -179,10 +179,6 @@ def validate(cfg: PretrainConfig, world_size: int) -> None:
             _mcore_compat.check_hybrid_model("model.architecture")
         except ValueError as err:
             raise ConfigError(str(err)) from None
-        if m.mtp_num_layers:
-            raise ConfigError(
-                f"model.mtp_num_layers={m.mtp_num_layers} is not built on model.architecture="
-                "hybrid yet: use model.architecture=gpt for MTP (docs/known-gaps.md)")
     if m.swiglu_limits is not None and any(m.swiglu_limits) and not m.swiglu:
         raise ConfigError("model.swiglu_limits clamps a SwiGLU MLP: it needs model.swiglu=true")
     _validate_lora(cfg)
