@@ -312,24 +312,24 @@ def _mtp_model_class():
             return torch.cat([post_norm, *depths], dim=0)
 
         def forward(self, *args, **kwargs):
-            sink = self._mtp_logits_sink
-            if (not (self.mtp_process and self.post_process)
-                    or not (self._step35 or sink is not None) or self._in_inference(kwargs)):
+            if not (self.mtp_process and self.post_process) or self._in_inference(kwargs):
                 return super().forward(*args, **kwargs)
             bound = inspect.signature(super().forward).bind(*args, **kwargs).arguments
             params = bound.get("packed_seq_params")
             if params is not None and params.cu_seqlens_q_padded is not None:
                 # GPTModel's MTP rolls within the padded documents (mtp_model._padded_documents);
-                # HybridModel hands the decoder's params to the MTP loss too.
+                # HybridModel hands the decoder's params to the MTP block and loss too.
                 raise NotImplementedError(
                     "MTP on HybridModel with padded packed documents (cu_seqlens_q_padded: "
                     "context parallelism's 2 x CP padding) is not built: use architecture gpt")
-            if bound.get("labels") is None and bound.get("input_ids") is None:
-                return super().forward(*args, **kwargs)  # process_mtp_loss calls no head
-            heads = ([layer.compute_logits for layer in self.mtp.layers] if self._step35 else
-                     [self._shared_head] * self.config.mtp_num_layers)
+            sink = self._mtp_logits_sink
+            if (not (self._step35 or sink is not None)
+                    or (bound.get("labels") is None and bound.get("input_ids") is None)):
+                return super().forward(*args, **kwargs)  # no head of a depth to route
+            heads = [layer.compute_logits for layer in self.mtp.layers] if self._step35 else None
             output_layer = self.output_layer
-            routed = _DepthThenMainHead(heads, output_layer.forward, sink, self._scale_logits)
+            routed = _DepthThenMainHead(self.config.mtp_num_layers, heads, output_layer.forward,
+                                        sink, self._scale_logits)
             output_layer.forward = routed
             try:
                 output = super().forward(*args, **kwargs)
@@ -337,11 +337,6 @@ def _mtp_model_class():
                 del output_layer.forward  # the class's forward again
             routed.check_done()
             return output
-
-        def _shared_head(self, hidden, runtime_gather_output=None):
-            return type(self.output_layer).forward(
-                self.output_layer, hidden, weight=mtp_model.MTPGPTModel._output_weight(self),
-                runtime_gather_output=runtime_gather_output)
 
         def compute_mtp_single_step(self, *args, **kwargs):
             """megatron's speculative-decoding MTP step, for megatron's MTP only."""
@@ -355,31 +350,34 @@ def _mtp_model_class():
 
 
 class _DepthThenMainHead:
-    """The output layer's ``forward`` during one Step-3.5 forward of ``MTPHybridModel``: calls 1
-    to D (``process_mtp_loss``, depth by depth) go to the depths' ``heads`` (and their logits, [b,
-    s, v / TP] after ``scale``, to ``sink`` when one is given), the next to ``main``."""
+    """The output layer's ``forward`` during one MTP forward of ``MTPHybridModel``: calls 1 to
+    ``depths`` (``process_mtp_loss``, depth by depth) go to the depths' ``heads`` (None: the
+    shared ``main``, megatron's MTP) and their logits, [b, s, v / TP] after ``scale``, to
+    ``sink`` when one is given; the next call (the main logits) goes to ``main``."""
 
-    def __init__(self, heads, main, sink, scale):
-        self._heads, self._main, self._sink, self._scale = heads, main, sink, scale
+    def __init__(self, depths: int, heads, main, sink, scale):
+        self._depths, self._heads, self._main = depths, heads, main
+        self._sink, self._scale = sink, scale
         self._calls = 0
 
     def __call__(self, hidden_states, weight=None, runtime_gather_output=None):
         depth, self._calls = self._calls, self._calls + 1
-        if depth >= len(self._heads):
-            return self._main(hidden_states, weight=weight,
-                              runtime_gather_output=runtime_gather_output)
-        logits, bias = self._heads[depth](hidden_states,
-                                          runtime_gather_output=runtime_gather_output)
-        if self._sink is not None:
+        if depth >= self._depths or self._heads is None:
+            logits, bias = self._main(hidden_states, weight=weight,
+                                      runtime_gather_output=runtime_gather_output)
+        else:
+            logits, bias = self._heads[depth](hidden_states,
+                                              runtime_gather_output=runtime_gather_output)
+        if depth < self._depths and self._sink is not None:
             self._sink.append(self._scale(logits).transpose(0, 1).contiguous())
         return logits, bias
 
     def check_done(self) -> None:
         """Each depth's head and then the main head ran once."""
-        if self._calls != len(self._heads) + 1:
+        if self._calls != self._depths + 1:
             raise RuntimeError(
                 f"HybridModel's forward called the output layer {self._calls} times for "
-                f"{len(self._heads)} MTP depths and the main logits: megatron-core "
+                f"{self._depths} MTP depths and the main logits: megatron-core "
                 f"{_mcore_compat.megatron_core_version()} computes MTP losses differently from "
                 "what mcore_ext expects")
 
