@@ -15,6 +15,10 @@ differ (Step-3.5's full / sliding kinds, dense first layers before MoE ones) sav
 (``decoder.layers.<g>.<name>``): there the layer number in the key is renumbered, the same
 correspondence. Both point HybridModel's ``decoder.final_norm`` at GPT's
 ``decoder.final_layernorm`` and keep the ``output_layer._extra_state`` GPT checkpoints omit.
+MTP depth k's layer (GPT's ``mtp.layers.<k>.transformer_layer.``, one layer) is the depth's two
+hybrid layers (``mtp.layers.<k>.mtp_model_layer.layers.0.`` attention, ``.1.`` MLP), which
+megatron's translation refuses ("MTP layers ... have no source weights"): those keys are
+pointed at the GPT depth's here, its enorm / hnorm / eh_proj / heads keep their keys.
 
 The reverse, a hybrid checkpoint into a GPT run, is refused (as megatron.training refuses it):
 ``check_loadable`` says so in one line naming both architectures.
@@ -31,6 +35,7 @@ GPT, HYBRID = "gpt", "hybrid"
 _GPT_FINAL_NORM, _HYBRID_FINAL_NORM = "decoder.final_layernorm.", "decoder.final_norm."
 _GPT_OMITTED = "output_layer._extra_state"  # HybridModel's, absent from GPT checkpoints
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
+_MTP_LAYER = re.compile(r"(mtp\.layers\.\d+\.)mtp_model_layer\.layers\.[01]\.")
 _GPT_LAYERS = re.compile(r"(\*[-E])+")
 
 __all__ = ["GPT", "HYBRID", "check_loadable", "retarget_to_gpt_checkpoint", "saved_architecture"]
@@ -66,7 +71,7 @@ def gpt_layer_maps(pattern: str):
     ``E``, which Step-3.5's dense first layers before MoE ones are.)"""
     from megatron.core.dist_checkpointing.gpt_checkpoint_interop import GPTCompatLayerMaps
 
-    layers = pattern.replace("|", "")
+    layers = pattern.split("/")[0].replace("|", "")  # the MTP depths are retargeted apart
     if not _GPT_LAYERS.fullmatch(layers):
         raise CheckpointFormatError(
             f"hybrid_layer_pattern={pattern!r} cannot load a GPT checkpoint: each GPT layer is an "
@@ -88,6 +93,13 @@ def retarget_to_gpt_checkpoint(sharded_state_dict, pattern: str, saved_keys) -> 
     )
 
     maps = gpt_layer_maps(pattern)
+
+    def retarget_mtp(entry):
+        if isinstance(entry, ShardedBase):
+            entry.key = _MTP_LAYER.sub(r"\1transformer_layer.", entry.key, count=1)
+        return entry
+
+    dict_list_map_inplace(retarget_mtp, sharded_state_dict)
     if not any(_LAYER.search(key) for key in saved_keys):
         retarget_sharded_state_dict_to_gpt_checkpoint(sharded_state_dict, maps)
         return

@@ -132,7 +132,8 @@ def import_checkpoint(hf_dir: str, ckpt_dir: str, *, dtype: torch.dtype | None =
     the iteration directory's ``tokenizer/`` (checksummed in its manifest) and becomes the
     config's ``data.tokenizer``. ``architecture`` ``hybrid`` writes megatron's HybridModel
     (``model.architecture: hybrid`` in the config; the GPTModel that read the HF weights is
-    copied into it, so both are held for a moment; MTP is refused as the launcher refuses it).
+    copied into it, so both are held for a moment; MTP layers become the pattern's ``/*-``
+    depths).
     Returns the iteration directory.
     """
     raw, spec = read_hf_config(hf_dir)
@@ -143,10 +144,6 @@ def import_checkpoint(hf_dir: str, ckpt_dir: str, *, dtype: torch.dtype | None =
     check_parallel(spec, parallel_state.get_tensor_model_parallel_world_size())
     if architecture not in ("gpt", "hybrid"):
         raise HFConfigError(f"--architecture {architecture!r}: expected gpt or hybrid")
-    if architecture == "hybrid" and spec.num_mtp_layers:
-        raise HFConfigError(
-            f"--architecture hybrid: {hf_dir} has {spec.num_mtp_layers} MTP layer(s), "
-            "which are not built on HybridModel yet (docs/known-gaps.md); import it as gpt")
     _refuse_on_every_rank(
         f"{ckpt_dir} already holds a checkpoint ({TRACKER}); choose a new directory"
         if os.path.exists(os.path.join(ckpt_dir, TRACKER)) else None)

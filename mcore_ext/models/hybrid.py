@@ -11,10 +11,20 @@ the count of attention symbols up to it. Full / sliding kinds (heads, window, Ro
 clamps and MoE layers therefore follow the GPT config's per-layer fields unchanged, while each
 layer keeps its hybrid number (megatron's checkpoint keys: GPT layer g's attention is hybrid
 layer 2g - 1, its MLP 2g, as in megatron's GPT -> hybrid translation).
+
+MTP (``mtp_num_layers``) is megatron's hybrid MTP: one ``/*-`` per depth after the main pattern
+(``*-*E/*-/*-``), each depth's layer a small ``HybridStack`` of an attention and a dense MLP layer
+(``mtp.layers.<k>.mtp_model_layer.layers.0`` / ``.1``) around megatron's enorm / hnorm / eh_proj.
+Depth k's two layers are built as global layer ``num_layers + k + 1`` (its kind, its clamp), as
+the GPT depth's one layer is (mcore_ext/mtp_layers.py). Step-3.5's depths (``mtp_step35_heads``)
+take the decoder's output before its final norm and each has its own head; HybridModel's forward
+feeds the MTP block the normed output and hands its loss the one output layer, so
+``_mtp_model_class`` adapts both around megatron's forward (see there).
 """
 
 import dataclasses
 import functools
+import inspect
 import re
 from typing import Optional
 
@@ -29,7 +39,12 @@ from mcore_ext.config import GatedTransformerConfig
 from mcore_ext.layer_kinds import KindTransformerLayer
 from mcore_ext.models.gpt import BUILT_GPT_SETTINGS, stage_ends
 from mcore_ext.moe import is_moe_layer
-from mcore_ext.specs import _final_norm, get_gpt_layer_spec, resolve_backend
+from mcore_ext.specs import (
+    _final_norm,
+    get_gpt_layer_spec,
+    get_gpt_mtp_block_spec,
+    resolve_backend,
+)
 
 ATTENTION, MLP, MOE, PIPE, MTP = "*", "-", "E", "|", "/"
 # The symbols mcore_ext builds; megatron's others (Mamba, GDN, DSA, MLA) are refused by name.
@@ -42,35 +57,43 @@ BUILT_HYBRID_SETTINGS = {
     if name in ("position_embedding_type", "seq_len_interpolation_factor",
                 "fp16_lm_cross_entropy", "parallel_output")
 }
+# One MTP depth: a GPT layer, dense (Step-3.5's MTP layers are dense, also in a MoE model).
+MTP_DEPTH = ATTENTION + MLP
 
 
 def gpt_hybrid_pattern(config) -> str:
-    """The hybrid pattern of ``config``'s GPT layers: ``*E`` for a MoE layer, else ``*-``."""
+    """The hybrid pattern of ``config``'s GPT layers: ``*E`` for a MoE layer, else ``*-``; then
+    ``/*-`` per MTP depth (``mtp_num_layers``)."""
     return "".join(ATTENTION + (MOE if is_moe_layer(config, number) else MLP)
-                   for number in range(1, config.num_layers + 1))
+                   for number in range(1, config.num_layers + 1)) + (
+        (MTP + MTP_DEPTH) * (getattr(config, "mtp_num_layers", None) or 0))
 
 
 def check_hybrid_pattern(pattern: str, config) -> None:
     """Raise ValueError naming ``hybrid_layer_pattern`` when mcore_ext cannot build it for
-    ``config``: a symbol other than ``* - E |``, MTP depths, another count of attention
-    layers than ``num_layers`` (each ``*`` stands for one GPT layer, in order), or an MLP symbol
-    (``-`` / ``E``) other than its GPT layer's (``is_moe_layer``: ``num_moe_experts``,
-    ``moe_layer_freq``)."""
-    if MTP in pattern:
+    ``config``: a symbol other than ``* - E |``, another count of attention layers than
+    ``num_layers`` (each ``*`` stands for one GPT layer, in order), an MLP symbol (``-`` /
+    ``E``) other than its GPT layer's (``is_moe_layer``: ``num_moe_experts``,
+    ``moe_layer_freq``), or MTP depths other than ``mtp_num_layers`` times ``/*-`` (each depth
+    one dense GPT layer, as Step-3.5's)."""
+    main, *depths = pattern.split(MTP)
+    mtp_num_layers = getattr(config, "mtp_num_layers", None) or 0
+    if len(depths) != mtp_num_layers or any(depth != MTP_DEPTH for depth in depths):
         raise ValueError(
-            f"hybrid_layer_pattern={pattern!r}: MTP depths ('/') are not built on HybridModel "
-            "yet (docs/known-gaps.md); use architecture gpt for MTP")
-    unknown = sorted(set(pattern) - set(BUILT_SYMBOLS))
+            f"hybrid_layer_pattern={pattern!r} has {len(depths)} MTP depths ('/'), "
+            f"mtp_num_layers is {mtp_num_layers}: each depth is '/{MTP_DEPTH}' (one dense GPT "
+            "layer, the MTP layer mcore_ext builds)")
+    unknown = sorted(set(main) - set(BUILT_SYMBOLS))
     if unknown:
         raise ValueError(
             f"hybrid_layer_pattern={pattern!r}: symbol {unknown[0]!r} is not one of "
             f"{' '.join(BUILT_SYMBOLS)} (attention, dense MLP, MoE, pipeline stage)")
-    attention = pattern.count(ATTENTION)
+    attention = main.count(ATTENTION)
     if attention != config.num_layers:
         raise ValueError(
             f"hybrid_layer_pattern={pattern!r} has {attention} attention layers ('*'), "
             f"num_layers is {config.num_layers}")
-    for number, symbol in enumerate(pattern.replace(PIPE, ""), start=1):
+    for number, symbol in enumerate(main.replace(PIPE, ""), start=1):
         if symbol not in (MLP, MOE):
             continue
         gpt_number = gpt_layer_number(pattern, number)
@@ -97,11 +120,12 @@ class HybridKindLayer(KindTransformerLayer):
     """A hybrid stack's layer (attention, dense MLP or MoE) built as the GPT layer it stands for:
     that layer's kind config, RoPE and clamps (``KindTransformerLayer``), its own hybrid
     ``layer_number``. A MoE layer's router counts its GPT layer (megatron's aux-loss tracker
-    holds ``num_layers`` entries)."""
+    holds ``num_layers`` entries). ``gpt_number`` gives the GPT layer instead (an MTP depth's
+    layers: global layer ``num_layers + k + 1``, see ``_depth_submodules``)."""
 
     def __init__(self, config, submodules, layer_number: int = 1, *args, pattern: str,
-                 **kwargs):
-        number = gpt_layer_number(pattern, layer_number)
+                 gpt_number: Optional[int] = None, **kwargs):
+        number = gpt_layer_number(pattern, layer_number) if gpt_number is None else gpt_number
         self.gpt_layer_number = number
         has_mlp = submodules.mlp is not IdentityOp  # the clamps are the MLP's
         super().__init__(
@@ -135,11 +159,60 @@ def _stack_class():
     return GatedHybridStack
 
 
+def _depth_submodules(hybrid_submodules, number: int):
+    """``hybrid_submodules`` (the main stack's) whose layers are built as GPT layer ``number``."""
+    layers = {}
+    for field in ("attention_layer", "mlp_layer", "moe_layer"):
+        spec = getattr(hybrid_submodules, field)
+        if isinstance(spec, ModuleSpec) and spec.module is HybridKindLayer:
+            layers[field] = dataclasses.replace(spec, params={**spec.params, "gpt_number": number})
+    return dataclasses.replace(hybrid_submodules, **layers)
+
+
+@functools.cache
+def _depth_layer_class(base):
+    """``base`` (megatron's MTP layer or Step-3.5's) whose inner hybrid layers are global layer
+    ``num_layers + k + 1`` of MTP depth k: megatron's block builds every depth from the main
+    stack's ``hybrid_submodules``, whose layers would take GPT layer 1's kind."""
+
+    class HybridDepth(base):
+        def __init__(self, config, submodules, layer_number: int = 1, *args,
+                     hybrid_submodules=None, **kwargs):
+            if hybrid_submodules is not None:
+                hybrid_submodules = _depth_submodules(hybrid_submodules,
+                                                      config.num_layers + layer_number)
+            super().__init__(config, submodules, layer_number, *args,
+                             hybrid_submodules=hybrid_submodules, **kwargs)
+
+    HybridDepth.__name__ = HybridDepth.__qualname__ = f"Hybrid{base.__name__}"
+    return HybridDepth
+
+
+def get_hybrid_mtp_block_spec(config, backend, vocab_size: Optional[int]):
+    """The MTP block spec of ``config`` on HybridModel (None without ``mtp_num_layers``): the GPT
+    depth spec's enorm / hnorm / eh_proj / final norm (and Step-3.5's head), its layer left to
+    megatron's hybrid path (the pattern's ``/*-``)."""
+    spec = get_gpt_mtp_block_spec(config, backend, vocab_size)
+    if spec is None:
+        return None
+    if config.mtp_use_repeated_layer:
+        raise ValueError("mtp_use_repeated_layer=True (one MTP layer for every depth) is not "
+                         "built on HybridModel: each depth is its own global layer")
+    layer_specs = [dataclasses.replace(
+        layer, module=_depth_layer_class(layer.module),
+        submodules=dataclasses.replace(layer.submodules,
+                                       **{_mcore_compat.MTP_INNER_LAYER_FIELD: None}))
+        for layer in spec.layer_specs]
+    return dataclasses.replace(spec, layer_specs=layer_specs)
+
+
 def get_hybrid_stack_spec(config: GatedTransformerConfig, backend: str = "auto",
-                          pattern: Optional[str] = None) -> ModuleSpec:
+                          pattern: Optional[str] = None,
+                          vocab_size: Optional[int] = None) -> ModuleSpec:
     """The ``hybrid_stack_spec`` for ``HybridModel``: attention (``*``), dense MLP (``-``) and
     MoE (``E``) layers cut from ``get_gpt_layer_spec``'s layer on ``backend``, each a
-    ``HybridKindLayer`` of ``pattern`` (default ``gpt_hybrid_pattern(config)``)."""
+    ``HybridKindLayer`` of ``pattern`` (default ``gpt_hybrid_pattern(config)``), and with
+    ``mtp_num_layers`` the MTP depths' spec (``vocab_size`` sizes Step-3.5's heads)."""
     from megatron.core.models.hybrid.hybrid_block import HybridStackSubmodules
 
     backend = resolve_backend(backend)
@@ -159,6 +232,7 @@ def get_hybrid_stack_spec(config: GatedTransformerConfig, backend: str = "auto",
     if MOE in pattern:
         moe = get_gpt_layer_spec(config, backend, moe=True).submodules
         submodules.moe_layer = layer(submodules=mlp_half(moe))
+    submodules.mtp_block_spec = get_hybrid_mtp_block_spec(config, backend, vocab_size)
     return ModuleSpec(module=_stack_class(), submodules=submodules,
                       params={"final_norm": _final_norm(backend)})
 
@@ -182,19 +256,19 @@ def build_hybrid_model(
 
     RoPE comes from the config (the full layers'; a kind with others computes its own), every
     layer is built with its GPT layer's kind config, and the output matches ``build_gpt_model``'s
-    for the same weights. MTP (``mtp_num_layers``) is refused: not built on HybridModel yet.
+    for the same weights. With ``mtp_num_layers`` the pattern ends in ``/*-`` per depth and the
+    MTP depths (Step-3.5's with ``mtp_step35_heads``) are ``build_gpt_model``'s, on the last
+    pipeline stage (``mtp_logits`` reads their logits).
     """
     _mcore_compat.check_hybrid_model()
-    from megatron.core.models.hybrid.hybrid_model import HybridModel
 
-    if config.mtp_num_layers:
-        raise ValueError(f"mtp_num_layers={config.mtp_num_layers}: MTP is not built on "
-                         "HybridModel yet (docs/known-gaps.md); use architecture gpt")
     pattern = gpt_hybrid_pattern(config) if hybrid_layer_pattern is None else hybrid_layer_pattern
+    if config.mtp_num_layers:
+        _mcore_compat.check_mtp_supported(getattr(config, "mtp_step35_heads", False))
     pre_process, post_process = stage_ends(pre_process, post_process, vp_stage)
-    model = HybridModel(
+    model = _mtp_model_class()(
         config,
-        hybrid_stack_spec=get_hybrid_stack_spec(config, backend, pattern),
+        hybrid_stack_spec=get_hybrid_stack_spec(config, backend, pattern, vocab_size),
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
         hybrid_layer_pattern=pattern,
@@ -210,20 +284,146 @@ def build_hybrid_model(
     return attention_layout.install_on(model)
 
 
+@functools.cache
+def _mtp_model_class():
+    """megatron's ``HybridModel`` whose MTP depths follow ``config.mtp_step35_heads``.
+
+    megatron's MTP (DeepSeek-V3's): HybridModel unchanged. Step-3.5's (mcore_ext/mtp_layers.py)
+    differs in what HybridModel's ``forward`` hard-codes: it feeds the MTP block the decoder's
+    output after ``decoder.final_norm`` and hands ``process_mtp_loss`` its one ``output_layer``
+    for every depth. Rather than copy that forward, this model keeps megatron's and adapts both
+    for its duration, as ``MTPGPTModel`` does around GPTModel's ``_postprocess``: a pre-hook on
+    the final norm keeps its input, a pre-hook on ``self.mtp`` passes it on instead, and a hook
+    puts the normed output back in the block's output (its first chunk, the main logits'); the
+    output layer's first ``mtp_num_layers`` calls (``process_mtp_loss``, one per depth, in
+    order) go to depth k's own head, the next one (the main logits) to the output layer itself.
+    The checkpoint keys stay megatron's.
+    """
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+    from mcore_ext.models import mtp_model
+
+    class MTPHybridModel(HybridModel):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._pre_norm_hidden = None  # [s, b, h], set by the final norm's pre-hook
+            self._post_norm_hidden = None  # [s, b, h], the final norm's output, while MTP runs
+            self._mtp_logits_sink = None  # a list while mtp_logits runs
+            self._step35 = bool(self.mtp_process and self.config.mtp_step35_heads)
+            if self._step35:
+                final_norm = getattr(self.decoder, "final_norm", None)
+                if not self.post_process or final_norm is None:
+                    raise ValueError(
+                        "mtp_step35_heads=True needs the MTP layers on the stage with the final "
+                        "norm and the output layer (the last pipeline stage)")
+                final_norm.register_forward_pre_hook(self._keep_pre_norm_hidden)
+                self.mtp.register_forward_pre_hook(self._pre_norm_into_mtp, with_kwargs=True)
+                self.mtp.register_forward_hook(self._post_norm_out_of_mtp)
+
+        def _keep_pre_norm_hidden(self, module, args):
+            self._pre_norm_hidden = args[0]
+
+        def _pre_norm_into_mtp(self, module, args, kwargs):
+            # The post-norm output stays the main head's: the block returns its input first.
+            self._post_norm_hidden = kwargs["hidden_states"]
+            kwargs["hidden_states"], self._pre_norm_hidden = self._pre_norm_hidden, None
+            return args, kwargs
+
+        def _post_norm_out_of_mtp(self, module, args, output):
+            depths = output.chunk(1 + self.config.mtp_num_layers, dim=0)[1:]
+            post_norm, self._post_norm_hidden = self._post_norm_hidden, None
+            return torch.cat([post_norm, *depths], dim=0)
+
+        def forward(self, *args, **kwargs):
+            if not (self.mtp_process and self.post_process) or self._in_inference(kwargs):
+                return super().forward(*args, **kwargs)
+            bound = inspect.signature(super().forward).bind(*args, **kwargs).arguments
+            params = bound.get("packed_seq_params")
+            if params is not None and params.cu_seqlens_q_padded is not None:
+                # GPTModel's MTP rolls within the padded documents (mtp_model._padded_documents);
+                # HybridModel hands the decoder's params to the MTP block and loss too.
+                raise NotImplementedError(
+                    "MTP on HybridModel with padded packed documents (cu_seqlens_q_padded: "
+                    "context parallelism's 2 x CP padding) is not built: use architecture gpt")
+            sink = self._mtp_logits_sink
+            if (not (self._step35 or sink is not None)
+                    or (bound.get("labels") is None and bound.get("input_ids") is None)):
+                return super().forward(*args, **kwargs)  # no head of a depth to route
+            heads = [layer.compute_logits for layer in self.mtp.layers] if self._step35 else None
+            output_layer = self.output_layer
+            routed = _DepthThenMainHead(self.config.mtp_num_layers, heads, output_layer.forward,
+                                        sink, self._scale_logits)
+            output_layer.forward = routed
+            try:
+                output = super().forward(*args, **kwargs)
+            finally:
+                del output_layer.forward  # the class's forward again
+            routed.check_done()
+            return output
+
+        def compute_mtp_single_step(self, *args, **kwargs):
+            """megatron's speculative-decoding MTP step, for megatron's MTP only."""
+            if self._step35:
+                mtp_model.MTPGPTModel._refuse_speculative_decoding(self)
+            return super().compute_mtp_single_step(*args, **kwargs)
+
+        _in_inference = mtp_model.MTPGPTModel._in_inference
+
+    return MTPHybridModel
+
+
+class _DepthThenMainHead:
+    """The output layer's ``forward`` during one MTP forward of ``MTPHybridModel``: calls 1 to
+    ``depths`` (``process_mtp_loss``, depth by depth) go to the depths' ``heads`` (None: the
+    shared ``main``, megatron's MTP) and their logits, [b, s, v / TP] after ``scale``, to
+    ``sink`` when one is given; the next call (the main logits) goes to ``main``."""
+
+    def __init__(self, depths: int, heads, main, sink, scale):
+        self._depths, self._heads, self._main = depths, heads, main
+        self._sink, self._scale = sink, scale
+        self._calls = 0
+
+    def __call__(self, hidden_states, weight=None, runtime_gather_output=None):
+        depth, self._calls = self._calls, self._calls + 1
+        if depth >= self._depths or self._heads is None:
+            logits, bias = self._main(hidden_states, weight=weight,
+                                      runtime_gather_output=runtime_gather_output)
+        else:
+            logits, bias = self._heads[depth](hidden_states,
+                                              runtime_gather_output=runtime_gather_output)
+        if depth < self._depths and self._sink is not None:
+            self._sink.append(self._scale(logits).transpose(0, 1).contiguous())
+        return logits, bias
+
+    def check_done(self) -> None:
+        """Each depth's head and then the main head ran once."""
+        if self._calls != self._depths + 1:
+            raise RuntimeError(
+                f"HybridModel's forward called the output layer {self._calls} times for "
+                f"{self._depths} MTP depths and the main logits: megatron-core "
+                f"{_mcore_compat.megatron_core_version()} computes MTP losses differently from "
+                "what mcore_ext expects")
+
+
 _GPT_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.*)")
+_GPT_MTP_LAYER = re.compile(r"(mtp\.layers\.\d+\.)(?:mtp_model_layer|transformer_layer)\.(.*)")
 
 
 def hybrid_parameter_name(gpt_name: str) -> str:
-    """The name in a HybridModel of the derived pattern (``*-`` / ``*E`` per GPT layer) of a
-    GPTModel state-dict entry (one stage's local names): GPT layer i's input norm and attention
-    are hybrid layer 2i, the rest of it (pre-MLP norm, MLP or MoE) 2i + 1;
-    ``decoder.final_layernorm`` is ``decoder.final_norm``."""
+    """The name in a HybridModel of the derived pattern (``*-`` / ``*E`` per GPT layer, ``/*-``
+    per MTP depth) of a GPTModel state-dict entry (one stage's local names): GPT layer i's input
+    norm and attention are hybrid layer 2i, the rest of it (pre-MLP norm, MLP or MoE) 2i + 1;
+    ``decoder.final_layernorm`` is ``decoder.final_norm``; MTP depth k's layer
+    (``mtp.layers.<k>.mtp_model_layer``) is the depth's two hybrid layers 0 and 1."""
     match = _GPT_LAYER.fullmatch(gpt_name)
-    if match is None:
+    depth = _GPT_MTP_LAYER.fullmatch(gpt_name)
+    if match is None and depth is None:
         return gpt_name.replace("decoder.final_layernorm.", "decoder.final_norm.")
-    layer, rest = int(match[1]), match[2]
-    attention = rest.startswith(("input_layernorm.", "self_attention."))
-    return f"decoder.layers.{2 * layer + (0 if attention else 1)}.{rest}"
+    rest = (match or depth)[2]
+    half = 0 if rest.startswith(("input_layernorm.", "self_attention.")) else 1
+    if depth is not None:
+        return f"{depth[1]}mtp_model_layer.layers.{half}.{rest}"
+    return f"decoder.layers.{2 * int(match[1]) + half}.{rest}"
 
 
 @torch.no_grad()

@@ -219,16 +219,17 @@ def mtp_logits(model, input_ids: torch.Tensor, position_ids: torch.Tensor) -> li
     Depth k's logits at position t predict token t + k + 2 (the main logits predict t + 1). At
     the last k + 1 positions depth k has no real input token (megatron rolls in token 0 there),
     so those logits are not meaningful. ``model`` is a whole model (pipeline size 1) built by
-    ``build_gpt_model`` with ``mtp_num_layers`` (any wrapper with ``.module``: DDP,
-    Float16Module); runs its forward once, in its current train / eval mode.
+    ``build_gpt_model`` or ``build_hybrid_model`` with ``mtp_num_layers`` (any wrapper with
+    ``.module``: DDP, Float16Module); runs its forward once, in its current train / eval mode
+    (HybridModel's forward also computes the MTP losses from ``input_ids``, as in RL training).
     """
     gpt = model
-    while not isinstance(gpt, GPTModel) and hasattr(gpt, "module"):
+    while not hasattr(gpt, "_mtp_logits_sink") and hasattr(gpt, "module"):
         gpt = gpt.module
-    if not isinstance(gpt, MTPGPTModel):
+    if not hasattr(gpt, "_mtp_logits_sink") or not gpt.config.mtp_num_layers:
         raise ValueError(
-            f"mtp_logits needs a model built by mcore_ext.build_gpt_model with mtp_num_layers, "
-            f"got {type(gpt).__name__}"
+            f"mtp_logits needs a model built by mcore_ext.build_gpt_model or build_hybrid_model "
+            f"with mtp_num_layers, got {type(gpt).__name__}"
         )
     if not (gpt.mtp_process and gpt.pre_process and gpt.post_process):
         raise ValueError(

@@ -1,6 +1,8 @@
 """The launcher with ``model.architecture=hybrid`` (megatron's HybridModel, issue 36): the tiny
-gated config at TP 2 on 2 gloo ranks trains, and resumes exactly from its checkpoint; a GPT
-run's checkpoint continues as a hybrid run (``gpt_to_hybrid_runs``), and the reverse is refused.
+gated config with one depth of Step-3.5's MTP (the pattern's ``/*-``) at TP 2 on 2 gloo ranks
+trains (loss and MTP loss fall), and resumes exactly from its checkpoint; a GPT run's checkpoint
+with its MTP layer continues as a hybrid run (``gpt_to_hybrid_runs``), and the reverse is
+refused.
 
 Two torchrun runs (about 40-60 s on 2 loaded cores): ``full`` runs 8 steps saving at 4 and 8;
 ``resumed`` starts from a copy of ``full``'s iteration 4 (the only one its save directory
@@ -8,6 +10,7 @@ tracks) and runs to 8. Same layout, weights, optimizer state, data position and 
 must give the same floats.
 """
 
+import json
 import shutil
 
 import pytest
@@ -17,7 +20,14 @@ from tests.functional.test_pretrain import (  # noqa: F401 (stdlib_prefix: a fix
 
 SMALL = ["model.seq_length=64", "training.micro_batch_size=4", "training.global_batch_size=8",
          "training.eval_interval=100", "logging.log_interval=1",
-         "optimizer.lr_warmup_iters=2"]
+         "optimizer.lr_warmup_iters=2", "model.mtp_num_layers=1"]
+
+
+def mtp_losses(path) -> dict:
+    """{step: [MTP loss per depth]} of a run's metrics file (training records)."""
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    return {r["iteration"]: r["mtp_losses"] for r in records
+            if r.get("kind") == "train" and "mtp_losses" in r}
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +53,15 @@ def hybrid_runs(tmp_path_factory, stdlib_prefix):
 def test_hybrid_run_trains_and_resumes_exactly(hybrid_runs):
     tmp = hybrid_runs["tmp"]
     check_exact_resume(tmp, hybrid_runs["resumed"])
+    full, resumed = mtp_losses(tmp / "full.jsonl"), mtp_losses(tmp / "resumed.jsonl")
+    assert sorted(full) == list(range(1, 9)) and full[8][0] < 0.8 * full[1][0], full
+    assert [resumed[step] for step in range(5, 9)] == [full[step] for step in range(5, 9)]
     assert "GPTModel" not in hybrid_runs["full"].stdout + hybrid_runs["full"].stderr
-    # The checkpoint holds HybridModel's layers: GPT layer 2's MLP is hybrid layer 4.
+    # The checkpoint holds HybridModel's layers: GPT layer 2's MLP is hybrid layer 4, the MTP
+    # depth's MLP its layer 1.
     saved = (tmp / "full" / "iter_0000008" / ".metadata").read_bytes()
     assert b"decoder.layers.3.mlp.linear_fc1.weight" in saved
+    assert b"mtp.layers.0.mtp_model_layer.layers.1.mlp.linear_fc1.weight" in saved
 
 
 # ------------------------------------------------------------------- GPT checkpoint -> hybrid run
@@ -85,15 +100,18 @@ def test_gpt_checkpoint_continues_as_a_hybrid_run(gpt_to_hybrid_runs):
     runs = gpt_to_hybrid_runs
     tmp = runs["tmp"]
     gpt = losses(tmp / "gpt.jsonl")
+    gpt_mtp = mtp_losses(tmp / "gpt.jsonl")
     for name in ("hybrid", "hybrid_tp1"):
-        hybrid = losses(tmp / f"{name}.jsonl")
+        hybrid, hybrid_mtp = losses(tmp / f"{name}.jsonl"), mtp_losses(tmp / f"{name}.jsonl")
         assert sorted(hybrid) == list(range(5, 9)), (name, hybrid)
         assert f"resumed from {tmp / 'gpt' / 'iter_0000004'} (iteration 4" in runs[name].stdout
         for step in range(5, 9):
             if name == "hybrid":
                 assert hybrid[step] == gpt[step], (step, hybrid, gpt)
+                assert hybrid_mtp[step] == gpt_mtp[step], (step, hybrid_mtp, gpt_mtp)
             else:
                 assert hybrid[step] == pytest.approx(gpt[step], abs=1e-4, rel=0), (step, hybrid)
+                assert hybrid_mtp[step] == pytest.approx(gpt_mtp[step], abs=1e-4, rel=0), step
     assert "TP 1 x PP 1 x DP 2" in runs["hybrid_tp1"].stdout
     # The hybrid run saves hybrid keys: GPT layer 2's MLP is hybrid layer 4.
     saved = (tmp / "hybrid" / "iter_0000008" / ".metadata").read_bytes()

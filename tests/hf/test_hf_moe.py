@@ -280,10 +280,12 @@ def test_transformers_names_import_and_export_in_the_released_layout(run_distrib
                for n in released)
 
 
-def test_cli_imports_and_exports_moe_and_mtp_bit_exact(moe_checkpoint, tmp_path):
+@pytest.mark.parametrize("architecture", ["gpt", "hybrid"])
+def test_cli_imports_and_exports_moe_and_mtp_bit_exact(moe_checkpoint, tmp_path, architecture):
     """``python -m mcore_ext.hf import`` writes a launcher checkpoint of the MoE + MTP model (the
     launcher's MoE / MTP keys in its config.yaml) and ``export`` gives back every tensor bit for
-    bit, fp32 router bias included."""
+    bit, fp32 router bias included; with ``--architecture hybrid`` the checkpoint is
+    HybridModel's, its MTP layer the pattern's '/*-' depth (mtp_model_layer.layers.0 / .1)."""
     import subprocess
     import sys
 
@@ -293,12 +295,19 @@ def test_cli_imports_and_exports_moe_and_mtp_bit_exact(moe_checkpoint, tmp_path)
 
     directory = moe_checkpoint[0]
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
-    for argv in (["import", directory, str(ckpt)], ["export", str(ckpt), str(out)]):
+    for argv in (["import", directory, str(ckpt), "--architecture", architecture],
+                 ["export", str(ckpt), str(out)]):
         result = subprocess.run([sys.executable, "-m", "mcore_ext.hf", *argv], cwd=ROOT,
                                 capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, result.stderr[-2000:]
     model = yaml.safe_load(open(ckpt / "iter_0000000" / "config.yaml"))["model"]
     assert model["num_moe_experts"] == models.EXPERTS and model["mtp_num_layers"] == 1
+    assert model["architecture"] == architecture
+    if architecture == "hybrid":
+        from megatron.core import dist_checkpointing
+
+        keys = dist_checkpointing.load_tensors_metadata(str(ckpt / "iter_0000000"))
+        assert "mtp.layers.0.mtp_model_layer.layers.1.mlp.linear_fc2.weight" in keys
     models.assert_same_tensors(directory, str(out))
 
 

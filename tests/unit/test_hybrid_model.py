@@ -10,6 +10,11 @@ the same tokens with ``(logits * target).sum()``; the full logits and every para
 (this rank's shard) must agree within 1e-5 in fp32 (logits are O(1), gradients O(10)), which a
 layer of the wrong kind (window, heads, RoPE), a missing clamp or a swapped norm exceeds by
 orders of magnitude (the control run swaps the kinds and must differ).
+
+With MTP (``mtp_num_layers``, the pattern's ``/*-`` depths) the same holds for each depth's
+logits (``mtp_logits``) and its MTP loss (megatron's tracker), and the gradients include the MTP
+losses' (megatron's ``MTPLossAutoScaler`` adds them in backward); each depth's hybrid layers must
+be the depth's global layer (``num_layers + k + 1``: its window, its heads).
 """
 
 import re
@@ -19,7 +24,7 @@ import pytest
 import torch
 
 from tests import builders
-from tests.unit import test_gated_attention, test_layer_kinds, test_moe
+from tests.unit import test_gated_attention, test_layer_kinds, test_moe, test_mtp
 
 TOL = 1e-5
 SEQ, BATCH, VOCAB = 8, 2, 64
@@ -44,18 +49,43 @@ def _moe_config(tp, ep, cp=1):
     return test_moe.moe_config(tp, ep)
 
 
-CONFIGS = {"dense": _dense_config, "kinds": _kinds_config, "moe": _moe_config}
+def _dense_mtp_config(tp, ep, cp=1):
+    """The dense gated model with one depth of megatron's own MTP (shared head, post-norm)."""
+    return builders.gated_config(
+        num_layers=2, num_query_groups=2, ffn_hidden_size=48, tensor_model_parallel_size=tp,
+        sequence_parallel=tp > 1, normalization="RMSNorm", qk_layernorm=True, mtp_num_layers=1,
+        mtp_step35_heads=False)
+
+
+def _kinds_mtp_config(tp, ep, cp=1):
+    """Step-3.5's kinds with 2 depths of Step's MTP (own heads, pre-norm input; depth 0 is a
+    sliding layer with other heads than the full ones, its clamp hit: test_mtp's model)."""
+    return test_mtp._config(tp, sequence_parallel=tp > 1)
+
+
+def _moe_mtp_config(tp, ep, cp=1):
+    """Step-3.5's MoE model with 2 depths of Step's MTP (dense depths after MoE layers)."""
+    return test_moe.moe_config(tp, ep, mtp_num_layers=2, mtp_step35_heads=True)
+
+
+CONFIGS = {"dense": _dense_config, "kinds": _kinds_config, "moe": _moe_config,
+           "dense_mtp": _dense_mtp_config, "kinds_mtp": _kinds_mtp_config,
+           "moe_mtp": _moe_mtp_config}
 
 
 def hybrid_name(gpt_name: str) -> str:
     """The HybridModel parameter of a GPTModel parameter (local state-dict names): GPT layer g
-    (0-based) -> hybrid layer 2g (attention: input norm, self-attention) or 2g + 1 (the rest)."""
+    (0-based) -> hybrid layer 2g (attention: input norm, self-attention) or 2g + 1 (the rest);
+    MTP depth k's layer -> its hybrid stack's layers 0 and 1 alike."""
     match = re.fullmatch(r"decoder\.layers\.(\d+)\.(.*)", gpt_name)
-    if match is None:
+    depth = re.fullmatch(r"(mtp\.layers\.\d+\.mtp_model_layer\.)(.*)", gpt_name)
+    if match is None and depth is None:
         return gpt_name.replace("decoder.final_layernorm.", "decoder.final_norm.")
-    layer, rest = int(match[1]), match[2]
-    attention = rest.startswith(("input_layernorm.", "self_attention."))
-    return f"decoder.layers.{2 * layer + (0 if attention else 1)}.{rest}"
+    rest = (match or depth)[2]
+    half = 0 if rest.startswith(("input_layernorm.", "self_attention.")) else 1
+    if depth is not None:
+        return f"{depth[1]}layers.{half}.{rest}"
+    return f"decoder.layers.{2 * int(match[1]) + half}.{rest}"
 
 
 def _randomize(model):
@@ -73,9 +103,29 @@ def _logits_and_grads(model, tokens, target, positions):
     return logits.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
+def _mtp_logits_and_losses(model, tokens, positions):
+    """Each MTP depth's logits (gathered over TP) and, from the forward of ``_logits_and_grads``
+    that follows, the depths' MTP losses (megatron's tracker); ``(None, None)`` without MTP."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    from mcore_ext import _mcore_compat
+    from mcore_ext.models.mtp_model import mtp_logits
+
+    if not model.config.mtp_num_layers:
+        return None, None
+    MTPLossLoggingHelper.tracker.clear()  # sized by the first model of the process to track
+    depths = [gather_from_tensor_model_parallel_region(logits)
+              for logits in mtp_logits(model, tokens, positions)]
+    _mcore_compat.take_mtp_losses(model.config.mtp_num_layers)  # HybridModel's logits forward
+    return depths, lambda: _mcore_compat.take_mtp_losses(model.config.mtp_num_layers)
+
+
 def _hybrid_vs_gpt(runs):
     """{(case, tp, ep, cp, backend): (logits diff, gradient diff, parameters of each, control
-    diff, logits scale, seconds)}; under CP each rank compares its load-balanced chunks."""
+    diff, logits scale, seconds, MTP logits diff, MTP losses diff, the MTP depths' hybrid
+    layers: GPT number, window, heads)}; under CP each rank compares its load-balanced
+    chunks."""
     import mcore_ext
     from mcore_ext._cpu_compat import cuda_to_cpu
     from mcore_ext.attention import context_parallel
@@ -101,8 +151,19 @@ def _hybrid_vs_gpt(runs):
             hybrid = mcore_ext.build_hybrid_model(config, **build)
             hybrid.load_state_dict({hybrid_name(k): v for k, v in gpt.state_dict().items()},
                                    strict=True)
+            gpt_depths, gpt_losses = _mtp_logits_and_losses(gpt, inputs[0], inputs[2])
             expected, gpt_grads = _logits_and_grads(gpt, *inputs)
+            gpt_losses = gpt_losses and gpt_losses()
+            depths, losses = _mtp_logits_and_losses(hybrid, inputs[0], inputs[2])
             logits, grads = _logits_and_grads(hybrid, *inputs)
+            losses = losses and losses()
+        mtp = (None, None, None)
+        if depths is not None:
+            mtp = (max((a - b).abs().max().item() for a, b in zip(depths, gpt_depths)),
+                   (losses - gpt_losses).abs().max().item(),
+                   [(layer.gpt_layer_number, layer.config.window_size,
+                     layer.config.num_attention_heads)
+                    for depth in hybrid.mtp.layers for layer in depth.mtp_model_layer.layers])
         grad_diff = max((grads[hybrid_name(name)] - grad).abs().max().item()
                         for name, grad in gpt_grads.items())
         control = None
@@ -120,28 +181,41 @@ def _hybrid_vs_gpt(runs):
         results[(case, tp, ep, cp, backend)] = ((logits - expected).abs().max().item(), grad_diff,
                                             len(gpt_grads), len(grads), control,
                                             expected.abs().max().item(),
-                                            time.perf_counter() - start)
+                                            time.perf_counter() - start, *mtp)
         mcore_ext.destroy_parallel()
     return results
 
 
 RUNS = [("dense", 1, 1, 1, "sdpa"), ("dense", 1, 1, 1, "local"), ("dense", 2, 1, 1, "sdpa"),
-        ("kinds", 1, 1, 1, "sdpa"), ("kinds", 1, 1, 2, "sdpa"), ("moe", 1, 2, 1, "sdpa")]
+        ("kinds", 1, 1, 1, "sdpa"), ("kinds", 1, 1, 2, "sdpa"), ("moe", 1, 2, 1, "sdpa"),
+        ("dense_mtp", 1, 1, 1, "sdpa"), ("kinds_mtp", 1, 1, 1, "sdpa"),
+        ("kinds_mtp", 2, 1, 1, "sdpa"), ("moe_mtp", 1, 2, 1, "sdpa")]
+# The MTP depths' hybrid layers (GPT number, window, heads): test_mtp's depth 0 is a sliding
+# layer of 8 heads, depth 1 a full one of 4; the MoE model's are both sliding, of 8 heads.
+SLIDING = (WINDOW - 1, 0)
+MTP_LAYERS = {"dense_mtp": [(3, None, 4)] * 2,
+              "kinds_mtp": [(5, SLIDING, 8)] * 2 + [(6, None, 4)] * 2,
+              "moe_mtp": [(5, SLIDING, 8)] * 2 + [(6, SLIDING, 8)] * 2}
 
 
 def test_hybrid_model_matches_gpt_model(run_distributed):
     """Dense gated model at TP 1 (sdpa, local) and TP 2 with sequence parallelism; Step-3.5's
     full + sliding kinds (the control: kinds swapped), also at CP 2 (halo attention for the
-    sliding layers); Step's MoE layers with the kinds at EP 2
+    sliding layers); Step's MoE layers with the kinds at EP 2; MTP: megatron's on the dense
+    model, Step's with the kinds at TP 1 and TP 2 x SP and with MoE at EP 2
     (each run 2-10 s on 2 loaded cores; MoE at TP 2 x SP took 73 s, left out)."""
     for rank_results in run_distributed(_hybrid_vs_gpt, RUNS, world_size=2, timeout=600):
-        for run, (logits, grads, n_gpt, n_hybrid, control, scale, _) in rank_results.items():
+        for run, (logits, grads, n_gpt, n_hybrid, control, scale, _, mtp_logits, mtp_losses,
+                  mtp_layers) in rank_results.items():
             assert n_gpt == n_hybrid, run
             assert scale > 0.1, run
             assert logits <= TOL, (run, logits)
             assert grads <= TOL * 10, (run, grads)
             if control is not None:
                 assert control > 100 * TOL, (run, control)
+            assert mtp_layers == MTP_LAYERS.get(run[0]), run
+            if mtp_layers is not None:
+                assert mtp_logits <= TOL and mtp_losses <= TOL, (run, mtp_logits, mtp_losses)
 
 
 def _pipeline_loss_and_grads(model, tokens, target):
@@ -223,7 +297,8 @@ def test_pattern_of_gpt_layers_and_layer_numbers():
 @pytest.mark.parametrize("pattern, message", [
     ("*-*M", "hybrid_layer_pattern='*-*M': symbol 'M' is not one of * - E |"),
     ("*-*-*-", "hybrid_layer_pattern='*-*-*-' has 3 attention layers ('*'), num_layers is 2"),
-    ("*-*-/*-", "hybrid_layer_pattern='*-*-/*-': MTP depths ('/') are not built"),
+    ("*-*-/*-", "hybrid_layer_pattern='*-*-/*-' has 1 MTP depths ('/'), mtp_num_layers is 0: "
+                "each depth is '/*-' (one dense GPT layer"),
 ])
 def test_bad_pattern_is_refused(pattern, message):
     from mcore_ext.models.hybrid import check_hybrid_pattern
@@ -261,7 +336,7 @@ def test_moe_symbols_must_be_the_configs_moe_layers():
 
 
 def test_launcher_config_refuses_what_hybrid_does_not_build(tmp_path, monkeypatch):
-    """model.architecture=hybrid: MTP is refused naming the fields; a megatron-core without
+    """model.architecture=hybrid takes MTP (the '/*-' depths); a megatron-core without
     HybridModel (0.16 - 0.18, stood in for by its version query) names the field and release."""
     from mcore_ext import _mcore_compat
     from mcore_ext.training.config import ConfigError, load_config
@@ -271,10 +346,15 @@ def test_launcher_config_refuses_what_hybrid_does_not_build(tmp_path, monkeypatc
     hybrid = ["model.architecture=hybrid"]
     assert load_config(str(path), hybrid, world_size=1).model.architecture == "hybrid"
     assert load_config(str(path), [], world_size=1).model.architecture == "gpt"
-    with pytest.raises(ConfigError) as error:
-        load_config(str(path), [*hybrid, "model.mtp_num_layers=1"], world_size=1)
-    assert str(error.value).startswith("model.mtp_num_layers=1 is not built on "
-                                       "model.architecture=hybrid yet")
+    assert load_config(str(path), [*hybrid, "model.mtp_num_layers=1"],
+                       world_size=1).model.mtp_num_layers == 1
+    with pytest.raises(ConfigError) as error:  # packed chat documents padded for CP
+        load_config(str(path), [*hybrid, "model.mtp_num_layers=1", "data.source=chat",
+                                "parallelism.context_parallel_size=2"], world_size=2)
+    assert str(error.value) == (
+        "data.source=chat with model.architecture=hybrid, model.mtp_num_layers=1 and "
+        "parallelism.context_parallel_size=2: MTP over CP-padded packed documents is not built "
+        "on HybridModel (docs/known-gaps.md); use model.architecture=gpt")
     monkeypatch.setattr(_mcore_compat, "has_hybrid_model", lambda: False)
     monkeypatch.setattr(_mcore_compat, "megatron_core_version", lambda: "0.18.2")
     with pytest.raises(ConfigError) as error:

@@ -313,8 +313,9 @@ def test_hybrid_flags_build_the_hybrid_model_on_two_ranks(run_distributed):
 
 @pytest.mark.parametrize("flags, message", [
     (["--hybrid-layer-pattern", "*-*-/*-"],
-     "--hybrid-layer-pattern '*-*-/*-': MTP depths ('/') are not built on HybridModel yet "
-     "(docs/known-gaps.md); leave out --hybrid-layer-pattern for MTP"),
+     "--mtp-num-layers 1 with --hybrid-layer-pattern '*-*-/*-': MTP on this entry's "
+     "HybridModel is not built yet (docs/known-gaps.md; the launcher's model.architecture: "
+     "hybrid builds it); leave out --hybrid-layer-pattern for the GPT model's MTP"),
     (["--hybrid-layer-pattern", "*-*M"],
      "--hybrid-layer-pattern '*-*M': symbol 'M' is not one of * - E | (attention, dense MLP, "
      "MoE, pipeline stage)"),
@@ -322,8 +323,9 @@ def test_hybrid_flags_build_the_hybrid_model_on_two_ranks(run_distributed):
      "--num-layers 3 disagrees with --hybrid-layer-pattern '*-*-': 4 layers, 2 of them "
      "attention ('*', the GPT layers); give --num-layers 4 or 2, or leave it out"),
     ([*HYBRID_FLAGS, "--mtp-num-layers", "1"],
-     "--mtp-num-layers 1 with --hybrid-layer-pattern: MTP is not built on HybridModel yet "
-     "(docs/known-gaps.md); leave out --hybrid-layer-pattern for the GPT model's MTP"),
+     "--mtp-num-layers 1 with --hybrid-layer-pattern '*-*-': MTP on this entry's HybridModel "
+     "is not built yet (docs/known-gaps.md; the launcher's model.architecture: hybrid builds "
+     "it); leave out --hybrid-layer-pattern for the GPT model's MTP"),
     (["--hybrid-layer-pattern", "*-*E", "--num-experts", "2", "--moe-router-topk", "2"],
      "--hybrid-layer-pattern '*-*E': hybrid layer 2 is '-' (dense MLP), the MLP of GPT layer 1, "
      "which the flags make MoE (--num-experts 2, --moe-layer-freq 1): give its MLP as 'E'"),
