@@ -315,7 +315,7 @@ def _hf(*argv) -> dict:
 def _pp_lora_runs(tmp):
     """configs/step35_tiny_cpu.yaml (made tinier) at TP 1 x PP 2, two layers a stage: a base
     run of 2 steps; a LoRA run over it (every target) of 4 steps saving at 2 and 4, evaluated at
-    4; its iteration 2 resumed at PP 2, at PP 1 x DP 2 and at TP 2; its iteration 4's adapters
+    4; its iteration 2 resumed at PP 2, at PP 1 x DP 2, at TP 2 and at CP 2; its iteration 4's adapters
     exported in PEFT's format at PP 2 and at PP 1; a new PP 2 run started from them (lr 0)."""
     from tests.functional.inprocess import launch
 
@@ -329,7 +329,9 @@ def _pp_lora_runs(tmp):
                              f"logging.metrics_file={tmp / 'lora.jsonl'}")
     for name, layout in (("pp2", []), ("pp1", ["parallelism.pipeline_model_parallel_size=1"]),
                          ("tp2", ["parallelism.pipeline_model_parallel_size=1",
-                                  "parallelism.tensor_model_parallel_size=2"])):
+                                  "parallelism.tensor_model_parallel_size=2"]),
+                         ("cp2", ["parallelism.pipeline_model_parallel_size=1",
+                                  "parallelism.context_parallel_size=2"])):
         if any(r["code"] for r in results.values()):
             return results
         if rank0:
@@ -376,9 +378,11 @@ def test_pp2_lora_trains_adapters_only_and_resumes_exactly(pp_lora_runs):
 
 
 @pytest.mark.parametrize("name, layout", [("pp1", "TP 1 x PP 1 x DP 2"),
-                                          ("tp2", "TP 2 x PP 1 x DP 1")])
+                                          ("tp2", "TP 2 x PP 1 x DP 1"),
+                                          ("cp2", "TP 1 x CP 2 x PP 1 x DP 1")])
 def test_pp2_adapters_resume_at_another_layout(pp_lora_runs, name, layout):
-    """The PP 2 run's iteration-2 adapters resumed at PP 1 x DP 2 and at TP 2 x PP 1: the
+    """The PP 2 run's iteration-2 adapters resumed at PP 1 x DP 2, at TP 2 x PP 1 and at CP 2
+    (full and sliding layers: the halo exchange with adapters on q / k / v / g_proj): the
     uninterrupted run's losses of steps 3-4 within 1e-4 (fp32; reductions in another order)."""
     from tests.functional.inprocess import losses as read_losses
 
