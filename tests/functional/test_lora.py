@@ -444,3 +444,58 @@ def test_pp2_export_of_mtp_adapters_is_refused_on_every_stage(run_distributed, t
     err = "".join(r["stderr"] for r in results)
     assert err.count("error: ") == 1 and "the MTP layers' adapters (mtp.layers.0." in err, err
     assert "Traceback" not in err and not (tmp_path / "peft").exists()
+
+
+# ------------------------------------------- chat data: LoRA over the SFT recipe, in process
+
+SFT_LORA = ["--config", str(ROOT / "configs" / "step35_sft_tiny_cpu.yaml"),
+            f"data.path={ROOT / 'configs' / 'sft_tiny' / 'chat.jsonl'}",
+            f"data.tokenizer={ROOT / 'configs' / 'sft_tiny' / 'tokenizer'}",
+            "training.eval_interval=null", "logging.log_interval=1", "checkpoint.save_interval=2",
+            "optimizer.lr_warmup_iters=0"]
+
+
+def _sft_lora_runs(tmp):
+    """The chat recipe (TP 2 + SP, MoE, one MTP depth, packed conversations, answer-only loss): a
+    base run of 2 steps; a LoRA run over it (every linear target) of 4 steps saving at 2 and 4;
+    its iteration 2 resumed to 4."""
+    from tests.functional.inprocess import launch
+
+    base = launch(*SFT_LORA, "training.train_iters=2", f"checkpoint.save={tmp / 'base'}",
+                  "checkpoint.load=null")
+    lora = [*SFT_LORA, f"checkpoint.load={tmp / 'base'}", "checkpoint.finetune=true",
+            "model.moe_router_bias_update_rate=0", "lora.rank=4", "lora.alpha=8",
+            "lora.targets=all-linear", "optimizer.lr=1e-2", "optimizer.lr_decay_style=constant",
+            "training.train_iters=4"]
+    full = launch(*lora, f"checkpoint.save={tmp / 'lora'}",
+                  f"logging.metrics_file={tmp / 'lora.jsonl'}")
+    if base["code"] or full["code"]:
+        return base, full
+    if torch.distributed.get_rank() == 0:
+        copy_checkpoint(tmp / "lora", 2, tmp / "resumed")
+    torch.distributed.barrier()
+    resumed = launch(*lora, f"checkpoint.save={tmp / 'resumed'}",
+                     f"logging.metrics_file={tmp / 'resumed.jsonl'}")
+    return base, full, resumed
+
+
+def test_lora_fine_tunes_packed_chat_data_and_resumes_exactly(run_distributed, tmp_path):
+    """LoRA on the SFT data path: the recipe's packed conversations train the adapters only (the
+    checkpoint holds adapters, no frozen weight), the loss on the answers falls, and the
+    iteration-2 adapters resume to the uninterrupted run's main and MTP losses bit for bit."""
+    results = run_distributed(_sft_lora_runs, tmp_path, world_size=2, timeout=600)[0]
+    for result in results:
+        assert result["code"] == 0, result
+    base, full, resumed = results
+    assert "(packed)" in full["stdout"] and "TP 2 x PP 1 x DP 1" in full["stdout"], full["stdout"]
+    weights = {k: v for k, v in checkpoint_tensors(tmp_path / "lora" / "iter_0000004").items()
+               if not k.startswith("optimizer.")}
+    assert weights and all(ADAPTER in k for k in weights), sorted(weights)[:5]
+    assert any(k.startswith("mtp.") for k in weights), sorted(weights)
+    records = {name: [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text()
+                      .splitlines() if '"train"' in line] for name in ("lora", "resumed")}
+    full_losses = {r["iteration"]: (r["loss"], r.get("mtp_losses")) for r in records["lora"]}
+    resumed_losses = {r["iteration"]: (r["loss"], r.get("mtp_losses")) for r in records["resumed"]}
+    assert sorted(full_losses) == [1, 2, 3, 4] and sorted(resumed_losses) == [3, 4], records
+    assert full_losses[4][0] < full_losses[1][0], full_losses
+    assert resumed_losses == {it: full_losses[it] for it in (3, 4)}  # bit for bit
