@@ -32,7 +32,7 @@ CASES = {
 }
 
 
-def _build(tp, case, dtype):
+def _build(tp, case, dtype, backend="sdpa"):
     import mcore_ext
     from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -42,8 +42,8 @@ def _build(tp, case, dtype):
     config = builders.gated_config(
         tensor_model_parallel_size=tp, sequence_parallel=tp > 1, ffn_hidden_size=FFN,
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, **overrides)
-    attn = builders.build_self_attention(config)
-    mlp_spec = mcore_ext.get_gpt_layer_spec(config, "sdpa").submodules.mlp
+    attn = builders.build_self_attention(config, backend)
+    mlp_spec = mcore_ext.get_gpt_layer_spec(config, backend).submodules.mlp
     mlp = mlp_spec(config=config, pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
                    is_mtp_layer=False)
     return config, torch.nn.ModuleDict(dict(attn=attn, mlp=mlp))
@@ -111,16 +111,17 @@ def _reference(x, w, lora, config, scaling):
     return hidden @ eff["down_proj"].T
 
 
-def _lora_matches_formula(tp, cases, dtype):
+def _lora_matches_formula(tp, cases, dtype, backend="sdpa"):
     import mcore_ext
     from mcore_ext import lora as lora_mod
+    from mcore_ext._cpu_compat import cuda_to_cpu
 
     mcore_ext.init_parallel(tensor_model_parallel_size=tp)
     rank, _ = builders.tp_rank_and_size()
     results = {}
     for case in cases:
         torch.manual_seed(0)
-        config, model = _build(tp, case, dtype)
+        config, model = _build(tp, case, dtype, backend)
         lora_cfg = lora_mod.LoraConfig(rank=RANK, alpha=ALPHA, targets="all-linear")
         added = lora_mod.apply_lora(model, lora_cfg)
         g = torch.Generator().manual_seed(3)
@@ -135,7 +136,8 @@ def _lora_matches_formula(tp, cases, dtype):
         x_local = x[rows].clone().to(config.params_dtype).requires_grad_(True)
 
         model.train()
-        attn_out, _ = model["attn"](x_local, attention_mask=None)
+        with cuda_to_cpu():  # megatron's local attention allocates its causal mask on "cuda"
+            attn_out, _ = model["attn"](x_local, attention_mask=None)
         out, _ = model["mlp"](attn_out)
         (out * upstream[rows].to(out)).sum().backward()
 
@@ -161,7 +163,7 @@ def _lora_matches_formula(tp, cases, dtype):
 
         # Merged: the base weights W + scaling B A at each target's rows give the same output.
         lora_mod.merge_lora(model)
-        with torch.no_grad():
+        with torch.no_grad(), cuda_to_cpu():
             merged_attn, _ = model["attn"](x_local.detach(), attention_mask=None)
             merged, _ = model["mlp"](merged_attn)
         pairs["merged"] = (merged.float(), out.detach().float())
@@ -196,6 +198,12 @@ def _assert_close(per_rank, dtype):
 def test_lora_layer_matches_formula_fp32(run_distributed, tp):
     _assert_close(run_distributed(_lora_matches_formula, tp, list(CASES), "fp32", world_size=2),
                   "fp32")
+
+
+def test_lora_layer_matches_formula_on_the_local_backend(run_distributed):
+    """megatron's own core attention (``local``) under the same adapted linears, TP 2 + SP."""
+    _assert_close(run_distributed(_lora_matches_formula, 2, ["gqa"], "fp32", "local",
+                                  world_size=2), "fp32")
 
 
 def test_lora_layer_matches_formula_bf16_one_group_tp2(run_distributed):
