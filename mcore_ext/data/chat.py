@@ -23,6 +23,13 @@ convention for a THD batch split per document (``cu_seqlens_*_padded``): its rea
 slots without loss that attention ignores; packing counts the padded lengths, so a row still
 holds ``seq_length`` slots.
 
+Tokenizing is cached (``load_chat_file`` with ``cache_dir``): one ``.npz`` per file and settings,
+named by a fingerprint of the file's bytes, the tokenizer (its files and chat template),
+seq_length, loss_on and overlong; it holds every kept conversation's ids and loss flags and the
+file's counts, so a cached file gives the same ``ChatFile``. It is written to a temporary name
+beside it and renamed, so a killed write leaves no file that is read; it is written only after
+the whole file tokenized (a bad line writes nothing), and never beside the data file.
+
 ``ChatDataset`` is a megatron ``MegatronDataset``: megatron's ``BlendedMegatronDatasetBuilder``
 splits the conversations (``data.split``), blends files and sizes the splits; each split packs its
 own conversations and repeats them in a new seeded order each epoch. megatron's own
@@ -32,8 +39,10 @@ and packs only conversations that one JSONL line already groups.
 """
 
 import bisect
+import hashlib
 import json
 import os
+import socket
 from dataclasses import dataclass
 from typing import Optional
 
@@ -217,19 +226,105 @@ class ChatDatasetConfig(BlendedMegatronDatasetConfig):
     """The Hugging Face tokenizer (with its chat template) that renders conversations."""
 
 
+CACHE_FORMAT = "mcore_ext chat cache 1"
 _FILES: dict = {}
 
 
-def load_chat_file(path: str, hf_tokenizer, seq_length: int, loss_on: str,
-                   overlong: str) -> ChatFile:
+def _hash_file(digest, path: str) -> None:
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+
+
+def chat_cache_path(path: str, hf_tokenizer, seq_length: int, loss_on: str, overlong: str,
+                    cache_dir: str) -> str:
+    """The cache file of ``path`` tokenized so: ``cache_dir/chat-<sha256>.npz``, the hash over
+    the file's bytes, the tokenizer's files and chat template, seq_length, loss_on, overlong."""
+    digest = hashlib.sha256()
+    for part in (CACHE_FORMAT, type(hf_tokenizer).__name__, str(hf_tokenizer.chat_template),
+                 seq_length, loss_on, overlong):
+        digest.update(repr(part).encode() + b"\0")
+    try:
+        _hash_file(digest, path)
+    except OSError as err:
+        raise ChatDataError(f"{path}: cannot be read ({err.strerror})") from None
+    tokenizer_dir = hf_tokenizer.name_or_path
+    if os.path.isdir(tokenizer_dir):
+        for name in sorted(os.listdir(tokenizer_dir)):
+            if os.path.isfile(os.path.join(tokenizer_dir, name)):
+                digest.update(name.encode() + b"\0")
+                _hash_file(digest, os.path.join(tokenizer_dir, name))
+    return os.path.join(cache_dir, f"chat-{digest.hexdigest()}.npz")
+
+
+def read_chat_cache(cache_path: str, path: str) -> Optional[ChatFile]:
+    """The ``ChatFile`` of a cache file; None if there is none (or it is not one)."""
+    try:
+        with numpy.load(cache_path, allow_pickle=False) as cached:
+            meta = json.loads(str(cached["meta"]))
+            ids, loss, offsets = cached["ids"], cached["loss"], cached["offsets"]
+    except (OSError, KeyError, ValueError):  # absent, or not a complete cache file
+        return None
+    if meta.get("format") != CACHE_FORMAT:
+        return None
+    conversations = [Conversation(ids[begin:end], loss[begin:end])
+                     for begin, end in zip(offsets[:-1], offsets[1:])]
+    return ChatFile(path, conversations, meta["lines"], meta["truncated"], meta["dropped"])
+
+
+def write_chat_cache(chat: ChatFile, cache_path: str) -> None:
+    """Writes ``chat`` to a temporary file beside ``cache_path`` and renames it into place (the
+    rename is atomic: a reader finds the whole file or none; writers on several nodes of a shared
+    filesystem each write their own temporary file)."""
+    os.makedirs(os.path.dirname(cache_path) or ".", exist_ok=True)
+    temporary = f"{cache_path}.{socket.gethostname()}-{os.getpid()}.tmp"
+    lengths = [len(c.ids) for c in chat.conversations]
+    meta = {"format": CACHE_FORMAT, "path": os.path.abspath(chat.path), "lines": chat.lines,
+            "truncated": chat.truncated, "dropped": chat.dropped}
+    try:
+        with open(temporary, "wb") as f:
+            numpy.savez(f, meta=numpy.asarray(json.dumps(meta)),
+                        ids=numpy.concatenate([c.ids for c in chat.conversations]),
+                        loss=numpy.concatenate([c.loss for c in chat.conversations]),
+                        offsets=numpy.concatenate([[0], numpy.cumsum(lengths)]))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, cache_path)
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+
+
+def load_chat_file(path: str, hf_tokenizer, seq_length: int, loss_on: str, overlong: str,
+                   cache_dir: Optional[str] = None, write_cache: bool = False,
+                   tokenize: bool = True) -> Optional[ChatFile]:
     """``read_chat_file`` once per process for the same file and settings (validation reads it
-    before training, the dataset builder again)."""
+    before training, the dataset builder again). With ``cache_dir``: read from its cache file if
+    there is one, else tokenized (None if not ``tokenize``) and, if ``write_cache``, cached; a
+    cache that cannot be written is said and skipped (the next start tokenizes again)."""
     stat = os.stat(path)
     key = (os.path.abspath(path), stat.st_mtime_ns, stat.st_size,
            os.path.abspath(hf_tokenizer.name_or_path), seq_length, loss_on, overlong)
-    if key not in _FILES:
-        _FILES[key] = read_chat_file(path, hf_tokenizer, seq_length, loss_on, overlong)
-    return _FILES[key]
+    if key in _FILES:
+        return _FILES[key]
+    cache_path = (chat_cache_path(path, hf_tokenizer, seq_length, loss_on, overlong, cache_dir)
+                  if cache_dir else None)
+    chat = read_chat_cache(cache_path, path) if cache_path else None
+    if chat is None:
+        if not tokenize:
+            return None
+        chat = read_chat_file(path, hf_tokenizer, seq_length, loss_on, overlong)
+        if cache_path and write_cache:
+            try:
+                write_chat_cache(chat, cache_path)
+                print(f"[data] {path}: tokenized conversations cached in {cache_path}",
+                      flush=True)
+            except OSError as err:
+                print(f"[data] warning: the tokenized conversations of {path} cannot be cached "
+                      f"in {cache_dir} ({err.strerror}); the next start tokenizes again",
+                      flush=True)
+    _FILES[key] = chat
+    return chat
 
 
 class ChatDataset(MegatronDataset):
@@ -248,7 +343,7 @@ class ChatDataset(MegatronDataset):
     @staticmethod
     def build_low_level_dataset(dataset_path: str, config: ChatDatasetConfig) -> ChatFile:
         return load_chat_file(dataset_path, config.hf_tokenizer, config.sequence_length,
-                              config.loss_on, config.overlong)
+                              config.loss_on, config.overlong, cache_dir=config.path_to_cache)
 
     @staticmethod
     def _key_config_attributes() -> list:

@@ -34,6 +34,7 @@ from mcore_ext.data.chat import ChatDataset, ChatDatasetConfig
 from mcore_ext.data.preprocess import preprocess, stdlib_sources
 from mcore_ext.data.tokenizers import load_tokenizer
 from mcore_ext.runtime import raise_unless_all_ok
+from mcore_ext.training.config.validation import chat_cache_dir
 from mcore_ext.training.faults import fault_point
 
 
@@ -101,7 +102,10 @@ def _build_chat_datasets(cfg, tokenizer, sizes):
         pack=d.pack,
         # megatron's THD convention under CP: every document a multiple of 2 x CP (cp_shard)
         pad_to_multiple=2 * cp if cp > 1 else 1,
+        # the tokenized conversations, which each node's first rank cached during validation
+        path_to_cache=chat_cache_dir(d),
     )
+    dist.barrier()  # the cache is written (validation); every rank reads it
     train, valid, _ = BlendedMegatronDatasetBuilder(ChatDataset, sizes, lambda: True,
                                                     config).build()
     if dist.get_rank() == 0:

@@ -358,9 +358,20 @@ def _validate_data(d: DataConfig, t: TrainingConfig) -> None:
         )
 
 
+def chat_cache_dir(d: DataConfig) -> str:
+    """Where chat data's tokenized conversations are cached: data.cache_dir, else
+    runs/data/cache (never beside the user's file)."""
+    return d.cache_dir or os.path.join("runs", "data", "cache")
+
+
 def _validate_chat(cfg: PretrainConfig) -> None:
     """Chat data: the layouts packed batches run at here, then every conversation of the file
-    tokenized (each rank reads it before training; a bad line is one error naming file:line)."""
+    tokenized, before training (a bad line is one error naming file:line). The first rank of
+    each node (LOCAL_RANK 0) reads the cache or tokenizes the file and writes it; the others read
+    the cache if it is there and otherwise leave the file to it: under torchrun they wait in the
+    process group's rendezvous, which it joins only after it has checked and cached the file;
+    where the process group already exists (the launcher in process) the ranks agree on the
+    first's result before going on."""
     d, p, m = cfg.data, cfg.parallelism, cfg.model
     if m.architecture == "hybrid" and m.mtp_num_layers and p.context_parallel_size > 1:
         # CP pads each document to 2 x CP; GPTModel's MTP rolls within the padded documents,
@@ -396,11 +407,21 @@ def _validate_chat(cfg: PretrainConfig) -> None:
     if not getattr(tokenizer.hf, "chat_template", None):
         raise ConfigError(f"data.tokenizer={d.tokenizer!r} has no chat template "
                           "(tokenizer_config.json chat_template or chat_template.jinja)")
+    writer = os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")) == "0"
+    failure = None
     try:
-        chat = load_chat_file(d.path, tokenizer.hf, m.seq_length, d.loss_on, d.overlong)
-    except ChatDataError as err:
-        raise ConfigError(str(err)) from None
-    _refuse_empty_splits(cfg, len(chat))
+        chat = load_chat_file(d.path, tokenizer.hf, m.seq_length, d.loss_on, d.overlong,
+                              cache_dir=chat_cache_dir(d), write_cache=writer, tokenize=writer)
+        if chat is not None:
+            _refuse_empty_splits(cfg, len(chat))
+    except (ChatDataError, ConfigError) as err:
+        failure = str(err)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        failures = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(failures, failure)
+        failure = next((f for f in failures if f is not None), None)
+    if failure is not None:
+        raise ConfigError(failure)
 
 
 def _refuse_empty_splits(cfg: PretrainConfig, count: int) -> None:
