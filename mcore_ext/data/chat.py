@@ -43,6 +43,7 @@ import hashlib
 import json
 import os
 import socket
+import zipfile
 from dataclasses import dataclass
 from typing import Optional
 
@@ -263,9 +264,9 @@ def read_chat_cache(cache_path: str, path: str) -> Optional[ChatFile]:
         with numpy.load(cache_path, allow_pickle=False) as cached:
             meta = json.loads(str(cached["meta"]))
             ids, loss, offsets = cached["ids"], cached["loss"], cached["offsets"]
-    except (OSError, KeyError, ValueError):  # absent, or not a complete cache file
+    except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile):  # absent, or not one
         return None
-    if meta.get("format") != CACHE_FORMAT:
+    if meta.get("format") != CACHE_FORMAT or offsets[-1] != len(ids) or len(loss) != len(ids):
         return None
     conversations = [Conversation(ids[begin:end], loss[begin:end])
                      for begin, end in zip(offsets[:-1], offsets[1:])]

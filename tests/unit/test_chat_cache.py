@@ -149,8 +149,10 @@ def test_a_killed_writers_temporary_file_is_never_read(tokenizer, tmp_path, call
     monkeypatch.undo()
     monkeypatch.setattr(chat, "tokenize_conversation", lambda *a, **k: pytest.fail("tokenized"))
     assert _load(path, tokenizer, cache, tokenize=False) is None  # the leftover is not a cache
+    Path(final).write_bytes(leftover.read_bytes())  # not a cache file (a disk error): ignored
+    assert _load(path, tokenizer, cache, tokenize=False) is None
     monkeypatch.undo()
-    loaded = _load(path, tokenizer, cache, write_cache=True)
+    loaded = _load(path, tokenizer, cache, write_cache=True)  # and written over
     assert sorted(os.listdir(cache)) == sorted([leftover.name, os.path.basename(final)])
     _same_file(_load(path, tokenizer, cache, tokenize=False), loaded)
 
