@@ -368,7 +368,8 @@ class DataConfig:
     packed THD batch, as chat data); the loss is normalised over the global batch's tokens."""
 
     cache_dir: Optional[str] = None
-    """Where megatron caches sample indices; null -> cache/ beside the .bin/.idx files."""
+    """Where megatron caches sample indices; null -> cache/ beside the .bin/.idx files.
+    source=chat: where the tokenized conversations are cached; null -> runs/data/cache."""
 
     num_workers: int = 0
     """DataLoader worker processes per rank."""

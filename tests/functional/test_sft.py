@@ -27,7 +27,8 @@ def recipe_runs(tmp_path_factory):
     at the same layout, and the step-4 checkpoint resumed at TP 1 x DP 2 (no SP), both to 8."""
     tmp = tmp_path_factory.mktemp("sft")
     common = ["--config", RECIPE, f"training.train_iters={STEPS}", "training.eval_interval=8",
-              "logging.log_interval=1", "checkpoint.save_interval=4"]
+              "logging.log_interval=1", "checkpoint.save_interval=4",
+              f"data.cache_dir={tmp / 'cache'}"]
 
     def run(name, *overrides):
         return check(torchrun(*common, f"logging.metrics_file={tmp / name}.jsonl", *overrides),
@@ -49,6 +50,13 @@ def test_recipe_fine_tunes_packed_conversations_and_loss_falls(recipe_runs):
     tmp_path, metrics = recipe_runs["tmp"], recipe_runs["tmp"] / "full.jsonl"
     out = recipe_runs["full"].stdout
     assert "configs/sft_tiny/chat.jsonl: 256 conversations" in out, out
+    # tokenized once (rank 0), cached; the resumed runs read the cache: the same counts line
+    assert out.count("tokenized conversations cached in") == 1, out
+    summary = [line for line in out.splitlines() if "256 conversations" in line]
+    for later in ("same", "tp1"):
+        assert "tokenized conversations cached in" not in recipe_runs[later].stdout
+        assert [line for line in recipe_runs[later].stdout.splitlines()
+                if "256 conversations" in line] == summary
     assert out.count("[data] train: ") == 1 and "(packed)" in out, out
     loss = losses(metrics)
     assert sorted(loss) == list(range(1, STEPS + 1))
@@ -91,14 +99,15 @@ def test_bad_chat_line_under_torchrun_is_one_error_before_training(tmp_path):
     data = tmp_path / "chat.jsonl"
     good = json.dumps({"prompt": "Q", "completion": "A"})
     data.write_text(f"{good}\n{good}\n{{'role': 'user'}}\n")
-    result = torchrun("--config", RECIPE, f"data.path={data}",
+    result = torchrun("--config", RECIPE, f"data.path={data}", f"data.cache_dir={tmp_path / 'c'}",
                       f"checkpoint.save={tmp_path / 'ckpt'}", "checkpoint.load=null")
     assert result.returncode != 0
     both = result.stdout + result.stderr
     assert both.count(f"error: {data}:3: not JSON") == 1, result.stderr[-3000:]
     assert 'launch/pretrain.py", line' not in both and "[train]" not in both  # no rank traceback
-    assert not (tmp_path / "ckpt").exists()
+    assert not (tmp_path / "ckpt").exists() and not (tmp_path / "c").exists()  # nor a cache
     assert Path(data).read_text().count("\n") == 3  # the user's file is left as it was
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.jsonl"]  # nothing beside it
 
 
 @pytest.mark.parametrize("layout", [
