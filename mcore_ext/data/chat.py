@@ -228,6 +228,8 @@ class ChatDatasetConfig(BlendedMegatronDatasetConfig):
 
 
 CACHE_FORMAT = "mcore_ext chat cache 1"
+# A tokenizer directory may be a whole Hugging Face model folder: its weights are not hashed.
+WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".onnx")
 _FILES: dict = {}
 
 
@@ -240,7 +242,8 @@ def _hash_file(digest, path: str) -> None:
 def chat_cache_path(path: str, hf_tokenizer, seq_length: int, loss_on: str, overlong: str,
                     cache_dir: str) -> str:
     """The cache file of ``path`` tokenized so: ``cache_dir/chat-<sha256>.npz``, the hash over
-    the file's bytes, the tokenizer's files and chat template, seq_length, loss_on, overlong."""
+    the file's bytes, the tokenizer directory's files (not model weights) and chat template,
+    seq_length, loss_on, overlong."""
     digest = hashlib.sha256()
     for part in (CACHE_FORMAT, type(hf_tokenizer).__name__, str(hf_tokenizer.chat_template),
                  seq_length, loss_on, overlong):
@@ -252,7 +255,8 @@ def chat_cache_path(path: str, hf_tokenizer, seq_length: int, loss_on: str, over
     tokenizer_dir = hf_tokenizer.name_or_path
     if os.path.isdir(tokenizer_dir):
         for name in sorted(os.listdir(tokenizer_dir)):
-            if os.path.isfile(os.path.join(tokenizer_dir, name)):
+            if os.path.isfile(os.path.join(tokenizer_dir, name)) and not name.endswith(
+                    WEIGHT_FILES):
                 digest.update(name.encode() + b"\0")
                 _hash_file(digest, os.path.join(tokenizer_dir, name))
     return os.path.join(cache_dir, f"chat-{digest.hexdigest()}.npz")

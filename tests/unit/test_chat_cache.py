@@ -133,6 +133,26 @@ def test_a_changed_byte_or_loss_on_is_another_cache(tokenizer, tmp_path, calls):
     assert calls["n"] == 0
 
 
+def test_a_changed_tokenizer_file_is_another_cache_its_weights_are_not_read(tmp_path):
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    folder = shutil.copytree(TOKENIZER, tmp_path / "tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    path = _write_data(tmp_path / "data", 2)
+
+    def cache_path():
+        return chat.chat_cache_path(str(path), tokenizer, SEQ, "assistant", "truncate", "c")
+
+    before = cache_path()
+    (folder / "model.safetensors").write_bytes(b"weights")  # a model folder's weights
+    assert cache_path() == before
+    config = folder / "tokenizer_config.json"
+    config.write_text(config.read_text() + "\n")
+    assert cache_path() != before
+
+
 def test_a_killed_writers_temporary_file_is_never_read(tokenizer, tmp_path, calls, monkeypatch):
     path, cache = _write_data(tmp_path / "data", 8), tmp_path / "cache"
     final = chat.chat_cache_path(str(path), tokenizer, SEQ, "assistant", "truncate", str(cache))
