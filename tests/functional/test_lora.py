@@ -459,11 +459,14 @@ def _sft_lora_runs(tmp):
     """The chat recipe (TP 2 + SP, MoE, one MTP depth, packed conversations, answer-only loss): a
     base run of 2 steps; a LoRA run over it (every linear target) of 4 steps saving at 2 and 4;
     its iteration 2 resumed to 4."""
+    from mcore_ext.data import chat
     from tests.functional.inprocess import launch
 
-    base = launch(*SFT_LORA, "training.train_iters=2", f"checkpoint.save={tmp / 'base'}",
+    chat._FILES.clear()  # each start reads the cache, not an earlier test's memo
+    cache = f"data.cache_dir={tmp / 'cache'}"  # not the checkout's runs/data/cache
+    base = launch(*SFT_LORA, cache, "training.train_iters=2", f"checkpoint.save={tmp / 'base'}",
                   "checkpoint.load=null")
-    lora = [*SFT_LORA, f"checkpoint.load={tmp / 'base'}", "checkpoint.finetune=true",
+    lora = [*SFT_LORA, cache, f"checkpoint.load={tmp / 'base'}", "checkpoint.finetune=true",
             "model.moe_router_bias_update_rate=0", "lora.rank=4", "lora.alpha=8",
             "lora.targets=all-linear", "optimizer.lr=1e-2", "optimizer.lr_decay_style=constant",
             "training.train_iters=4"]
@@ -488,6 +491,7 @@ def test_lora_fine_tunes_packed_chat_data_and_resumes_exactly(run_distributed, t
         assert result["code"] == 0, result
     base, full, resumed = results
     assert "(packed)" in full["stdout"] and "TP 2 x PP 1 x DP 1" in full["stdout"], full["stdout"]
+    assert len(list((tmp_path / "cache").iterdir())) == 1  # the conversations, cached once
     weights = {k: v for k, v in checkpoint_tensors(tmp_path / "lora" / "iter_0000004").items()
                if not k.startswith("optimizer.")}
     assert weights and all(ADAPTER in k for k in weights), sorted(weights)[:5]
