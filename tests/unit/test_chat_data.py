@@ -129,12 +129,12 @@ def _check_error(tmp_path, capsys, lines, expected, tokenizer_dir=TOKENIZER):
     path.write_text("".join(line + "\n" for line in lines))
     code = main(["--config", str(RECIPE), "--check", "--world-size", "2", f"data.path={path}",
                  f"data.tokenizer={tokenizer_dir}", f"checkpoint.save={tmp_path / 'ckpt'}",
-                 f"checkpoint.load={tmp_path / 'ckpt'}"])
+                 f"checkpoint.load={tmp_path / 'ckpt'}", f"data.cache_dir={tmp_path / 'cache'}"])
     err = capsys.readouterr().err
     assert code == 2, err
     assert err.count("\n") == 1 and err.startswith(f"error: {path}:{len(lines)}: "), err
     assert expected in err, err
-    assert not (tmp_path / "ckpt").exists()
+    assert not (tmp_path / "ckpt").exists() and not (tmp_path / "cache").exists()  # no cache
 
 
 GOOD = json.dumps({"prompt": "Q", "completion": "A"})
@@ -207,7 +207,7 @@ def test_a_split_left_without_conversations_is_one_error_at_validation(tmp_path,
     path.write_text("".join(GOOD + "\n" for _ in range(3)))
     code = main(["--config", str(RECIPE), "--check", "--world-size", "2", f"data.path={path}",
                  f"data.split={split}", f"checkpoint.save={tmp_path / 'ckpt'}",
-                 f"checkpoint.load={tmp_path / 'ckpt'}"])
+                 f"checkpoint.load={tmp_path / 'ckpt'}", f"data.cache_dir={tmp_path / 'cache'}"])
     err = capsys.readouterr().err
     assert code == 2, err
     assert err.count("\n") == 1 and err.startswith("error: "), err
@@ -282,7 +282,8 @@ def test_check_takes_chat_data_at_cp2_and_pp2_and_refuses_masked_text_at_cp2_x_p
 
     common = ["--config", str(RECIPE), "--check", "--world-size", "2",
               "parallelism.tensor_model_parallel_size=1", "parallelism.sequence_parallel=false",
-              f"checkpoint.save={tmp_path / 'ckpt'}", f"checkpoint.load={tmp_path / 'ckpt'}"]
+              f"checkpoint.save={tmp_path / 'ckpt'}", f"checkpoint.load={tmp_path / 'ckpt'}",
+              f"data.cache_dir={tmp_path / 'cache'}"]
     assert main(common + ["parallelism.context_parallel_size=2"]) == 0, capsys.readouterr()
     assert main(common + ["parallelism.pipeline_model_parallel_size=2"]) == 0, capsys.readouterr()
     capsys.readouterr()
