@@ -56,6 +56,7 @@ from mcore_ext.checkpoint.errors import (  # noqa: F401  (tests import them here
     CheckpointFormatError,
     CheckpointSaveError,
 )
+from mcore_ext.run_config.megatron_configs import byte_wise_distributed_optimizer
 from mcore_ext.training.faults import fault_point
 
 # Marks the line that says where a run starts, so that it stands out among the others.
@@ -127,7 +128,7 @@ def save_checkpoint(
     base = getattr(model, "lora_base", None)
     if base is not None:  # a LoRA run over a base checkpoint: the adapters and their reference
         model_state = {k: v for k, v in model_state.items() if lora.ADAPTER_KEY in k}
-    metadata = content.content_metadata(cfg.optimizer.use_distributed_optimizer)
+    metadata = content.content_metadata(byte_wise_distributed_optimizer(cfg))
     state = {
         "model": model_state,
         "optimizer": checkpoint.optimizer_sharded_state_dict(

@@ -139,9 +139,9 @@ def test_muon_moe_run_trains_and_resumes_exactly(run_distributed, tmp_path, stdl
 
 def test_muon_config_error_is_one_line_exit_2():
     """The launcher's form of a Muon config error (the others: tests/unit/test_muon.py)."""
-    result = launcher("--config", TINY, "optimizer.type=muon",
-                      "optimizer.use_distributed_optimizer=true", "--check", "--world-size", "2")
+    result = launcher("--config", TINY, "optimizer.type=muon", "lora.rank=4", "--check",
+                      "--world-size", "2")
     assert result.returncode == 2, result.stdout + result.stderr
-    assert "optimizer.use_distributed_optimizer=true" in result.stderr, result.stderr
+    assert "optimizer.type=muon with lora.rank=4" in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "Traceback" not in result.stderr + result.stdout
