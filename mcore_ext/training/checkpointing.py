@@ -318,6 +318,14 @@ def _check_resumable(common: dict, directory: str, cfg, by_megatron_lm: bool) ->
             f"{str(saved_distributed).lower()}: resume with the same setting (the two optimizers' "
             "states are not interchangeable), or set checkpoint.finetune=true for weights only"
         )
+    layout = common.get("layout")
+    if cfg.optimizer.type == "muon" and distributed and layout != _layout():
+        raise CheckpointFormatError(
+            f"{directory} holds Muon's layer-wise distributed optimizer state (megatron's "
+            f"LayerWiseDistributedOptimizer) saved at layout {layout}, this run is {_layout()}: "
+            "megatron saves that state for its own layout only; resume at the saved layout, or "
+            "set checkpoint.finetune=true for weights only"
+        )
     if by_megatron_lm and common["no_optimizer"]:
         raise CheckpointFormatError(
             f"{directory} was saved by Megatron-LM with --no-save-optim: set "

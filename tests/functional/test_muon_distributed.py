@@ -97,20 +97,24 @@ RESUME = [*[a for a in TINY_MOCK if a != "data.source=mock"], *DP2, *MUON, LAYER
 
 
 def _saved_and_resumed(tmp, data):
-    """``full`` 6 steps saving at 3 and 6, ``resumed`` from a copy of its iteration 3."""
+    """``full`` 6 steps saving at 3 and 6, ``resumed`` from a copy of its iteration 3,
+    ``other_layout`` from full's iteration 6 at TP 2 x DP 1."""
     import torch.distributed as dist
 
-    full = launch(*RESUME, f"data.prefix={data}", f"checkpoint.save={tmp / 'full'}", "checkpoint.load=null",
+    data = f"data.prefix={data}"
+    full = launch(*RESUME, data, f"checkpoint.save={tmp / 'full'}", "checkpoint.load=null",
                   f"logging.metrics_file={tmp / 'full.jsonl'}")
     if full["code"]:
-        return full, None
+        return full, None, None
     if dist.get_rank() == 0:
         shutil.copytree(tmp / "full" / "iter_0000003", tmp / "resumed" / "iter_0000003")
         (tmp / "resumed" / TRACKER).write_text("3")
     dist.barrier()
-    resumed = launch(*RESUME, f"data.prefix={data}", f"checkpoint.load={tmp / 'resumed'}", "checkpoint.save=null",
+    resumed = launch(*RESUME, data, f"checkpoint.load={tmp / 'resumed'}", "checkpoint.save=null",
                      f"logging.metrics_file={tmp / 'resumed.jsonl'}")
-    return full, resumed
+    other_layout = launch(*RESUME, data, "parallelism.tensor_model_parallel_size=2",
+                          f"checkpoint.load={tmp / 'full'}", "checkpoint.save=null")
+    return full, resumed, other_layout
 
 
 def test_layer_wise_run_saves_and_resumes_exactly(run_distributed, tmp_path, stdlib_prefix):
@@ -118,7 +122,8 @@ def test_layer_wise_run_saves_and_resumes_exactly(run_distributed, tmp_path, std
     the uninterrupted run's losses to the last bit: each rank's Muon momentum and Adam moments
     (its share) are in the dist checkpoint."""
     _skip_without_muon()
-    full, resumed = run_distributed(_saved_and_resumed, tmp_path, stdlib_prefix, world_size=2, timeout=300)[0]
+    full, resumed, other_layout = run_distributed(_saved_and_resumed, tmp_path, stdlib_prefix,
+                                                  world_size=2, timeout=300)[0]
     assert full["code"] == 0 and resumed and resumed["code"] == 0, (full, resumed)
     check_exact_resume(tmp_path, types.SimpleNamespace(**resumed), steps=6, saved_at=3)
     import torch.distributed.checkpoint as dcp
@@ -129,3 +134,9 @@ def test_layer_wise_run_saves_and_resumes_exactly(run_distributed, tmp_path, std
     assert {f"optimizer.state.momentum_buffer.{layer}.weight._qkv",
             f"optimizer.state.momentum_buffer.{layer}.weight._gate",
             "optimizer.state.exp_avg.embedding.word_embeddings.weight"} <= keys, sorted(keys)
+    # megatron's layer-wise state resumes at the layout it was saved at only: TP 2 x DP 1 is
+    # refused, one line, naming both layouts.
+    assert other_layout["code"] == 2, other_layout
+    error = other_layout["stderr"].strip()
+    assert len(error.splitlines()) == 1 and "Traceback" not in error, error
+    assert "layer-wise" in error and "'dp': 2" in error and "'dp': 1" in error, error
