@@ -5,7 +5,7 @@ test's processes (tests/functional/inprocess.py).
 
 One step of the tiny gated config equals the non-distributed Muon's step (fp32, 1e-6), each rank
 holding optimizer state for its share of the parameters only; a run saved at iteration 3 resumes
-to 6 bit for bit (dist checkpoint).
+to 6 bit for bit (dist checkpoint; fp32 and bf16), and not at another layout.
 """
 
 import shutil
@@ -96,13 +96,13 @@ RESUME = [*[a for a in TINY_MOCK if a != "data.source=mock"], *DP2, *MUON, LAYER
           "training.train_iters=6", "checkpoint.save_interval=3", "optimizer.lr_warmup_iters=2"]
 
 
-def _saved_and_resumed(tmp, data):
+def _saved_and_resumed(tmp, data, precision):
     """``full`` 6 steps saving at 3 and 6, ``resumed`` from a copy of its iteration 3,
     ``other_layout`` from full's iteration 6 at TP 2 x DP 1."""
     import torch.distributed as dist
 
-    data = f"data.prefix={data}"
-    full = launch(*RESUME, data, f"checkpoint.save={tmp / 'full'}", "checkpoint.load=null",
+    data = [f"data.prefix={data}", f"training.precision={precision}"]
+    full = launch(*RESUME, *data, f"checkpoint.save={tmp / 'full'}", "checkpoint.load=null",
                   f"logging.metrics_file={tmp / 'full.jsonl'}")
     if full["code"]:
         return full, None, None
@@ -110,20 +110,23 @@ def _saved_and_resumed(tmp, data):
         shutil.copytree(tmp / "full" / "iter_0000003", tmp / "resumed" / "iter_0000003")
         (tmp / "resumed" / TRACKER).write_text("3")
     dist.barrier()
-    resumed = launch(*RESUME, data, f"checkpoint.load={tmp / 'resumed'}", "checkpoint.save=null",
+    resumed = launch(*RESUME, *data, f"checkpoint.load={tmp / 'resumed'}", "checkpoint.save=null",
                      f"logging.metrics_file={tmp / 'resumed.jsonl'}")
-    other_layout = launch(*RESUME, data, "parallelism.tensor_model_parallel_size=2",
+    other_layout = launch(*RESUME, *data, "parallelism.tensor_model_parallel_size=2",
                           f"checkpoint.load={tmp / 'full'}", "checkpoint.save=null")
     return full, resumed, other_layout
 
 
-def test_layer_wise_run_saves_and_resumes_exactly(run_distributed, tmp_path, stdlib_prefix):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_layer_wise_run_saves_and_resumes_exactly(run_distributed, tmp_path, stdlib_prefix,
+                                                  precision):
     """A DP 2 run on the layer-wise distributed optimizer saved at iteration 3 resumes to 6 with
     the uninterrupted run's losses to the last bit: each rank's Muon momentum and Adam moments
-    (its share) are in the dist checkpoint."""
+    (its share; in bf16 with its fp32 main copies, megatron's own wrapping) are in the dist
+    checkpoint."""
     _skip_without_muon()
     full, resumed, other_layout = run_distributed(_saved_and_resumed, tmp_path, stdlib_prefix,
-                                                  world_size=2, timeout=300)[0]
+                                                  precision, world_size=2, timeout=300)[0]
     assert full["code"] == 0 and resumed and resumed["code"] == 0, (full, resumed)
     check_exact_resume(tmp_path, types.SimpleNamespace(**resumed), steps=6, saved_at=3)
     import torch.distributed.checkpoint as dcp
