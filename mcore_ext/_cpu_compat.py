@@ -74,6 +74,7 @@ def install() -> bool:
     _install_rope_cp()
     _install_moe()
     _install_uneven_collectives()
+    _install_layer_wise_param_sync()
     _install_gloo_average()
     _installed = True
     return True
@@ -186,6 +187,19 @@ def _install_uneven_collectives():
     _gather_along_first_dim._mcore_ext_cpu = True
     mappings._gather_along_first_dim = _gather_along_first_dim
     mappings._reduce_scatter_along_first_dim = _reduce_scatter_along_first_dim
+
+
+def _install_layer_wise_param_sync():
+    """Muon's layer-wise distributed optimizer (0.19+) shares the parameters each DP rank
+    updated by one ``all_gather`` of unequal sizes per group (``allgather_params``: NCCL takes
+    them, gloo raises ``invalid tensor size``). On a CPU it sends them by megatron's own
+    ``broadcast_params`` instead: every parameter from the rank that updated it, the same
+    values. Releases without it: nothing to do."""
+    try:
+        from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
+    except ImportError:  # 0.16 - 0.18
+        return
+    LayerWiseDistributedOptimizer.allgather_params = LayerWiseDistributedOptimizer.broadcast_params
 
 
 def _install_gloo_average():

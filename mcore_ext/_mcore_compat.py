@@ -39,6 +39,10 @@ there were one megatron-core; each shim below says which releases need it and wh
     layer's gate rows are split off as a fourth matrix (``_install_gate_aware_muon``, ``has_muon``).
     It takes every 2-D weight but the embedding and output layers, a MoE router's included; the
     router goes to Adam (``_install_router_on_adam``).
+14. Muon's layer-wise distributed optimizer (0.19+) wraps its torch optimizers in megatron's
+    mixed-precision optimizer for bf16 only; in fp32 they stay bare (no loss scale, grad copy or
+    config) and its first step raises. They get megatron's FP32Optimizer
+    (``_install_layer_wise_fp32``).
 
 This module adapts megatron-core to other releases; ``_cpu_compat`` adapts it to a CPU.
 """
@@ -697,6 +701,70 @@ def _install_router_on_adam() -> None:
 
 
 _install_router_on_adam()
+
+
+# ------------------------------------- 14. the layer-wise distributed optimizer in fp32
+
+
+def _wrap_fp32_optimizers(init):
+    """``LayerWiseDistributedOptimizer.__init__`` that wraps its (already sharded) torch
+    optimizers in ``FP32Optimizer`` when the run is neither bf16 nor fp16, as megatron's
+    non-distributed Muon entry does, then chains them again (the chain takes its config
+    from them)."""
+
+    @functools.wraps(init)
+    def __init__(self, optimizers, config, pg_collection=None, init_state_fn_list=None,
+                 model_chunks=None):
+        init(self, optimizers, config, pg_collection, init_state_fn_list, model_chunks)
+        if config.bf16 or config.fp16:
+            return
+        from megatron.core.optimizer.optimizer import ChainedOptimizer
+
+        fns = init_state_fn_list or [None] * len(self.chained_optimizers)
+        wrapped = [_fp32_optimizer_class()(opt, config, fn)
+                   for opt, fn in zip(self.chained_optimizers, fns)]
+        model_chunks = self.model_chunks
+        ChainedOptimizer.__init__(self, wrapped)
+        self.model_chunks = model_chunks
+
+    __init__.wraps_fp32 = True
+    return __init__
+
+
+@functools.cache
+def _fp32_optimizer_class():
+    """megatron's FP32Optimizer with its sharded state under ``"optimizer"``, where the
+    layer-wise optimizer's dist-checkpoint state dict reads and writes it, as
+    Float16OptimizerWithFloat16Params keeps it."""
+    from megatron.core.optimizer.optimizer import FP32Optimizer
+
+    class LayerWiseFP32Optimizer(FP32Optimizer):
+        def load_state_dict(self, state_dict):
+            super().load_state_dict(state_dict.get("optimizer", state_dict))
+
+        def sharded_state_dict(self, model_sharded_state_dict, is_loading=False, metadata=None):
+            return {"optimizer": super().sharded_state_dict(
+                model_sharded_state_dict, is_loading, metadata)}
+
+    return LayerWiseFP32Optimizer
+
+
+def _install_layer_wise_fp32() -> None:
+    """Muon with ``use_layer_wise_distributed_optimizer`` in fp32: megatron's
+    ``LayerWiseDistributedOptimizer`` wraps its torch optimizers in
+    ``Float16OptimizerWithFloat16Params`` under bf16 and leaves them bare otherwise, where the
+    chain's ``get_loss_scale``, gradient copy and config are then missing. Releases without it
+    (0.16 - 0.18): nothing to do."""
+    try:
+        from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
+    except ImportError:
+        return
+    if not getattr(LayerWiseDistributedOptimizer.__init__, "wraps_fp32", False):
+        LayerWiseDistributedOptimizer.__init__ = _wrap_fp32_optimizers(
+            LayerWiseDistributedOptimizer.__init__)
+
+
+_install_layer_wise_fp32()
 
 
 def has_muon() -> bool:

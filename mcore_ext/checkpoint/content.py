@@ -112,8 +112,11 @@ def megatron_lm_args(cfg, iteration: int, consumed_samples: int) -> argparse.Nam
         lr_decay_iters=o.lr_decay_iters,
         lr_decay_style=o.lr_decay_style,
         weight_decay=o.weight_decay,
-        use_distributed_optimizer=o.use_distributed_optimizer,
-        dist_ckpt_optim_fully_reshardable=o.use_distributed_optimizer,
+        # Muon's is megatron's layer-wise distributed optimizer, as Megatron-LM's arguments
+        # turn --optimizer muon --use-distributed-optimizer into.
+        use_distributed_optimizer=o.use_distributed_optimizer and o.type != "muon",
+        use_layer_wise_distributed_optimizer=o.use_distributed_optimizer and o.type == "muon",
+        dist_ckpt_optim_fully_reshardable=o.use_distributed_optimizer and o.type != "muon",
         ckpt_format="torch_dist",
         use_dist_ckpt=True,
         no_save_optim=False,
@@ -242,7 +245,9 @@ def launcher_common(common: dict, cfg) -> dict:
         scheduler=scheduler_from_megatron_lm(common["opt_param_scheduler"], gbs),
         consumed_samples=args.consumed_train_samples,
         layout=layout,
-        distributed_optimizer=bool(args.use_distributed_optimizer),
+        # --optimizer muon --use-distributed-optimizer: the layer-wise distributed optimizer
+        distributed_optimizer=bool(args.use_distributed_optimizer or getattr(
+            args, "use_layer_wise_distributed_optimizer", False)),
         no_optimizer=bool(getattr(args, "no_save_optim", False)),
         no_rng=bool(getattr(args, "no_save_rng", False)),
     )

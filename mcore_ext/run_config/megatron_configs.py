@@ -106,11 +106,20 @@ def _optional_list(value):
     return list(value) if isinstance(value, (list, tuple)) else value
 
 
+def byte_wise_distributed_optimizer(cfg) -> bool:
+    """Whether megatron's distributed optimizer shards the optimizer state byte-wise (Adam).
+    Muon's ``use_distributed_optimizer`` is megatron's layer-wise distributed optimizer
+    (``optimizer_config``): whole parameters per DP rank over DDP's all-reduced gradients,
+    Megatron-LM's ``--optimizer muon --use-distributed-optimizer
+    --no-use-layer-wise-param-layout``."""
+    return cfg.optimizer.use_distributed_optimizer and cfg.optimizer.type != "muon"
+
+
 def ddp_config(cfg) -> DistributedDataParallelConfig:
     return DistributedDataParallelConfig(
         # Reduce and accumulate gradients in fp32 even when computing in bf16 / fp16.
         grad_reduce_in_fp32=True,
-        use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
+        use_distributed_optimizer=byte_wise_distributed_optimizer(cfg),
         overlap_grad_reduce=False,
     )
 
@@ -134,7 +143,8 @@ def optimizer_config(cfg) -> MegatronOptimizerConfig:
         adam_beta2=o.adam_beta2,
         adam_eps=o.adam_eps,
         clip_grad=o.clip_grad,
-        use_distributed_optimizer=o.use_distributed_optimizer,
+        use_distributed_optimizer=byte_wise_distributed_optimizer(cfg),
+        use_layer_wise_distributed_optimizer=o.use_distributed_optimizer and o.type == "muon",
         bf16=dtype is torch.bfloat16,
         fp16=dtype is torch.float16,
         params_dtype=dtype,

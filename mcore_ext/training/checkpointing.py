@@ -56,6 +56,7 @@ from mcore_ext.checkpoint.errors import (  # noqa: F401  (tests import them here
     CheckpointFormatError,
     CheckpointSaveError,
 )
+from mcore_ext.run_config.megatron_configs import byte_wise_distributed_optimizer
 from mcore_ext.training.faults import fault_point
 
 # Marks the line that says where a run starts, so that it stands out among the others.
@@ -127,7 +128,7 @@ def save_checkpoint(
     base = getattr(model, "lora_base", None)
     if base is not None:  # a LoRA run over a base checkpoint: the adapters and their reference
         model_state = {k: v for k, v in model_state.items() if lora.ADAPTER_KEY in k}
-    metadata = content.content_metadata(cfg.optimizer.use_distributed_optimizer)
+    metadata = content.content_metadata(byte_wise_distributed_optimizer(cfg))
     state = {
         "model": model_state,
         "optimizer": checkpoint.optimizer_sharded_state_dict(
@@ -316,6 +317,14 @@ def _check_resumable(common: dict, directory: str, cfg, by_megatron_lm: bool) ->
             f"{directory} was saved with optimizer.use_distributed_optimizer="
             f"{str(saved_distributed).lower()}: resume with the same setting (the two optimizers' "
             "states are not interchangeable), or set checkpoint.finetune=true for weights only"
+        )
+    layout = common.get("layout")
+    if cfg.optimizer.type == "muon" and distributed and layout != _layout():
+        raise CheckpointFormatError(
+            f"{directory} holds Muon's layer-wise distributed optimizer state (megatron's "
+            f"LayerWiseDistributedOptimizer) saved at layout {layout}, this run is {_layout()}: "
+            "megatron saves that state for its own layout only; resume at the saved layout, or "
+            "set checkpoint.finetune=true for weights only"
         )
     if by_megatron_lm and common["no_optimizer"]:
         raise CheckpointFormatError(

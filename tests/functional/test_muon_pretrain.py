@@ -8,8 +8,8 @@ projection is orthogonalised whole at any TP: ``full`` runs 8 steps saving at 4 
 ``tp1`` does the same at TP 1 x DP 2 (same losses within 1e-4, as the Adam runs' TP change).
 The MoE config at EP 2 runs in the test's gloo ranks (tests/functional/inprocess.py: no
 torchrun, no imports per run): ``full`` 6 steps saving at 3, ``resumed`` from 3, bit for bit,
-routed experts' momentum in the expert-parallel optimizer, the router and the MTP head on Adam.
-A config error is one line and exit code 2.
+routed experts' momentum in the expert-parallel optimizer, the router and the MTP head on Adam;
+the same on megatron's layer-wise distributed optimizer (slow). A config error is one line and exit code 2.
 """
 
 import shutil
@@ -87,14 +87,16 @@ MOE_MUON = ["--config", MOE_TINY, "parallelism.expert_model_parallel_size=2",
             "optimizer.lr_warmup_iters=2", "training.train_iters=6", "checkpoint.save_interval=3"]
 
 
-def _muon_moe_runs(tmp, data):
+def _muon_moe_runs(tmp, data, distributed=False):
     """The MoE config at EP 2 in this rank's process (tests/functional/inprocess.py): ``full``
-    6 steps saving at 3 and 6, ``resumed`` from a copy of its iteration 3."""
+    6 steps saving at 3 and 6, ``resumed`` from a copy of its iteration 3; ``distributed``: on
+    megatron's layer-wise distributed optimizer (the dense parameters' state split over DP 2)."""
+    moe_muon = [*MOE_MUON, f"optimizer.use_distributed_optimizer={str(distributed).lower()}"]
     import torch.distributed as dist
 
     from tests.functional.inprocess import launch
 
-    full = launch(*MOE_MUON, f"data.prefix={data}", f"checkpoint.save={tmp / 'full'}",
+    full = launch(*moe_muon, f"data.prefix={data}", f"checkpoint.save={tmp / 'full'}",
                   "checkpoint.load=null",
                   f"logging.metrics_file={tmp / 'full.jsonl'}")
     if full["code"]:
@@ -103,22 +105,29 @@ def _muon_moe_runs(tmp, data):
         shutil.copytree(tmp / "full" / "iter_0000003", tmp / "resumed" / "iter_0000003")
         (tmp / "resumed" / TRACKER).write_text("3")
     dist.barrier()
-    resumed = launch(*MOE_MUON, f"data.prefix={data}", f"checkpoint.load={tmp / 'resumed'}",
+    resumed = launch(*moe_muon, f"data.prefix={data}", f"checkpoint.load={tmp / 'resumed'}",
                      "checkpoint.save=null",
                      f"logging.metrics_file={tmp / 'resumed.jsonl'}")
     return full, resumed
 
 
-def test_muon_moe_run_trains_and_resumes_exactly(run_distributed, tmp_path, stdlib_prefix):
+@pytest.mark.parametrize("distributed", [
+    pytest.param(False, id="muon"),
+    # 30 CPU s more; the default suite's layer-wise runs: tests/functional/test_muon_distributed.py
+    pytest.param(True, id="layer_wise", marks=pytest.mark.slow),
+])
+def test_muon_moe_run_trains_and_resumes_exactly(run_distributed, tmp_path, stdlib_prefix,
+                                                 distributed):
     """The tiny Step-3.5 MoE config (a dense and a MoE layer: 8 experts, a shared expert, the
     expert bias; one MTP depth) with Muon at EP 2 trains and resumes bit for bit; the checkpoint
-    holds Muon's momentum for the experts and Adam's moments for the router and the MTP head."""
+    holds Muon's momentum for the experts and Adam's moments for the router and the MTP head.
+    Also on megatron's layer-wise distributed optimizer (``use_distributed_optimizer``)."""
     from mcore_ext import _mcore_compat
 
     if not _mcore_compat.has_muon():
         pytest.skip(f"megatron-core {_mcore_compat.megatron_core_version()} has no Muon")
-    full, resumed = run_distributed(_muon_moe_runs, tmp_path, stdlib_prefix, world_size=2,
-                                    timeout=600)[0]
+    full, resumed = run_distributed(_muon_moe_runs, tmp_path, stdlib_prefix, distributed,
+                                    world_size=2, timeout=600)[0]
     assert full["code"] == 0 and resumed and resumed["code"] == 0, (full, resumed)
     assert "(experts: EP 2)" in full["stdout"], full["stdout"]
     check_exact_resume(tmp_path, types.SimpleNamespace(**resumed), steps=6, saved_at=3)
@@ -139,9 +148,9 @@ def test_muon_moe_run_trains_and_resumes_exactly(run_distributed, tmp_path, stdl
 
 def test_muon_config_error_is_one_line_exit_2():
     """The launcher's form of a Muon config error (the others: tests/unit/test_muon.py)."""
-    result = launcher("--config", TINY, "optimizer.type=muon",
-                      "optimizer.use_distributed_optimizer=true", "--check", "--world-size", "2")
+    result = launcher("--config", TINY, "optimizer.type=muon", "lora.rank=4", "--check",
+                      "--world-size", "2")
     assert result.returncode == 2, result.stdout + result.stderr
-    assert "optimizer.use_distributed_optimizer=true" in result.stderr, result.stderr
+    assert "optimizer.type=muon with lora.rank=4" in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "Traceback" not in result.stderr + result.stdout

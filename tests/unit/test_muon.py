@@ -162,8 +162,6 @@ def test_gate_unaware_split_fails_the_reference(run_distributed, tp, tp_mode):
 
 @pytest.mark.parametrize("overrides, message", [
     (["optimizer.type=sgd"], "optimizer.type"),
-    (["optimizer.type=muon", "optimizer.use_distributed_optimizer=true"],
-     "optimizer.type=muon with optimizer.use_distributed_optimizer=true"),
     (["optimizer.type=muon", "training.precision=fp16"], "training.precision=fp16"),
     (["optimizer.type=muon", "lora.rank=4"], "optimizer.type=muon with lora.rank=4"),
     (["optimizer.type=muon", "optimizer.muon_num_ns_steps=0"], "optimizer.muon_num_ns_steps=0"),

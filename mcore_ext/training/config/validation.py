@@ -258,11 +258,6 @@ def _validate_muon(cfg: PretrainConfig) -> None:
             "optimizer.type=muon needs megatron-core 0.19+ with the emerging-optimizers package "
             f"(megatron-core {_mcore_compat.megatron_core_version()} is installed): use "
             "optimizer.type=adam")
-    if o.use_distributed_optimizer:
-        raise ConfigError(
-            "optimizer.type=muon with optimizer.use_distributed_optimizer=true: the distributed "
-            "optimizer shards parameters byte-wise and Muon orthogonalises whole matrices; set "
-            "optimizer.use_distributed_optimizer=false")
     if cfg.training.precision == "fp16":
         raise ConfigError("optimizer.type=muon with training.precision=fp16: megatron's Muon does "
                           "not support fp16; use bf16 or fp32")
