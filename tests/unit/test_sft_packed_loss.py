@@ -467,7 +467,8 @@ def _mtp_packed_loss():
     ``eh_proj`` (from ``(losses x mask).sum()``'s backward, megatron's backward scale 1), with the
     per-document reference of the formula."""
     import mcore_ext
-    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+    from megatron.core.transformer.multi_token_prediction import (MTPLossAutoScaler,
+                                                                  MTPLossLoggingHelper)
 
     from mcore_ext import _mcore_compat
     from mcore_ext._cpu_compat import cuda_to_cpu
@@ -482,7 +483,9 @@ def _mtp_packed_loss():
             1, True, calculate_per_token_loss=True)
         model.train()
         MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0))
-        _mcore_compat.take_mtp_losses(test_mtp.MTP_DEPTHS)  # nothing left from before
+        # megatron's tracker is process-wide and sized by the first MTP model that tracked in
+        # this worker (an earlier test's 1 depth): start it afresh for this model's 2.
+        MTPLossLoggingHelper.tracker.clear()
         losses = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
                        loss_mask=batch["loss_mask"].float(),
                        packed_seq_params=packed_seq_params(batch, "cpu"))
