@@ -200,6 +200,12 @@ def test_lora_layer_matches_formula_fp32(run_distributed, tp):
                   "fp32")
 
 
+def test_lora_layer_matches_formula_fp32_tp4(run_distributed):
+    """TP 4 + SP: one head a rank (2 query groups) and 2 heads a rank of the one query group."""
+    _assert_close(run_distributed(_lora_matches_formula, 4, list(CASES), "fp32", world_size=4),
+                  "fp32")
+
+
 def test_lora_layer_matches_formula_on_the_local_backend(run_distributed):
     """megatron's own core attention (``local``) under the same adapted linears, TP 2 + SP."""
     _assert_close(run_distributed(_lora_matches_formula, 2, ["gqa"], "fp32", "local",
