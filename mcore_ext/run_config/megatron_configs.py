@@ -133,6 +133,9 @@ def optimizer_config(cfg) -> MegatronOptimizerConfig:
             "muon_momentum", "muon_nesterov", "muon_split_qkv", "muon_scale_mode",
             "muon_extra_scale_factor", "muon_num_ns_steps", "muon_coefficient_type",
             "muon_fp32_matmul_prec", "muon_tp_mode")}
+        # Muon's distributed optimizer is megatron's layer-wise one (0.19+, as Muon itself; the
+        # field does not exist before, so it is only named when Muon is on).
+        muon["use_layer_wise_distributed_optimizer"] = o.use_distributed_optimizer
     return MegatronOptimizerConfig(
         optimizer=o.type,
         **muon,
@@ -144,7 +147,6 @@ def optimizer_config(cfg) -> MegatronOptimizerConfig:
         adam_eps=o.adam_eps,
         clip_grad=o.clip_grad,
         use_distributed_optimizer=byte_wise_distributed_optimizer(cfg),
-        use_layer_wise_distributed_optimizer=o.use_distributed_optimizer and o.type == "muon",
         bf16=dtype is torch.bfloat16,
         fp16=dtype is torch.float16,
         params_dtype=dtype,
