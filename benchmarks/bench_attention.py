@@ -176,10 +176,15 @@ def attention_kernels(step) -> list:
     import torch
 
     words = ("flash", "efficient_attention", "attention_math", "flex", "varlen", "cudnn_attention")
-    with torch.profiler.profile() as prof:
+    with torch.profiler.profile(record_shapes=True) as prof:
         step()
-    return sorted({e.key for e in prof.key_averages()
-                   if e.key.startswith("aten::") and any(w in e.key for w in words)})
+    ops = {e.key for e in prof.key_averages()
+           if e.key.startswith("aten::") and any(w in e.key for w in words)}
+    # The math kernel is SDPA's fallback (a [sq, sk] score matrix per head): which shapes fell
+    # back says which call site to fix.
+    ops |= {f"{e.key} {e.input_shapes}" for e in prof.key_averages(group_by_input_shape=True)
+            if e.key.endswith("_scaled_dot_product_attention_math")}
+    return sorted(ops)
 
 
 def _report(args, runs):

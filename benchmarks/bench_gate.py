@@ -539,40 +539,51 @@ def _proc_status_bytes(key):
     raise RuntimeError(f"/proc/self/status has no {key}")
 
 
-def profile_layer(cases, log, steps=8, rows=14):
-    """Self time per op of 'none' and 'head-wise' layer steps (interleaved), largest differences."""
+def profile_layer(cases, log, steps=8, rows=24):
+    """Self time per op of 'none' and 'head-wise' layer steps (interleaved), largest differences,
+    by op name: torch ops (``aten::``, shapes merged: the fused GEMM's extra gate columns are the
+    same op) and, on a GPU, the device kernels they launched. The sum of one table is one step's
+    device time; a GEMM shows both as its aten op and as its kernel, so read one table at a time."""
     from torch.profiler import ProfilerActivity, profile
 
     on_gpu = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     attr = "self_device_time_total" if on_gpu else "self_cpu_time_total"
     pair = [c for c in cases if c.variant in ("none", "head-wise")]
-    per_variant = {c.variant: {} for c in pair}
+    tables = {"op": {c.variant: {} for c in pair}, "kernel": {c.variant: {} for c in pair}}
     for i in range(steps):
         for case in pair if i % 2 else pair[::-1]:
-            with profile(activities=activities, record_shapes=True) as prof:
+            with profile(activities=activities) as prof:
                 case.step()
                 sync(on_gpu)
-            acc = per_variant[case.variant]
-            for e in prof.key_averages(group_by_input_shape=True):
-                key = f"{e.key} {e.input_shapes}" if e.input_shapes else e.key
-                t, n = acc.get(key, (0.0, 0))
-                acc[key] = (t + getattr(e, attr) / steps, n + e.count / steps)
+            for e in prof.key_averages():
+                table = "op" if e.key.startswith("aten::") else "kernel"
+                if table == "kernel" and not on_gpu:
+                    continue
+                acc = tables[table][case.variant]
+                t, n = acc.get(e.key, (0.0, 0))
+                acc[e.key] = (t + getattr(e, attr) / steps, n + e.count / steps)
     for case in pair:
         case.release()
-    a, b = per_variant["none"], per_variant["head-wise"]
-    diff = sorted(set(a) | set(b), key=lambda k: abs(b.get(k, (0, 0))[0] - a.get(k, (0, 0))[0]),
-                  reverse=True)
-    total_a, total_b = sum(v[0] for v in a.values()), sum(v[0] for v in b.values())
-    log(f"\nprofile, one layer step, self {'device' if on_gpu else 'CPU'} time per op (us), mean of "
-        f"{steps} interleaved steps; sum: none {total_a / 1e3:.1f} ms, head-wise {total_b / 1e3:.1f} ms")
-    log(f"  {'op [input shapes]':<72} {'none':>8} {'head-w':>8} {'diff':>8} {'calls':>9}")
-    result = []
-    for k in diff[:rows]:
-        ta, ca = a.get(k, (0.0, 0))
-        tb, cb = b.get(k, (0.0, 0))
-        log(f"  {k[:72]:<72} {ta:8.0f} {tb:8.0f} {tb - ta:+8.0f} {ca:4.0f}/{cb:<4.0f}")
-        result.append(dict(op=k, none_us=ta, head_wise_us=tb, none_calls=ca, head_wise_calls=cb))
+    result = {}
+    for table, per_variant in tables.items():
+        a, b = per_variant["none"], per_variant["head-wise"]
+        if not (a or b):
+            continue
+        diff = sorted(set(a) | set(b), reverse=True,
+                      key=lambda k: abs(b.get(k, (0, 0))[0] - a.get(k, (0, 0))[0]))
+        total_a, total_b = sum(v[0] for v in a.values()), sum(v[0] for v in b.values())
+        log(f"\nprofile by {table}, one layer step, self {'device' if on_gpu else 'CPU'} time (us), "
+            f"mean of {steps} interleaved steps; sum: none {total_a / 1e3:.2f} ms, head-wise "
+            f"{total_b / 1e3:.2f} ms")
+        log(f"  {table:<72} {'none':>8} {'head-w':>8} {'diff':>8} {'calls':>9}")
+        result[table] = []
+        for k in diff[:rows]:
+            ta, ca = a.get(k, (0.0, 0))
+            tb, cb = b.get(k, (0.0, 0))
+            log(f"  {k[:72]:<72} {ta:8.0f} {tb:8.0f} {tb - ta:+8.0f} {ca:4.0f}/{cb:<4.0f}")
+            result[table].append(dict(name=k, none_us=ta, head_wise_us=tb, none_calls=ca,
+                                      head_wise_calls=cb))
     return result
 
 

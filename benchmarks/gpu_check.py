@@ -42,8 +42,9 @@ MIN_STEP_S = 30  # a step gets at least this much of the stage's budget, or is s
 
 # Packages the tests and the launcher import that the device image lacks or has too old
 # (transformers 5.17 there; the tests' Step3p7 model needs >= 5.23); regex: what transformers
-# needs at least. Versions: this checkout's .venv (what CI tests).
-TRAVELLING = ("megatron-core", "transformers", "regex")
+# needs at least; emerging-optimizers (and its absl-py): megatron-core's Muon. Versions: this
+# checkout's .venv (what CI tests).
+TRAVELLING = ("megatron-core", "transformers", "regex", "emerging-optimizers", "absl-py")
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64",
              "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64")
 

@@ -295,6 +295,9 @@ class _ScaleHeads(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, scale = ctx.saved_tensors
+        if grad.is_cuda and all(ctx.needs_input_grad):
+            # The scale rounded outside: the compiler would skip the rounding of an inner cast.
+            return _fused_scale_heads_backward()(grad, x, scale.to(grad.dtype))
         grad_x = _scale_heads(grad, scale) if ctx.needs_input_grad[0] else None
         grad_scale = None
         if ctx.needs_input_grad[1]:
@@ -319,6 +322,21 @@ def _head_dots(a, b):
         part = slice(start, start + rows)
         torch.sum(a[part].float() * b[part].float(), dim=-1, out=out[part])
     return out
+
+
+def _scale_heads_backward(grad, x, scale):
+    """_ScaleHeads' two gradients from the formulas, ``scale`` already in grad's dtype: grad *
+    scale (the forward's product) and <grad_h, x_h> per head (fp32 products and sum)."""
+    return grad * scale.unsqueeze(-1), (grad.float() * x.float()).sum(-1)
+
+
+@functools.cache
+def _fused_scale_heads_backward():
+    """``_scale_heads_backward`` compiled for a GPU: one read of grad and x. Eager, the fp32
+    dots write fp32 copies of both and of their product and read them back. grad_x is the same
+    bf16 / fp16 product bit for bit; the dots are fp32 sums in another order. Built on first use:
+    importing the compiler costs a CPU process seconds it never needs."""
+    return torch.compile(_scale_heads_backward)
 
 
 # The gated outputs of the HeadWiseGatedSelfAttention.forward in flight, by storage. A context

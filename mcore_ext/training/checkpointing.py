@@ -39,6 +39,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.utils import unwrap_model
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -276,7 +277,9 @@ def load_checkpoint(cfg, model, optimizer, scheduler, vocab_size: int | None = N
         model.lora_base = reference  # the run's next saves refer to the same base
 
     if finetune and adapter_keys:
-        missing, unexpected = model.module.load_state_dict(loaded["model"], strict=False)
+        # The innermost module: megatron's Float16Module (bf16 / fp16) returns nothing from
+        # load_state_dict, and the keys not matched are what this needs.
+        missing, unexpected = unwrap_model(model).load_state_dict(loaded["model"], strict=False)
         left = [k for k in missing if lora.ADAPTER_KEY not in k] + list(unexpected)
         if left:
             raise RuntimeError(f"loading {directory}: keys not matched: {left}")

@@ -1,5 +1,7 @@
 """The launcher on GPUs (marked gpu: skipped without CUDA, with the reason; benchmarks/gpu_check.py
-runs them): bf16 with the distributed optimizer, async checkpoints through a kill, CP 2 on NCCL.
+runs them): bf16 with the distributed optimizer, async checkpoints through a kill, CP 2 on NCCL;
+Muon (layer-wise distributed), HybridModel with MTP, LoRA, and the chat-SFT recipe's packed
+documents on the varlen kernel against the sdpa kernel.
 
 The tiny config at seq 128, 10 steps, checkpoints every 5. One GPU runs one rank: NCCL refuses
 two ranks on one GPU, so CP 2 needs two GPUs. Tolerances: bf16 steps on a GPU are not bitwise
@@ -14,7 +16,7 @@ import shutil
 import pytest
 import torch
 
-from tests.functional.test_pretrain import TINY, TRACKER, check, losses, torchrun
+from tests.functional.test_pretrain import ROOT, TINY, TRACKER, check, losses, torchrun
 
 pytestmark = pytest.mark.gpu
 
@@ -84,3 +86,54 @@ def test_cp2_on_nccl_matches_cp1(tmp_path):
     assert sorted(cp2) == list(range(1, 11))
     for step in cp1:
         assert cp2[step] == pytest.approx(cp1[step], abs=1e-4, rel=0), (step, cp1, cp2)
+
+
+def _trains(tmp_path, name, *overrides, steps=10, fall=0.5):
+    """One bf16 run of ``steps`` steps on one GPU; its losses (each logged, falling by ``fall``)."""
+    check(torchrun(*_common(tmp_path, "training.precision=bf16", f"training.train_iters={steps}",
+                            f"logging.metrics_file={tmp_path / name}.jsonl", *overrides),
+                   nproc=1), name)
+    loss = losses(tmp_path / f"{name}.jsonl")
+    assert sorted(loss) == list(range(1, steps + 1)) and loss[steps] < loss[1] - fall, (name, loss)
+    return loss
+
+
+@pytest.mark.parametrize("name, overrides", [
+    ("muon", ["optimizer.type=muon", "optimizer.lr=0.01",
+              "optimizer.use_distributed_optimizer=true"]),
+    ("hybrid", ["model.architecture=hybrid", "model.mtp_num_layers=1"]),
+])
+def test_muon_and_the_hybrid_model_train_in_bf16_on_one_gpu(tmp_path, name, overrides):
+    from mcore_ext import _mcore_compat
+
+    if name == "muon" and not _mcore_compat.has_muon():
+        pytest.skip("megatron-core's Muon needs emerging-optimizers (gpu_check prepare carries it)")
+    _trains(tmp_path, name, "checkpoint.save=null", "checkpoint.load=null", *overrides)
+
+
+def test_lora_fine_tunes_a_checkpoint_in_bf16_on_one_gpu(tmp_path):
+    _trains(tmp_path, "base", f"checkpoint.save={tmp_path / 'base'}", "checkpoint.load=null",
+            steps=5)
+    _trains(tmp_path, "lora", f"checkpoint.load={tmp_path / 'base'}", "checkpoint.finetune=true",
+            f"checkpoint.save={tmp_path / 'lora'}", "lora.rank=8", "lora.alpha=16",
+            "lora.targets=all-linear", "optimizer.lr=1e-2", "optimizer.lr_decay_style=constant",
+            fall=0.0)
+    assert (tmp_path / "lora" / TRACKER).read_text() == "10"
+
+
+def test_packed_chat_sft_on_varlen_matches_the_sdpa_kernel(tmp_path):
+    """The chat-SFT recipe (Step-3.5 miniature: gate, sliding layers, MoE, MTP; conversations
+    packed per row) at TP 1 in bf16, on the varlen kernel and on sdpa: the same losses within
+    5e-2 over 6 steps (losses ~5: a few bf16 roundings; the kernels sum in other orders)."""
+    common = ["--config", str(ROOT / "configs" / "step35_sft_tiny_cpu.yaml"),
+              "parallelism.tensor_model_parallel_size=1", "parallelism.sequence_parallel=false",
+              "training.precision=bf16", "training.train_iters=6", "training.eval_interval=null",
+              "logging.log_interval=1", "checkpoint.save=null", "checkpoint.load=null",
+              f"data.cache_dir={tmp_path / 'cache'}"]
+    for kernel in ("sdpa", "varlen"):
+        check(torchrun(*common, f"model.attention_kernel={kernel}",
+                       f"logging.metrics_file={tmp_path / kernel}.jsonl", nproc=1), kernel)
+    sdpa, varlen = losses(tmp_path / "sdpa.jsonl"), losses(tmp_path / "varlen.jsonl")
+    assert sorted(sdpa) == sorted(varlen) == list(range(1, 7)), (sdpa, varlen)
+    for step in sdpa:
+        assert varlen[step] == pytest.approx(sdpa[step], abs=5e-2, rel=0), (step, sdpa, varlen)

@@ -503,3 +503,32 @@ def test_lora_fine_tunes_packed_chat_data_and_resumes_exactly(run_distributed, t
     assert sorted(full_losses) == [1, 2, 3, 4] and sorted(resumed_losses) == [3, 4], records
     assert full_losses[4][0] < full_losses[1][0], full_losses
     assert resumed_losses == {it: full_losses[it] for it in (3, 4)}  # bit for bit
+
+
+# ---------------------------------------------------------------- bf16 (Float16Module), in process
+
+def _bf16_lora_run(tmp):
+    """The tinier config in bf16 on one rank: a base run of 2 steps, then LoRA over it for 2."""
+    from tests.functional.inprocess import TINY_MOCK, launch
+
+    common = [*TINY_MOCK, "training.precision=bf16", "checkpoint.save_interval=2",
+              "parallelism.tensor_model_parallel_size=1"]
+    base = launch(*common, "training.train_iters=2", f"checkpoint.save={tmp / 'base'}",
+                  "checkpoint.load=null")
+    lora = launch(*common, "training.train_iters=2", f"checkpoint.load={tmp / 'base'}",
+                  "checkpoint.finetune=true", "lora.rank=4", f"checkpoint.save={tmp / 'lora'}",
+                  f"logging.metrics_file={tmp / 'lora.jsonl'}")
+    return base, lora
+
+
+def test_lora_fine_tunes_a_bf16_checkpoint(run_distributed, tmp_path):
+    """In bf16 the model is wrapped in megatron's Float16Module, whose load_state_dict returns
+    nothing: the fine-tune's non-strict load of the base weights must not need its result."""
+    base, lora = run_distributed(_bf16_lora_run, tmp_path, world_size=1)[0]
+    assert base["code"] == 0, base
+    assert lora["code"] == 0, lora["code"]
+    assert "LoRA adapter parameters trained, r 4" in lora["stdout"], lora["stdout"][-2000:]
+    assert sorted(losses(tmp_path / "lora.jsonl")) == [1, 2]
+    tuned = checkpoint_tensors(tmp_path / "lora" / "iter_0000002")
+    weights = [k for k in tuned if not k.startswith("optimizer.")]
+    assert weights and all(ADAPTER in k for k in weights), weights[:5]

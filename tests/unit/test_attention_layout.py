@@ -335,8 +335,15 @@ def test_head_dots_sum_in_fp32():
 @pytest.mark.gpu  # attention_kernel='varlen' is torch's CUDA flash kernel
 @pytest.mark.parametrize("window", [None, 3], ids=["causal", "window3"])
 def test_varlen_kernel_matches_sdpa_on_packed_documents(run_distributed, window):
+    """Both kernels in bf16 against the sdpa kernel in fp32 on the same values: varlen's error
+    is at most twice sdpa's, or within 2^-7 of the largest value (a few bf16 roundings). On an
+    H200 the two bf16 kernels' q / k / v gradients differed by 0.25 (causal): that is two bf16
+    results each off the exact one, which this compares with instead."""
     for r in run_distributed(_varlen_vs_sdpa, window, world_size=1):
-        assert r["output"] <= 2e-2 and r["grads"] <= 2e-2 and r["scale"] > 0.1, r
+        for name, scale in r["scale"].items():
+            assert scale > 0.1, r
+            bound = max(2 * r["sdpa"][name], 2.0 ** -7 * scale)
+            assert r["varlen"][name] <= bound, (name, bound, r)
 
 
 def _varlen_vs_sdpa(window):
@@ -353,23 +360,25 @@ def _varlen_vs_sdpa(window):
         setattr(params, name, getattr(params, name).cuda())
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(32, n, 64, generator=g).cuda().bfloat16() for n in (8, 2, 2))
+    real = torch.cat([torch.arange(0, 7), torch.arange(8, 21), torch.arange(24, 31)]).cuda()
     results = {}
-    for kernel in ("sdpa", "varlen"):
+    for name, kernel, dtype in (("fp32", "sdpa", torch.float32), ("sdpa", "sdpa", torch.bfloat16),
+                                ("varlen", "varlen", torch.bfloat16)):
         config = builders.gated_config(head_wise_attn_gate=False, num_attention_heads=8,
                                        num_query_groups=2, kv_channels=64, hidden_size=512,
                                        attention_kernel=kernel,
                                        window_size=None if window is None else (window - 1, 0))
         attn = SDPAttention(config, 1, AttnMaskType.causal, "self")
-        xs = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        xs = [x.to(dtype, copy=True).requires_grad_(True) for x in (q, k, v)]
         layout.begin_batch(params)
         out = attn(*xs, None, packed_seq_params=params)
         out.float().square().sum().backward()
-        results[kernel] = (out.float(), [x.grad.float() for x in xs])
-    (o1, g1), (o2, g2) = results["sdpa"], results["varlen"]
-    real = torch.cat([torch.arange(0, 7), torch.arange(8, 21), torch.arange(24, 31)]).cuda()
-    return dict(output=(o1 - o2).abs().max().item(),
-                grads=max((a - b)[real].abs().max().item() for a, b in zip(g1, g2)),
-                scale=o1.abs().max().item())
+        results[name] = dict(output=out.float()[real],
+                             **{n: x.grad.float()[real] for n, x in zip("qkv", xs)})
+    ref = results.pop("fp32")
+    return dict(scale={n: t.abs().max().item() for n, t in ref.items()},
+                **{name: {n: (t - ref[n]).abs().max().item() for n, t in res.items()}
+                   for name, res in results.items()})
 
 
 def test_launcher_refuses_varlen_on_a_cpu_and_accepts_it_on_a_gpu(tmp_path, monkeypatch):
