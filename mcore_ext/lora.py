@@ -128,12 +128,16 @@ class LoraTarget(torch.nn.Module):
     selected rows of a whole B) add to; None = all columns, in order.
     """
 
-    def __init__(self, a_shape, b_shape, dtype, cols=None, rows=None):
+    def __init__(self, a_shape, b_shape, base_weight, cols=None, rows=None):
         super().__init__()
+        dtype = base_weight.dtype
         self.lora_A = torch.nn.Parameter(torch.empty(*a_shape, dtype=dtype))
         self.lora_B = torch.nn.Parameter(torch.zeros(*b_shape, dtype=dtype))
         # PEFT's default init: A kaiming-uniform (a = sqrt(5)), B zero: a new adapter adds 0.
+        # Drawn on the CPU (the same A on every device), then put beside the base weight: the
+        # launcher has moved the model to its GPU already.
         torch.nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        self.to(base_weight.device)
         self.register_buffer("cols", cols, persistent=False)
         self.register_buffer("rows", rows, persistent=False)
 
@@ -276,7 +280,6 @@ def b_is_sharded(rows, total: int, tp: int, rank: int) -> bool:
 def _column_targets(base, placement: dict, totals: dict, wanted, cfg: LoraConfig, tp, rank):
     """LoraTargets of a column-parallel linear: B the even row block where a rank's rows are one,
     else whole (``rows`` selects)."""
-    dtype = base.weight.dtype
     targets = {}
     for name in wanted:
         if name not in placement:
@@ -285,12 +288,13 @@ def _column_targets(base, placement: dict, totals: dict, wanted, cfg: LoraConfig
         total = totals[name]
         cols_t = torch.tensor(cols, dtype=torch.long, device=base.weight.device)
         if b_is_sharded(rows, total, tp, rank):
-            target = LoraTarget((cfg.rank, base.input_size), (len(rows), cfg.rank), dtype, cols_t)
+            target = LoraTarget((cfg.rank, base.input_size), (len(rows), cfg.rank), base.weight,
+                                cols_t)
             set_tensor_model_parallel_attributes(target.lora_B, True, 0, 1)
         else:
             rows_t = torch.tensor(rows, dtype=torch.long, device=base.weight.device)
-            target = LoraTarget((cfg.rank, base.input_size), (total, cfg.rank), dtype, cols_t,
-                                rows_t)
+            target = LoraTarget((cfg.rank, base.input_size), (total, cfg.rank), base.weight,
+                                cols_t, rows_t)
         targets[name] = target
     return targets
 
@@ -428,7 +432,7 @@ def _adapt_experts(name, experts, targets, cfg: LoraConfig) -> list:
             base = expert.linear_fc1
             _check_linear(f"{prefix}.linear_fc1", base)
             target = LoraTarget((cfg.rank, base.input_size), (base.output_size, cfg.rank),
-                                base.weight.dtype)
+                                base.weight)
             _attach(expert, "linear_fc1", LoraLinear(base, "column", {"gate_up_proj": target},
                                                      cfg.scaling, cfg.dropout), added, prefix)
         if "experts.down_proj" in targets:
@@ -443,7 +447,7 @@ def _adapt_experts(name, experts, targets, cfg: LoraConfig) -> list:
 
 def _row_adapter(base, target_name, cfg: LoraConfig) -> LoraLinear:
     target = LoraTarget((cfg.rank, base.input_size_per_partition), (base.output_size, cfg.rank),
-                        base.weight.dtype)
+                        base.weight)
     set_tensor_model_parallel_attributes(target.lora_A, True, 1, 1)
     return LoraLinear(base, "row", {target_name: target}, cfg.scaling, cfg.dropout)
 

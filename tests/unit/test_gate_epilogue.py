@@ -151,19 +151,23 @@ def test_recompute_gives_the_gradients_of_keeping_the_gated_output():
     assert torch.equal(kept[0], recomputed[0]) and torch.equal(kept[1], recomputed[1])
 
 
-@pytest.mark.gpu  # the fused backward is compiled for CUDA only
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused backward runs on CUDA only")
+@pytest.mark.gpu  # the product and the fused backward are compiled for CUDA only
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled product and backward run on CUDA only")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_backward_on_cuda_equals_the_eager_formulas(dtype):
-    """On a GPU, _ScaleHeads' backward is one compiled kernel: its grad_x is the eager product
-    bit for bit, its per-head dots (fp32) the fp64 dot within fp32 rounding of a sum of hn = 128
+def test_compiled_product_and_backward_on_cuda_equal_the_eager_formulas(dtype):
+    """On a GPU, _ScaleHeads' product and its backward are compiled kernels: the product and
+    grad_x are the eager products bit for bit, its per-head dots (fp32) the fp64 dot within fp32 rounding of a sum of hn = 128
     exact products: 1e-5 of the largest."""
     g = torch.Generator().manual_seed(5)
     shape = (64, 2, 8, 128)
     attn = torch.randn(shape, generator=g).to(dtype).cuda().requires_grad_(True)
     scale = torch.sigmoid(torch.randn(shape[:-1], generator=g) * 3).cuda().requires_grad_(True)
     upstream = torch.randn(shape, generator=g).to(dtype).cuda()
-    gated._ScaleHeads.apply(attn, scale).backward(upstream)
+    out = gated._ScaleHeads.apply(attn, scale)
+    out.backward(upstream)
+
+    # The compiled forward product: upstream's arithmetic, as eager computes it.
+    assert torch.equal(out, attn.detach() * scale.detach().to(dtype).unsqueeze(-1))
 
     assert torch.equal(attn.grad, gated._scale_heads(upstream, scale.detach()))
     exact = (upstream.double() * attn.detach().double()).sum(-1)

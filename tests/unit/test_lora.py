@@ -239,6 +239,28 @@ def test_fresh_adapter_changes_nothing_and_targets_are_selectable(run_distribute
         assert targets == ["g_proj", "q_proj"]
 
 
+def _adapters_follow_the_base_device():
+    import mcore_ext
+    from mcore_ext import lora as lora_mod
+
+    mcore_ext.init_parallel(tensor_model_parallel_size=1)
+    _, model = _build(1, "gqa", "fp32")
+    model.to("meta")  # where the launcher has moved the model (a GPU) before LoRA is applied
+    lora_mod.apply_lora(model, lora_mod.LoraConfig(rank=2, targets="all-linear"))
+    adapters = lora_mod.lora_adapters(model)
+    return {f"{name}.{p}": t.device.type for name, adapter in adapters.items()
+            for p, t in [*adapter.named_parameters(), *adapter.named_buffers()]
+            if "lora_" in p or p.endswith(("cols", "rows"))}
+
+
+def test_adapters_are_made_on_the_base_weights_device(run_distributed):
+    """The launcher moves the model to its GPU, then adds the adapters: made on the CPU, they
+    stopped megatron's bf16 optimizer ('Wrapped parameters must be one of torch.cuda...',
+    an H200 run). A model on the meta device stands for the GPU here."""
+    devices = run_distributed(_adapters_follow_the_base_device, world_size=1)[0]
+    assert devices and set(devices.values()) == {"meta"}, devices
+
+
 @pytest.mark.parametrize("fields, message", [
     (dict(rank=-1), "lora.rank must be an integer >= 0, got -1"),
     (dict(rank=4, alpha=0), "lora.alpha must be a number > 0, got 0"),
