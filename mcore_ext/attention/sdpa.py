@@ -196,10 +196,12 @@ class SDPAttention(MegatronModule):
         for start_q, len_q, start_kv, len_kv in zip(layout.starts_q, layout.lengths_q,
                                                     layout.starts_kv, layout.lengths_kv):
             rows_q, rows_kv = slice(start_q, start_q + len_q), slice(start_kv, start_kv + len_kv)
-            # [t_i, n, hn] -> [n, t_i, hn]
-            q, k, v = (x.transpose(0, 1) for x in (query[rows_q], key[rows_kv], value[rows_kv]))
+            # [t_i, n, hn] -> [1, n, t_i, hn]: SDPA's fused kernels take 4-D inputs only (3-D
+            # ones ran its math kernel, a [n, t_i, t_i] score matrix, on a GPU too).
+            q, k, v = (x.transpose(0, 1).unsqueeze(0)
+                       for x in (query[rows_q], key[rows_kv], value[rows_kv]))
             out[rows_q] = self._attend(q, k, v, None, None, causal, dropout_p,
-                                       layout).transpose(0, 1)
+                                       layout)[0].transpose(0, 1)
         return out.reshape(out.size(0), -1)
 
 
