@@ -192,6 +192,9 @@ def _commit() -> str | None:
     """This tree's commit (``-dirty`` with uncommitted changes): from git here, from the wheels'
     manifest on the device (no .git; the manifest is written by ``prepare``)."""
     manifest = os.path.join(WHEELS, "manifest.json")
+    if os.environ.get("OUT") and os.path.exists(manifest):  # the device: its .git is not ours
+        with open(manifest) as f:
+            return json.load(f).get("commit")
     try:
         return subprocess.run(["git", "-C", ROOT, "describe", "--always", "--dirty",
                                "--abbrev=7"], check=True,
@@ -437,9 +440,11 @@ def _compare_gate(results) -> None:
 # ---------------------------------------------------------------------------------- collect
 
 
-def collect(parts: list, results_dir: str = RESULTS) -> str:
+def collect(parts: list, results_dir: str = RESULTS, commit: str | None = None) -> str:
     """Merge stage JSONs (files, or folders holding gpu_check-stage*.json) into
-    ``results_dir/<date>-<device>.json``; a stage collected again replaces its earlier steps."""
+    ``results_dir/<date>-<device>.json``; a step collected again replaces its earlier result, the
+    stage's other steps stay. Each step keeps the commit it ran at: ``commit`` (what was carried
+    to the device) or the stage's own record (the wheels' manifest: the commit ``prepare`` saw)."""
     files = []
     for part in parts:
         files += sorted(glob.glob(os.path.join(part, "gpu_check-stage*.json"))) \
@@ -457,10 +462,13 @@ def collect(parts: list, results_dir: str = RESULTS) -> str:
         with open(path) as f:
             merged = json.load(f)
     for stage in stages:
+        if commit:
+            stage["commit"] = commit
         merged["environment"][str(stage["stage"])] = {
             k: v for k, v in stage.items() if k not in ("steps", "stage")}
-        merged["steps"] = [s for s in merged["steps"] if s["stage"] != stage["stage"]]
-        merged["steps"] += stage["steps"]
+        names = {s["name"] for s in stage["steps"]}
+        merged["steps"] = [s for s in merged["steps"] if s["name"] not in names]
+        merged["steps"] += [dict(s, commit=stage.get("commit")) for s in stage["steps"]]
     merged["steps"].sort(key=lambda s: ([x.name for x in STEPS].index(s["name"])
                                         if s["name"] in {x.name for x in STEPS} else len(STEPS)))
     merged["summary"] = {status: sum(s["status"] == status for s in merged["steps"])
@@ -538,6 +546,8 @@ def main(argv=None) -> int:
     col = sub.add_parser("collect", help="merge stage JSONs into benchmarks/results/")
     col.add_argument("parts", nargs="+", help="stage JSON files or folders holding them")
     col.add_argument("--results", default=RESULTS)
+    col.add_argument("--commit", help="the commit the device ran (default: the stage's record, "
+                                      "the commit of the last prepare)")
     dry = sub.add_parser("dry-run", help="every stage here, then collect (CPU: GPU steps skipped)")
     dry.add_argument("--results", default=RESULTS)
     dry.add_argument("--budget", type=float, default=STAGE_BUDGET_S)
@@ -550,7 +560,7 @@ def main(argv=None) -> int:
         run_stage(args.stage, args.out, args.budget, args.steps)
         print(f"[gpu_check] wrote {os.path.join(args.out, f'gpu_check-stage{args.stage}.json')}")
     elif args.command == "collect":
-        print(f"[gpu_check] wrote {collect(args.parts, args.results)}")
+        print(f"[gpu_check] wrote {collect(args.parts, args.results, args.commit)}")
     elif args.command == "dry-run":
         with tempfile.TemporaryDirectory(prefix="gpu_check_parts_") as parts:
             for number in STAGES:

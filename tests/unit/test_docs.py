@@ -194,7 +194,7 @@ DECISIONS = {
     "python benchmarks/bench_moe.py --dtype bf16 --hidden 4096 --expert-ffn 1280 --tokens 4096":
         Skip(BENCHMARK),
     "bash scripts/gpu_check.sh collect <files_at of the call>": Covered(
-        "tests/unit/test_gpu_check.py::test_collect_replaces_a_stage_collected_again"),
+        "tests/unit/test_gpu_check.py::test_collect_replaces_the_steps_collected_again_and_keeps_the_others"),
     # Checkpoints (docs/checkpoints.md)
     "RUN_DIR=runs/tiny_cpu-<date> bash scripts/pretrain.sh": Covered(
         "tests/functional/test_pretrain.py::test_resume_reaches_the_same_losses"),

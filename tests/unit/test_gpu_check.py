@@ -72,25 +72,32 @@ def test_tests_cut_short_are_read_from_pytest_lines():
     assert figures["tests"]["tests/unit/test_a.py::test_one[sdpa-bf16]"]["status"] == "passed"
 
 
-def test_collect_replaces_a_stage_collected_again(tmp_path):
-    def stage(number, status):
+def test_collect_replaces_the_steps_collected_again_and_keeps_the_others(tmp_path):
+    def stage(number, status, names=None, commit="aaaaaaa"):
         return dict(stage=number, date="2026-01-02", device="NVIDIA H100 80GB HBM3", torch="2.11",
+                    commit=commit,
                     steps=[dict(name=s.name, stage=number, status=status)
-                           for s in gpu_check.STEPS if s.stage == number])
+                           for s in gpu_check.STEPS
+                           if s.stage == number and (names is None or s.name in names)])
 
     for number in (1, 2):
         (tmp_path / f"gpu_check-stage{number}.json").write_text(json.dumps(stage(number, "failed")))
     gpu_check.collect([str(tmp_path)], str(tmp_path / "results"))
     again = tmp_path / "again"
     again.mkdir()
-    (again / "gpu_check-stage2.json").write_text(json.dumps(stage(2, "passed")))
-    path = gpu_check.collect([str(again)], str(tmp_path / "results"))
+    # A later call runs two of stage 2's steps only, at another commit.
+    (again / "gpu_check-stage2.json").write_text(
+        json.dumps(stage(2, "passed", {"gate-cost", "attention-32k-packed-sdpa"})))
+    path = gpu_check.collect([str(again)], str(tmp_path / "results"), commit="bbbbbbb")
     assert path.endswith("2026-01-02-nvidia-h100-80gb-hbm3.json")
     merged = json.loads(Path(path).read_text())
-    status = {s["name"]: s["status"] for s in merged["steps"]}
-    assert len(status) == sum(s.stage in (1, 2) for s in gpu_check.STEPS)
-    assert all(status[s.name] == ("failed" if s.stage == 1 else "passed")
-               for s in gpu_check.STEPS if s.stage in (1, 2))
+    steps = {s["name"]: s for s in merged["steps"]}
+    assert len(steps) == sum(s.stage in (1, 2) for s in gpu_check.STEPS)
+    for s in gpu_check.STEPS:
+        if s.stage in (1, 2):
+            rerun = s.name in ("gate-cost", "attention-32k-packed-sdpa")
+            assert steps[s.name]["status"] == ("passed" if rerun else "failed"), s.name
+            assert steps[s.name]["commit"] == ("bbbbbbb" if rerun else "aaaaaaa"), s.name
 
 
 def test_stages_fit_the_device_calls():
