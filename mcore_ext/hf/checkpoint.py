@@ -282,9 +282,6 @@ def export_checkpoint(ckpt_dir: str, hf_dir: str, *, vocab_size: int | None = No
         reference, directory, cfg.checkpoint.load)
     metadata = dist_checkpointing.load_tensors_metadata(base_dir)
     hybrid = saved_architecture(metadata) == HYBRID
-    if hybrid and adapters.enabled:
-        raise HFConfigError(f"{directory}: hf export of a hybrid LoRA checkpoint is not built "
-                            "yet (docs/known-gaps.md)")
     embedding = metadata.get("embedding.word_embeddings.weight")
     if embedding is None:
         raise HFConfigError(f"{directory}: no embedding.word_embeddings.weight (not a GPT model)")
@@ -341,10 +338,11 @@ def export_checkpoint(ckpt_dir: str, hf_dir: str, *, vocab_size: int | None = No
         raise HFConfigError(f"{directory}: the checkpoint does not fill the model ({err})"
                             ) from None
     del loaded
-    if hybrid:  # the HF layout is written from the GPTModel of the same weights
+    if hybrid:  # the HF layout is written from the GPTModel of the same weights and adapters
         with cuda_to_cpu():
             gpt = build_gpt_model(config, **build)
         gpt.to(device())
+        lora.apply_lora(gpt, adapters)  # each adapter sits where GPT's layer has its linear
         copy_weights(model, gpt, to_hybrid=False)
         model = gpt
     if adapter:

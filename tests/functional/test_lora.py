@@ -532,3 +532,64 @@ def test_lora_fine_tunes_a_bf16_checkpoint(run_distributed, tmp_path):
     tuned = checkpoint_tensors(tmp_path / "lora" / "iter_0000002")
     weights = [k for k in tuned if not k.startswith("optimizer.")]
     assert weights and all(ADAPTER in k for k in weights), weights[:5]
+
+
+# ------------------------------------------------------------ HybridModel: train and export
+
+def _hybrid_lora_exports(tmp):
+    """The dense Step-3.5 miniature as a HybridModel on one rank: a base run of 1 step; LoRA
+    over it for 1 step; the base and the LoRA run exported (merged), and the LoRA run's adapters
+    alone."""
+    from tests.functional.inprocess import launch
+
+    common = [*PP_LORA, "parallelism.pipeline_model_parallel_size=1", "model.architecture=hybrid",
+              "training.train_iters=1", "checkpoint.save_interval=1"]
+    runs = dict(base=launch(*common, f"checkpoint.save={tmp / 'base'}", "checkpoint.load=null"))
+    runs["lora"] = launch(*common, f"checkpoint.load={tmp / 'base'}", "checkpoint.finetune=true",
+                          "lora.rank=4", "lora.alpha=8", "lora.targets=all-linear",
+                          "optimizer.lr=0.05", f"checkpoint.save={tmp / 'lora'}")
+    for name, ckpt, extra in (("hf_base", "base", []), ("hf_lora", "lora", []),
+                              ("peft", "lora", ["--adapter"])):
+        if any(r["code"] for r in runs.values()):
+            break
+        runs[name] = _hf("export", tmp / ckpt, tmp / name, *extra)
+    return runs
+
+
+def test_hybrid_lora_run_exports_its_adapters_and_the_merged_model(run_distributed, tmp_path):
+    """A LoRA run on HybridModel exports as a GPT one does. Its adapters in PEFT's format are the
+    checkpoint's tensors under transformers' names (hybrid layer 2i's attention and 2i + 1's MLP
+    are GPT layer i). The merged export's linears are the base export's plus (alpha / r) B A,
+    from those PEFT tensors (fp32: 1e-6)."""
+    from safetensors.torch import load_file
+
+    runs = run_distributed(_hybrid_lora_exports, tmp_path, world_size=1)[0]
+    assert all(r["code"] == 0 for r in runs.values()), {k: r for k, r in runs.items()
+                                                        if r["code"]}
+    peft = load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    tuned = {k: v for k, v in checkpoint_tensors(tmp_path / "lora" / "iter_0000001").items()
+             if not k.startswith("optimizer.")}
+    assert tuned and all(ADAPTER in k for k in tuned), sorted(tuned)[:5]
+    for key, value in tuned.items():
+        layer, _, local = key.removeprefix("decoder.layers.").partition(".")
+        local, _, rest = local.partition(".targets.")
+        name = f"base_model.model.model.layers.{int(layer) // 2}.{_PEFT_MODULE[local]}.{rest}.weight"
+        assert torch.equal(peft.pop(name), value), name
+    assert not peft, sorted(peft)
+
+    def weights(folder):
+        return {k: v for f in sorted((tmp_path / folder).glob("*.safetensors"))
+                for k, v in load_file(f).items()}
+
+    base, merged = weights("hf_base"), weights("hf_lora")
+    peft = load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    moved = 0
+    for name, a in peft.items():
+        if ".lora_A." not in name:
+            continue
+        b = peft[name.replace(".lora_A.", ".lora_B.")]
+        target = name.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
+        expected = base[target] + (8 / 4) * b @ a
+        assert (merged[target] - expected).abs().max().item() <= 1e-6, target
+        moved += not torch.equal(merged[target], base[target])
+    assert moved > 0 and sorted(base) == sorted(merged)
