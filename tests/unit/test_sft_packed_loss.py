@@ -1,4 +1,4 @@
-"""The SFT loss of packed rows, at TP 2 with sequence parallelism, at CP 2 and at PP 2 (micro-batch
+"""The SFT loss of packed rows, at TP 2 with sequence parallelism, at CP 2, with MoE at EP 2 and at PP 2 (micro-batch
 2 and 1; CP 2 x PP 2 on 4 ranks; TP 2 x PP 2 with -m slow), and Step-3.5's MTP loss of packed
 rows, against plain PyTorch written from the formula.
 
@@ -244,6 +244,64 @@ def test_packed_sft_loss_logits_and_gradients_match_per_document_reference(
         assert r["lm_head_diff"] <= TOL and r["embed_diff"] <= TOL, r
         assert r["others_moved"] <= 1e-6 and r["own_moved"] > 1e-3, r
         assert r["moved"]["prompt"] == 0.0 and r["moved"]["answer"] > 1e-4, r
+
+
+def _packed_moe_sft(ep):
+    """The MoE model of test_moe (layers 2-4 MoE with a shared expert, sigmoid router with its
+    expert bias, clamps) on packed conversations at EP ``ep`` (alltoall), 2 ranks at TP 1: the
+    loss, the logits of each document in its slots and the embedding / lm_head gradients. No
+    balancing loss (it depends on the batch, not on each document)."""
+    import mcore_ext
+    from mcore_ext._cpu_compat import cuda_to_cpu
+    from tests.unit import test_moe
+
+    mcore_ext.init_parallel(expert_model_parallel_size=ep)
+    config = test_moe.moe_config(ep=ep, dispatcher="alltoall", calculate_per_token_loss=True,
+                                 moe_router_load_balancing_type="none")
+    layers = builders.reference_layers(config)
+    weights = test_moe.global_weights(layers)
+    docs = _conversations(test_moe.VOCAB, LENGTHS)
+    batches = _micro_batches(docs, cp=1)
+    ref_weights, expected, doc_logits, _ = _per_document_reference(docs, weights, layers,
+                                                                   test_moe.EPS)
+    with cuda_to_cpu():
+        gpt = mcore_ext.build_gpt_model(config, vocab_size=test_moe.VOCAB,
+                                        max_sequence_length=SEQ, backend="sdpa")
+        test_moe.load_weights(gpt, config, weights)
+        model, _ = builders.ddp_and_optimizer(config, gpt, distributed_optimizer=False)
+        loss = _schedule(model, batches, forward_only=False)
+        params = dict(model.module.named_parameters())
+        grads = {name: params[name].main_grad.clone() for name in
+                 ("output_layer.weight", "embedding.word_embeddings.weight")}
+        logit_diff, matched = 0.0, 0
+        for batch in batches:
+            logits = _logits(model, batch)
+            for at, length in zip(batch["cu_seqlens_padded"][:-1].tolist(),
+                                  batch["cu_seqlens"].diff().tolist()):
+                ids = batch["tokens"][0, at:at + length]
+                for doc, ref in zip(docs, doc_logits):
+                    if len(doc.ids) - 1 == length and torch.equal(
+                            torch.from_numpy(doc.ids[:-1]), ids):
+                        logit_diff = max(logit_diff, (logits[at:at + length] - ref).abs().max())
+                        matched += 1
+    return dict(loss=loss, expected=expected.item(), logit_diff=float(logit_diff),
+                matched=matched,
+                lm_head_diff=(grads["output_layer.weight"] - ref_weights["lm_head"].grad
+                              ).abs().max().item(),
+                embed_diff=(grads["embedding.word_embeddings.weight"] - ref_weights["embed"].grad
+                            ).abs().max().item(),
+                grad_scale=ref_weights["lm_head"].grad.abs().max().item())
+
+
+def test_packed_sft_of_the_moe_model_at_ep2_matches_per_document_reference(run_distributed):
+    """Routing is per token, so each packed document's logits are its own alone (1e-5, fp32);
+    the loss and the gradients are the formula's over the global batch (each DP rank feeds the
+    same rows: the gradients are summed over both and divided by both ranks' loss tokens)."""
+    for r in run_distributed(_packed_moe_sft, 2, world_size=2):
+        assert r["matched"] == len(LENGTHS), r
+        assert abs(r["loss"] - r["expected"]) <= TOL, r
+        assert r["logit_diff"] <= TOL, r
+        assert r["grad_scale"] > 1e-3 and r["lm_head_diff"] <= TOL and r["embed_diff"] <= TOL, r
 
 
 def _per_token_step(data_iterator, model):
