@@ -1,6 +1,6 @@
-"""The SFT loss of packed rows, at TP 2 with sequence parallelism, at CP 2, with MoE at EP 2 and at PP 2 (micro-batch
-2 and 1; CP 2 x PP 2 on 4 ranks; TP 2 x PP 2 with -m slow), and Step-3.5's MTP loss of packed
-rows, against plain PyTorch written from the formula.
+"""The SFT loss of packed rows, at TP 2 with sequence parallelism, at CP 2, with MoE at EP 2 and
+at PP 2 (micro-batch 2 and 1; CP 2 x PP 2 on 4 ranks; TP 2 x PP 2 with -m slow), and Step-3.5's
+MTP loss of packed rows, against plain PyTorch written from the formula.
 
 Conversations of 1 to 8 positions (shorter and longer than the sliding window, 3) are packed by
 the launcher's own ``ChatDataset`` into 4 rows of 8 and collated by ``collate_packed`` into 2 THD
