@@ -23,19 +23,22 @@ well inside the 1e-5 bounds.
 
 import json
 import shutil
+import types
 from pathlib import Path
 
 import pytest
 
-from tests.functional.test_pretrain import TINY, TRACKER, check, losses, torchrun
+from tests.functional.test_pretrain import TINY, TRACKER, check, losses
 
 TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def cp_runs(tmp_path_factory):
+def cp_runs(tmp_path_factory, run_distributed_shared):
     """``cp_runs(name)`` -> the run's result; each run once, when a test first asks for it (the
-    two resumes are opt-in, -m slow: the default run makes three of the five)."""
+    two resumes are opt-in, -m slow: the default run makes three of the five). Each is the
+    launcher's ``main`` in the tests' gloo ranks, 2 or 4 (tests/functional/inprocess.py: no
+    torchrun's imports per run; the launcher's torchrun path at CP 2: test_sft.py's recipe)."""
     tmp = tmp_path_factory.mktemp("pretrain_cp")
     common = [
         "--config", TINY, f"data.prefix={tmp / 'data' / 'stdlib_byte'}",
@@ -65,13 +68,21 @@ def cp_runs(tmp_path_factory):
             (resumed / TRACKER).write_text("5")
             overrides = [*overrides, f"checkpoint.save={resumed}", f"checkpoint.load={resumed}",
                          "checkpoint.save_interval=null"]
-        result = torchrun(*common, f"logging.metrics_file={tmp / name}.jsonl", *overrides,
-                          nproc=nproc)
-        done[name] = check(result, name)
+        result = run_distributed_shared(
+            _launch, *common, f"logging.metrics_file={tmp / name}.jsonl", *overrides,
+            world_size=nproc, timeout=600)[0]
+        done[name] = check(types.SimpleNamespace(returncode=result["code"], **{
+            key: result[key] for key in ("stdout", "stderr")}), name)
         return done[name]
 
     get.tmp = tmp
     return get
+
+
+def _launch(*argv):
+    from tests.functional.inprocess import launch
+
+    return launch(*argv)
 
 
 def grad_norms(path) -> dict[int, float]:
