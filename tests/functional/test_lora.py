@@ -23,12 +23,12 @@ import os
 import shutil
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.functional.inprocess import completed, launch
 from tests.functional.test_megatron_lm_pretrain import checkpoint_tensors
 from tests.functional.test_pretrain import stdlib_prefix  # noqa: F401  (the shared dataset fixture)
 from tests.functional.test_pretrain import (
@@ -58,18 +58,10 @@ def quiet_torchrun(*args) -> subprocess.CompletedProcess:
         env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-def _launch(*argv):
-    from tests.functional.inprocess import launch
-
-    return launch(*argv)
-
-
 def in_process(run_distributed, *args, name):
     """The launcher's ``main`` on the tests' 2 gloo ranks (tests/functional/inprocess.py: no
     torchrun's imports per run), checked as a torchrun (rank 0's output)."""
-    result = run_distributed(_launch, *args, world_size=2, timeout=600)[0]
-    return check(types.SimpleNamespace(returncode=result["code"], stdout=result["stdout"],
-                                       stderr=result["stderr"]), name)
+    return check(completed(run_distributed(launch, *args, world_size=2, timeout=600)[0]), name)
 
 
 @pytest.fixture(scope="module")

@@ -23,11 +23,11 @@ well inside the 1e-5 bounds.
 
 import json
 import shutil
-import types
 from pathlib import Path
 
 import pytest
 
+from tests.functional.inprocess import completed, launch
 from tests.functional.test_pretrain import TINY, TRACKER, check, losses
 
 TOL = 1e-5
@@ -69,20 +69,13 @@ def cp_runs(tmp_path_factory, run_distributed_shared):
             overrides = [*overrides, f"checkpoint.save={resumed}", f"checkpoint.load={resumed}",
                          "checkpoint.save_interval=null"]
         result = run_distributed_shared(
-            _launch, *common, f"logging.metrics_file={tmp / name}.jsonl", *overrides,
+            launch, *common, f"logging.metrics_file={tmp / name}.jsonl", *overrides,
             world_size=nproc, timeout=600)[0]
-        done[name] = check(types.SimpleNamespace(returncode=result["code"], **{
-            key: result[key] for key in ("stdout", "stderr")}), name)
+        done[name] = check(completed(result), name)
         return done[name]
 
     get.tmp = tmp
     return get
-
-
-def _launch(*argv):
-    from tests.functional.inprocess import launch
-
-    return launch(*argv)
 
 
 def grad_norms(path) -> dict[int, float]:

@@ -11,11 +11,11 @@ expert TP 1 (expert TP != TP, sequence parallel, expert DP 2) and ``cp2_ep2`` at
 """
 
 import json
-import types
 from pathlib import Path
 
 import pytest
 
+from tests.functional.inprocess import completed, launch
 from tests.functional.test_pretrain import ROOT, check, torchrun
 from tests.functional.test_pretrain import stdlib_prefix  # noqa: F401  (the shared dataset fixture)
 
@@ -126,8 +126,6 @@ def pp_runs(tmp_path_factory, stdlib_prefix, run_distributed_shared):
 
 def _pp_runs(tmp, data, names):
     """The runs ``names`` of ``pp_runs`` on this rank, each as a finished torchrun's fields."""
-    from tests.functional.inprocess import launch
-
     common = ["--config", MOE_TINY, f"data.prefix={data}", "training.eval_interval=null",
               "logging.log_interval=1", "optimizer.lr_warmup_iters=1", "training.train_iters=3",
               "model.moe_layer_freq=[0,0,1,1]", "parallelism.expert_model_parallel_size=1"]
@@ -143,9 +141,8 @@ def _pp_runs(tmp, data, names):
     }
     out = {}
     for name in names:
-        result = launch(*common, *runs[name], f"logging.metrics_file={tmp / name}.jsonl")
-        out[name] = types.SimpleNamespace(returncode=result["code"], stdout=result["stdout"],
-                                          stderr=result["stderr"])
+        out[name] = completed(launch(*common, *runs[name],
+                                     f"logging.metrics_file={tmp / name}.jsonl"))
     return out
 
 
