@@ -3,7 +3,8 @@
 Three fp32 training runs are shared by the tests (module fixture, ~1 minute on 2 cores):
 
     full     TP=2, 20 steps, checkpoint at 10 and 20
-    tp1      TP=1 x DP=2 resuming a copy of ``full``'s step-10 checkpoint, to step 20
+    tp1      TP=1 x DP=2 resuming a copy of ``full``'s step-10 checkpoint, to step 20 (the
+             launcher's ``main`` in the tests' gloo ranks, tests/functional/inprocess.py)
     second   TP=2 resuming another copy of it, to step 20
 
 bf16 (``bf16_runs``, per layout: TP=2, and TP=1 x DP=2 with the distributed optimizer) runs 30
@@ -28,6 +29,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.functional.inprocess import completed, launch
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCHER = str(ROOT / "launch" / "pretrain.py")
@@ -89,7 +92,7 @@ def stdlib_prefix(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, stdlib_prefix):
+def runs(tmp_path_factory, stdlib_prefix, run_distributed_shared):
     tmp = tmp_path_factory.mktemp("pretrain")
     common = [
         "--config", TINY,
@@ -106,10 +109,11 @@ def runs(tmp_path_factory, stdlib_prefix):
     for name in ("tp1_start", "resumed"):  # the step-10 checkpoint, as a job stopped there left it
         shutil.copytree(tmp / "full" / "iter_0000010", tmp / name / "iter_0000010")
         (tmp / name / TRACKER).write_text("10")
-    out["tp1"] = run(
-        "tp1", f"checkpoint.load={tmp / 'tp1_start'}", f"checkpoint.save={tmp / 'tp1'}",
-        "parallelism.tensor_model_parallel_size=1",
-    )
+    # The reshard in the tests' gloo ranks (tests/functional/inprocess.py: no torchrun's imports)
+    out["tp1"] = check(completed(run_distributed_shared(
+        launch, *common, f"logging.metrics_file={tmp / 'tp1'}.jsonl",
+        f"checkpoint.load={tmp / 'tp1_start'}", f"checkpoint.save={tmp / 'tp1'}",
+        "parallelism.tensor_model_parallel_size=1", world_size=2, timeout=600)[0]), "tp1")
     out["second"] = run(
         "second", f"checkpoint.save={tmp / 'resumed'}", f"checkpoint.load={tmp / 'resumed'}"
     )
@@ -207,8 +211,6 @@ def bf16_runs(request, tmp_path_factory, stdlib_prefix, run_distributed_shared):
 
 
 def _bf16_runs(tmp, data, layout):
-    from tests.functional.inprocess import launch
-
     common = [
         "--config", TINY, f"data.prefix={data}", "training.precision=bf16",
         "training.train_iters=30", "training.eval_interval=null", "logging.log_interval=1",
@@ -280,9 +282,10 @@ def test_fp16_skips_overflowing_steps_then_trains(tmp_path, stdlib_prefix):
 
 
 @pytest.fixture(scope="module")
-def backend_runs(tmp_path_factory, stdlib_prefix):
+def backend_runs(tmp_path_factory, stdlib_prefix, run_distributed_shared):
     """``run(backend)``: 10 fp32 steps at TP 2 with the gate, multi-head attention (as many query
-    groups as heads) and 4 samples per micro-batch; each backend runs once, on first use."""
+    groups as heads) and 4 samples per micro-batch; each backend runs once, on first use, as the
+    launcher's ``main`` in the tests' gloo ranks (tests/functional/inprocess.py)."""
     tmp = tmp_path_factory.mktemp("backends")
     done = {}
 
@@ -290,15 +293,16 @@ def backend_runs(tmp_path_factory, stdlib_prefix):
         if backend not in done:
             (tmp / backend).mkdir()
             metrics = tmp / backend / "metrics.jsonl"  # config.yaml goes beside it
-            result = check(torchrun(
+            result = check(completed(run_distributed_shared(
+                launch,
                 "--config", TINY, f"data.prefix={stdlib_prefix}", f"logging.metrics_file={metrics}",
                 f"model.attention_backend={backend}", "model.num_query_groups=4",
                 "parallelism.tensor_model_parallel_size=2", "training.precision=fp32",
                 "training.micro_batch_size=4", "training.global_batch_size=8",
                 "training.train_iters=10", "optimizer.lr_warmup_iters=2",
                 "training.eval_interval=null", "logging.log_interval=1",
-                "checkpoint.save=null", "checkpoint.load=null",
-            ), backend)
+                "checkpoint.save=null", "checkpoint.load=null", world_size=2, timeout=600,
+            )[0]), backend)
             done[backend] = (result, losses(metrics))
         return done[backend]
 

@@ -12,11 +12,11 @@ import contextlib
 import json
 import math
 import shutil
-import types
 from pathlib import Path
 
 import pytest
 
+from tests.functional.inprocess import completed, launch
 from tests.functional.test_pretrain import (ROOT, TINY, TRACKER, check, check_exact_resume,
                                             losses, torchrun)
 
@@ -39,7 +39,7 @@ def recipe_runs(tmp_path_factory, run_distributed_shared):
     (resumed / TRACKER).write_text("4")
     for name, result in run_distributed_shared(_resumed_recipe_runs, tmp, world_size=2,
                                                timeout=600)[0].items():
-        out[name] = check(_completed(result), name)
+        out[name] = check(completed(result), name)
     return out
 
 
@@ -49,17 +49,10 @@ def _recipe_args(tmp, name):
             f"data.cache_dir={tmp / 'cache'}", f"logging.metrics_file={tmp / name}.jsonl"]
 
 
-def _completed(result):
-    """tests/functional/inprocess.py's result as check() reads a torchrun's."""
-    return types.SimpleNamespace(returncode=result["code"], stdout=result["stdout"],
-                                 stderr=result["stderr"])
-
-
 def _resumed_recipe_runs(tmp):
     """``tp1`` and ``same`` of ``recipe_runs`` on this rank, from the checkout as torchrun runs
     (the recipe names its data relative to it)."""
     from mcore_ext.data import chat
-    from tests.functional.inprocess import launch
 
     chat._FILES.clear()  # each start reads the cache, not an earlier test's memo
     resumed = tmp / "resumed"
@@ -143,10 +136,11 @@ def test_bad_chat_line_under_torchrun_is_one_error_before_training(tmp_path):
     pytest.param(["parallelism.tensor_model_parallel_size=1",
                   "parallelism.pipeline_model_parallel_size=2"], marks=pytest.mark.slow),
 ], ids=["tp2", "pp2"])
-def test_document_masking_trains_text_as_packed_documents(tmp_path, layout):
+def test_document_masking_trains_text_as_packed_documents(run_distributed, tmp_path, layout):
     """configs/tiny_cpu.yaml at TP 2 on short documents (several per 128-token sample), each
     attending only to itself; at TP 1 x PP 2 (-m slow) the stages exchange each micro-batch of
-    8 samples as one [1024, 1, h] THD sequence."""
+    8 samples as one [1024, 1, h] THD sequence. The launcher's ``main`` in the tests' gloo
+    ranks (tests/functional/inprocess.py)."""
     from mcore_ext.data.preprocess import preprocess
 
     texts = tmp_path / "docs.jsonl"
@@ -154,11 +148,12 @@ def test_document_masking_trains_text_as_packed_documents(tmp_path, layout):
                              for i in range(400)))
     preprocess([str(texts)], str(tmp_path / "docs"))
     metrics = tmp_path / "metrics.jsonl"
-    check(torchrun("--config", TINY, "data.source=files", f"data.prefix={tmp_path / 'docs'}",
-                   "data.document_masking=true", "training.train_iters=6",
-                   "training.eval_interval=null", "optimizer.lr_warmup_iters=2",
-                   "logging.log_interval=1", "checkpoint.save=null", "checkpoint.load=null",
-                   f"logging.metrics_file={metrics}", *layout), "document_masking")
+    check(completed(run_distributed(
+        launch, "--config", TINY, "data.source=files", f"data.prefix={tmp_path / 'docs'}",
+        "data.document_masking=true", "training.train_iters=6", "training.eval_interval=null",
+        "optimizer.lr_warmup_iters=2", "logging.log_interval=1", "checkpoint.save=null",
+        "checkpoint.load=null", f"logging.metrics_file={metrics}", *layout, world_size=2,
+        timeout=600)[0]), "document_masking")
     loss = losses(metrics)
     assert sorted(loss) == list(range(1, 7)) and loss[6] < loss[1], loss
 
@@ -203,7 +198,6 @@ def _pipeline_runs(tmp_path, layout):
     import torch.distributed as dist
 
     from mcore_ext.data import chat
-    from tests.functional.inprocess import launch
 
     chat._FILES.clear()  # each start reads the cache, not an earlier test's memo
     common = [*_pipeline_args(tmp_path, *layout), "checkpoint.save_interval=3"]
@@ -228,9 +222,9 @@ def _pipeline_run_and_resume(run_distributed, tmp_path, name, nproc, *layout):
     (``check_exact_resume``). Returns the two runs."""
     full, again = run_distributed(_pipeline_runs, tmp_path, layout, world_size=nproc,
                                   timeout=600)[0]
-    full = check(_completed(full), name)
+    full = check(completed(full), name)
     assert all(math.isfinite(mtp[0]) for _, mtp in _train_losses(tmp_path / "full.jsonl").values())
-    again = check(_completed(again), f"{name} resumed")
+    again = check(completed(again), f"{name} resumed")
     check_exact_resume(tmp_path, again, steps=6, saved_at=3)
     return full, again
 
@@ -238,7 +232,6 @@ def _pipeline_run_and_resume(run_distributed, tmp_path, name, nproc, *layout):
 def _pp1_run(tmp_path, checkpoint):
     """The recipe at PP 1 from ``checkpoint``, on this (one) rank, from the checkout."""
     from mcore_ext.data import chat
-    from tests.functional.inprocess import launch
 
     chat._FILES.clear()
     with contextlib.chdir(ROOT):
@@ -263,7 +256,7 @@ def test_recipe_at_pipeline_parallel_2_trains_and_resumes_exactly_and_at_pp1(run
     at_3 = tmp_path / "at_pp1"
     shutil.copytree(tmp_path / "ckpt" / "iter_0000003", at_3 / "iter_0000003")
     (at_3 / TRACKER).write_text("3")
-    pp1 = check(_completed(run_distributed(_pp1_run, tmp_path, at_3, world_size=1,
+    pp1 = check(completed(run_distributed(_pp1_run, tmp_path, at_3, world_size=1,
                                            timeout=600)[0]), "pp1")
     assert "layout {'tp': 1, 'pp': 2, 'dp': 1} -> {'tp': 1, 'pp': 1, 'dp': 1}" in pp1.stdout
     continued = _train_losses(tmp_path / "full.jsonl")
