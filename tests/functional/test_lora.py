@@ -10,8 +10,8 @@ weights); the base's files are untouched. A copy of its iteration 8 resumes to t
 run's losses bit for bit; another goes TP 2 -> TP 1 (x DP 2) -> TP 2 over 9..12 and 13..16 with
 the same losses within 1e-4 (fp32). A base changed since the adapters were saved is one line,
 exit code 2. The run's iteration-16 adapters, written in PEFT's format, start a new run
-(``lora.init_from``) at the LoRA run's validation loss. The base and LoRA runs and the changed
-base go through torchrun; the resume, the reshard's two runs and the PEFT start are the
+(``lora.init_from``) at the LoRA run's validation loss. The LoRA run and the changed base go
+through torchrun; the base run, the resume, the reshard's two runs and the PEFT start are the
 launcher's ``main`` in the tests' gloo ranks (no torchrun's imports). So is the MoE + MTP test
 at the end (routed experts' adapters saved at EP 2, resumed at EP 1 and back at EP 2).
 So do the PP 2 tests (the dense Step-3.5 miniature at TP 1 x PP 2: exact resume, PP 2 -> PP 1
@@ -65,15 +65,16 @@ def in_process(run_distributed, *args, name):
 
 
 @pytest.fixture(scope="module")
-def lora_runs(tmp_path_factory, stdlib_prefix):
+def lora_runs(tmp_path_factory, stdlib_prefix, run_distributed_shared):
     tmp = tmp_path_factory.mktemp("lora")
     # Evaluated at the end only (the same validation batches in both runs).
     common = ["--config", TINY, f"data.prefix={stdlib_prefix}", "training.eval_interval=100",
               "logging.log_interval=1", "parallelism.sequence_parallel=true",
               "optimizer.lr_warmup_iters=2", "model.num_query_groups=1"]
-    check(torchrun(*common, "training.train_iters=6", "checkpoint.save_interval=3",
-                   f"checkpoint.save={tmp / 'base'}", f"checkpoint.load={tmp / 'base'}",
-                   f"logging.metrics_file={tmp / 'base.jsonl'}"), "base")
+    in_process(run_distributed_shared, *common, "training.train_iters=6",
+               "checkpoint.save_interval=3", f"checkpoint.save={tmp / 'base'}",
+               f"checkpoint.load={tmp / 'base'}", f"logging.metrics_file={tmp / 'base.jsonl'}",
+               name="base")
     lora = [*common, f"checkpoint.load={tmp / 'base'}", "checkpoint.finetune=true",
             "lora.rank=8", "lora.alpha=16", "lora.targets=all-linear", "optimizer.lr=1e-2",
             "optimizer.lr_decay_style=constant", "checkpoint.save_interval=8"]

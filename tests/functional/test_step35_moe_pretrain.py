@@ -87,16 +87,18 @@ def test_step35_moe_tiny_trains_at_ep4_and_resumes_exactly_and_at_other_layouts(
                 name, step, full[step], other[step])
 
 
-def test_step35_moe_tiny_trains_in_bf16_at_ep2(tmp_path, stdlib_prefix):  # noqa: F811
+def test_step35_moe_tiny_trains_in_bf16_at_ep2(run_distributed, tmp_path,
+                                              stdlib_prefix):  # noqa: F811
     """bf16 (megatron's Float16Module and mixed-precision optimizer; the router in fp32) at
-    EP 2 on 2 ranks: main and MTP losses both fall over 8 steps."""
+    EP 2 on 2 ranks: main and MTP losses both fall over 8 steps. The launcher's ``main`` in the
+    tests' gloo ranks (tests/functional/inprocess.py)."""
     metrics = tmp_path / "bf16.jsonl"
-    result = check(torchrun("--config", MOE_TINY, f"data.prefix={stdlib_prefix}",
-                            "training.train_iters=8", "training.eval_interval=null",
-                            "training.global_batch_size=4", "training.precision=bf16",
-                            "parallelism.expert_model_parallel_size=2", "checkpoint.save=null",
-                            "checkpoint.load=null", "logging.log_interval=1",
-                            f"logging.metrics_file={metrics}", nproc=2), "bf16")
+    result = check(completed(run_distributed(
+        launch, "--config", MOE_TINY, f"data.prefix={stdlib_prefix}", "training.train_iters=8",
+        "training.eval_interval=null", "training.global_batch_size=4", "training.precision=bf16",
+        "parallelism.expert_model_parallel_size=2", "checkpoint.save=null",
+        "checkpoint.load=null", "logging.log_interval=1", f"logging.metrics_file={metrics}",
+        world_size=2, timeout=600)[0]), "bf16")
     assert "(experts: EP 2)" in result.stdout and "bf16 on cpu" in result.stdout
     records = _train_records(metrics)
     assert sorted(records) == list(range(1, 9))
