@@ -397,6 +397,15 @@ def process_mtp_loss(**kwargs):
     return _mtp.process_mtp_loss(**supported_kwargs(_mtp.process_mtp_loss, **kwargs))
 
 
+def reset_mtp_losses() -> None:
+    """Empty megatron's MTP loss tracker, a class attribute kept for the whole process: sized by
+    the first model that tracks, and zeroed (not emptied) after each step. A second run in the
+    same process (``mcore_ext.training.main`` called again) would otherwise find the earlier
+    run's zeros on a pipeline stage without the MTP depth (``take_mtp_losses`` counts them: the
+    logged MTP loss halved at PP 2) or a tracker of another depth (IndexError)."""
+    _mtp.MTPLossLoggingHelper.tracker.clear()
+
+
 def take_mtp_losses(num_layers: int):
     """This rank's MTP losses since the last call, one per depth, summed over micro-batches (as
     megatron's MTPLossLoggingHelper tracks them in training: 'values' up to 0.17,

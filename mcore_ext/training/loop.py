@@ -238,6 +238,7 @@ class _Trainer:
         self.cfg = cfg
         self.signals = signals  # faults.ExitSignalHandler with checkpoint.exit_on_signal
         self.rank0 = dist.get_rank() == 0
+        _mcore_compat.reset_mtp_losses()  # nothing of an earlier run in this process
 
         tokenizer = prepare_tokenizer_and_data(cfg)
         self.vocab_size = padded_vocab_size(tokenizer.vocab_size, cfg)

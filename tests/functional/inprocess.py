@@ -5,6 +5,7 @@ import contextlib
 import io
 import json
 import traceback
+import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,6 +34,13 @@ def launch(*argv) -> dict:
         except BaseException:  # noqa: BLE001  (what the user would see as a traceback)
             code = "raised " + traceback.format_exc()
     return {"code": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
+
+
+def completed(result: dict) -> types.SimpleNamespace:
+    """A rank's ``launch`` result as the fields of a finished torchrun (``returncode``,
+    ``stdout``, ``stderr``), for tests that read either."""
+    return types.SimpleNamespace(returncode=result["code"], stdout=result["stdout"],
+                                 stderr=result["stderr"])
 
 
 def start_lines(stdout: str) -> list[str]:

@@ -4,10 +4,10 @@ trains (loss and MTP loss fall), and resumes exactly from its checkpoint; a GPT 
 with its MTP layer continues as a hybrid run (``gpt_to_hybrid_runs``), and the reverse is
 refused.
 
-Two torchrun runs (about 40-60 s on 2 loaded cores): ``full`` runs 8 steps saving at 4 and 8;
-``resumed`` starts from a copy of ``full``'s iteration 4 (the only one its save directory
-tracks) and runs to 8. Same layout, weights, optimizer state, data position and RNG: steps 5-8
-must give the same floats.
+``full`` runs 8 steps through torchrun, saving at 4 and 8; ``resumed`` starts from a copy of
+``full``'s iteration 4 (the only one its save directory tracks) and runs to 8, the launcher's
+``main`` in the tests' gloo ranks (tests/functional/inprocess.py). Same layout, weights,
+optimizer state, data position and RNG: steps 5-8 must give the same floats.
 """
 
 import json
@@ -15,6 +15,7 @@ import shutil
 
 import pytest
 
+from tests.functional.inprocess import completed, launch
 from tests.functional.test_pretrain import (  # noqa: F401 (stdlib_prefix: a fixture)
     ROOT, TINY, TRACKER, check, check_exact_resume, losses, stdlib_prefix, torchrun)
 
@@ -31,7 +32,7 @@ def mtp_losses(path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def hybrid_runs(tmp_path_factory, stdlib_prefix):
+def hybrid_runs(tmp_path_factory, stdlib_prefix, run_distributed_shared):
     from mcore_ext import _mcore_compat
 
     if not _mcore_compat.has_hybrid_model():
@@ -44,9 +45,10 @@ def hybrid_runs(tmp_path_factory, stdlib_prefix):
                           f"logging.metrics_file={tmp / 'full.jsonl'}"), "full")
     shutil.copytree(tmp / "full" / "iter_0000004", tmp / "resumed" / "iter_0000004")
     (tmp / "resumed" / TRACKER).write_text("4")
-    resumed = check(torchrun(*common, f"checkpoint.save={tmp / 'resumed'}",
-                             f"checkpoint.load={tmp / 'resumed'}",
-                             f"logging.metrics_file={tmp / 'resumed.jsonl'}"), "resumed")
+    resumed = check(completed(run_distributed_shared(
+        launch, *common, f"checkpoint.save={tmp / 'resumed'}",
+        f"checkpoint.load={tmp / 'resumed'}", f"logging.metrics_file={tmp / 'resumed.jsonl'}",
+        world_size=2, timeout=600)[0]), "resumed")
     return dict(tmp=tmp, full=full, resumed=resumed)
 
 
@@ -68,10 +70,11 @@ def test_hybrid_run_trains_and_resumes_exactly(hybrid_runs):
 
 
 @pytest.fixture(scope="module")
-def gpt_to_hybrid_runs(tmp_path_factory, stdlib_prefix):
+def gpt_to_hybrid_runs(tmp_path_factory, stdlib_prefix, run_distributed_shared):
     """A GPT run of 8 steps at TP 2 (saves 4 and 8), and its iteration 4 continued to 8 as a
-    hybrid run at TP 2 and at TP 1 x DP 2 (three torchrun runs, about 2.5 minutes on 2 loaded
-    cores)."""
+    hybrid run at TP 2 and at TP 1 x DP 2: the launcher's ``main`` in the tests' 2 gloo ranks
+    (tests/functional/inprocess.py; both architectures' torchrun path: ``hybrid_runs`` and
+    test_pretrain.py)."""
     from mcore_ext import _mcore_compat
 
     if not _mcore_compat.has_hybrid_model():
@@ -80,14 +83,18 @@ def gpt_to_hybrid_runs(tmp_path_factory, stdlib_prefix):
     common = ["--config", TINY, f"data.prefix={stdlib_prefix}", *SMALL, "training.train_iters=8",
               "checkpoint.save_interval=4"]
     out = {"tmp": tmp}
-    out["gpt"] = check(torchrun(*common, f"checkpoint.save={tmp / 'gpt'}",
-                                f"checkpoint.load={tmp / 'gpt'}",
-                                f"logging.metrics_file={tmp / 'gpt.jsonl'}"), "gpt")
+
+    def run(name, *overrides):
+        return check(completed(run_distributed_shared(
+            launch, *common, *overrides, f"logging.metrics_file={tmp / name}.jsonl",
+            world_size=2, timeout=600)[0]), name)
+
+    out["gpt"] = run("gpt", f"checkpoint.save={tmp / 'gpt'}", f"checkpoint.load={tmp / 'gpt'}")
     for name, tp in (("hybrid", 2), ("hybrid_tp1", 1)):
-        out[name] = check(torchrun(
-            *common, "model.architecture=hybrid", f"parallelism.tensor_model_parallel_size={tp}",
-            f"checkpoint.load={tmp / 'gpt' / 'iter_0000004'}", f"checkpoint.save={tmp / name}",
-            f"logging.metrics_file={tmp / name}.jsonl"), name)
+        out[name] = run(name, "model.architecture=hybrid",
+                        f"parallelism.tensor_model_parallel_size={tp}",
+                        f"checkpoint.load={tmp / 'gpt' / 'iter_0000004'}",
+                        f"checkpoint.save={tmp / name}")
     return out
 
 

@@ -10,9 +10,10 @@ weights); the base's files are untouched. A copy of its iteration 8 resumes to t
 run's losses bit for bit; another goes TP 2 -> TP 1 (x DP 2) -> TP 2 over 9..12 and 13..16 with
 the same losses within 1e-4 (fp32). A base changed since the adapters were saved is one line,
 exit code 2. The run's iteration-16 adapters, written in PEFT's format, start a new run
-(``lora.init_from``) at the LoRA run's validation loss. Seven torchrun runs: 2.5 minutes on 2
-idle cores (15 on the loaded ones where it was written). The MoE + MTP test at the end (routed
-experts' adapters saved at EP 2, resumed at EP 1 and back at EP 2) runs the launcher in process.
+(``lora.init_from``) at the LoRA run's validation loss. The LoRA run and the changed base go
+through torchrun; the base run, the resume, the reshard's two runs and the PEFT start are the
+launcher's ``main`` in the tests' gloo ranks (no torchrun's imports). So is the MoE + MTP test
+at the end (routed experts' adapters saved at EP 2, resumed at EP 1 and back at EP 2).
 So do the PP 2 tests (the dense Step-3.5 miniature at TP 1 x PP 2: exact resume, PP 2 -> PP 1
 x DP 2 and -> TP 2, the adapters in PEFT's format written at PP 2 and loaded by a PP 2 run).
 """
@@ -27,6 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.functional.inprocess import completed, launch
 from tests.functional.test_megatron_lm_pretrain import checkpoint_tensors
 from tests.functional.test_pretrain import stdlib_prefix  # noqa: F401  (the shared dataset fixture)
 from tests.functional.test_pretrain import (
@@ -56,16 +58,23 @@ def quiet_torchrun(*args) -> subprocess.CompletedProcess:
         env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
+def in_process(run_distributed, *args, name):
+    """The launcher's ``main`` on the tests' 2 gloo ranks (tests/functional/inprocess.py: no
+    torchrun's imports per run), checked as a torchrun (rank 0's output)."""
+    return check(completed(run_distributed(launch, *args, world_size=2, timeout=600)[0]), name)
+
+
 @pytest.fixture(scope="module")
-def lora_runs(tmp_path_factory, stdlib_prefix):
+def lora_runs(tmp_path_factory, stdlib_prefix, run_distributed_shared):
     tmp = tmp_path_factory.mktemp("lora")
     # Evaluated at the end only (the same validation batches in both runs).
     common = ["--config", TINY, f"data.prefix={stdlib_prefix}", "training.eval_interval=100",
               "logging.log_interval=1", "parallelism.sequence_parallel=true",
               "optimizer.lr_warmup_iters=2", "model.num_query_groups=1"]
-    check(torchrun(*common, "training.train_iters=6", "checkpoint.save_interval=3",
-                   f"checkpoint.save={tmp / 'base'}", f"checkpoint.load={tmp / 'base'}",
-                   f"logging.metrics_file={tmp / 'base.jsonl'}"), "base")
+    in_process(run_distributed_shared, *common, "training.train_iters=6",
+               "checkpoint.save_interval=3", f"checkpoint.save={tmp / 'base'}",
+               f"checkpoint.load={tmp / 'base'}", f"logging.metrics_file={tmp / 'base.jsonl'}",
+               name="base")
     lora = [*common, f"checkpoint.load={tmp / 'base'}", "checkpoint.finetune=true",
             "lora.rank=8", "lora.alpha=16", "lora.targets=all-linear", "optimizer.lr=1e-2",
             "optimizer.lr_decay_style=constant", "checkpoint.save_interval=8"]
@@ -109,11 +118,12 @@ def test_lora_run_trains_adapters_only(lora_runs):
     assert size["lora"] < size["base"] / 2, size
 
 
-def test_lora_run_resumes_exactly_from_its_adapters(lora_runs):
+def test_lora_run_resumes_exactly_from_its_adapters(lora_runs, run_distributed):
     tmp, _, lora = lora_runs
     copy_checkpoint(tmp / "lora", 8, tmp / "resumed")
-    result = check(torchrun(*lora, "training.train_iters=16", f"checkpoint.save={tmp / 'resumed'}",
-                            f"logging.metrics_file={tmp / 'resumed.jsonl'}"), "resumed")
+    result = in_process(run_distributed, *lora, "training.train_iters=16",
+                        f"checkpoint.save={tmp / 'resumed'}",
+                        f"logging.metrics_file={tmp / 'resumed.jsonl'}", name="resumed")
     assert f"the base weights from {tmp / 'base' / 'iter_0000006'}" in result.stdout, \
         result.stdout[-2000:]
     full, resumed = losses(tmp / "lora.jsonl"), losses(tmp / "resumed.jsonl")
@@ -121,18 +131,18 @@ def test_lora_run_resumes_exactly_from_its_adapters(lora_runs):
     assert {it: full[it] for it in resumed} == resumed  # bit for bit
 
 
-def test_lora_adapters_reshard_tp2_tp1_tp2(lora_runs):
+def test_lora_adapters_reshard_tp2_tp1_tp2(lora_runs, run_distributed):
     """Iteration 8 (TP 2: q / k / v's B whole on each rank) resumed at TP 1 x DP 2 to 12 (B one
     shard), then at TP 2 to 16: the uninterrupted run's losses within 1e-4 (fp32; the TP and DP
     reductions sum in another order)."""
     tmp, _, lora = lora_runs
     copy_checkpoint(tmp / "lora", 8, tmp / "reshard")
     out = [f"checkpoint.save={tmp / 'reshard'}", f"logging.metrics_file={tmp / 'reshard.jsonl'}"]
-    tp1 = check(torchrun(*lora, *out, "training.train_iters=12",
-                         "parallelism.tensor_model_parallel_size=1",
-                         "parallelism.sequence_parallel=false"), "tp1")
+    tp1 = in_process(run_distributed, *lora, *out, "training.train_iters=12",
+                     "parallelism.tensor_model_parallel_size=1",
+                     "parallelism.sequence_parallel=false", name="tp1")
     assert "TP 1 x PP 1 x DP 2" in tp1.stdout
-    check(torchrun(*lora, *out, "training.train_iters=16"), "tp2")
+    in_process(run_distributed, *lora, *out, "training.train_iters=16", name="tp2")
     full, resharded = losses(tmp / "lora.jsonl"), losses(tmp / "reshard.jsonl")
     assert sorted(resharded) == list(range(9, 17))
     for it, loss in resharded.items():
@@ -167,7 +177,7 @@ _PEFT_MODULE = {"self_attention.linear_qkv_lora": "self_attn",
                 "mlp.linear_fc1_lora": "mlp", "mlp.linear_fc2_lora": "mlp"}
 
 
-def test_a_new_run_starts_from_a_peft_adapter(lora_runs):
+def test_a_new_run_starts_from_a_peft_adapter(lora_runs, run_distributed):
     """The LoRA run's iteration-16 adapters written in PEFT's format by the test (the
     checkpoint's global tensors under transformers' module names); a new run over the same base
     with ``lora.init_from`` and lr 0 validates after its one step to the LoRA run's loss at 16."""
@@ -189,11 +199,11 @@ def test_a_new_run_starts_from_a_peft_adapter(lora_runs):
                "down_proj"]
     (adapter / "adapter_config.json").write_text(json.dumps(
         {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": targets}))
-    result = check(torchrun(*lora, "training.train_iters=1", "optimizer.lr=0",
-                            "optimizer.lr_warmup_iters=0",
-                            "optimizer.min_lr=0", f"lora.init_from={adapter}",
-                            f"checkpoint.save={tmp / 'from_peft'}",
-                            f"logging.metrics_file={tmp / 'from_peft.jsonl'}"), "from_peft")
+    result = in_process(run_distributed, *lora, "training.train_iters=1", "optimizer.lr=0",
+                        "optimizer.lr_warmup_iters=0",
+                        "optimizer.min_lr=0", f"lora.init_from={adapter}",
+                        f"checkpoint.save={tmp / 'from_peft'}",
+                        f"logging.metrics_file={tmp / 'from_peft.jsonl'}", name="from_peft")
     assert f"LoRA adapters from {adapter}" in result.stdout, result.stdout[-2000:]
     started, trained = (valid_losses(tmp / f"{n}.jsonl") for n in ("from_peft", "lora"))
     assert started[1] == pytest.approx(trained[16], abs=1e-6, rel=0), (started, trained)

@@ -2,12 +2,12 @@
 gated config at TP 2 on 2 gloo ranks trains, resumes exactly, and reshards to TP 1; the tiny
 Step-3.5 MoE config (MTP included) at EP 2 trains and resumes exactly.
 
-Three torchrun runs (about 1.5 min on 2 loaded cores), with ``muon_tp_mode=duplicated`` so that a
+Three runs of the launcher's ``main`` in the tests' 2 gloo ranks (tests/functional/inprocess.py;
+the launcher's torchrun path: test_pretrain.py), with ``muon_tp_mode=duplicated`` so that a
 projection is orthogonalised whole at any TP: ``full`` runs 8 steps saving at 4 and 8;
 ``resumed`` starts from a copy of ``full``'s iteration 4 and runs to 8 at TP 2 (same floats);
 ``tp1`` does the same at TP 1 x DP 2 (same losses within 1e-4, as the Adam runs' TP change).
-The MoE config at EP 2 runs in the test's gloo ranks (tests/functional/inprocess.py: no
-torchrun, no imports per run): ``full`` 6 steps saving at 3, ``resumed`` from 3, bit for bit,
+The MoE config at EP 2 the same way (no torchrun, no imports per run): ``full`` 6 steps saving at 3, ``resumed`` from 3, bit for bit,
 routed experts' momentum in the expert-parallel optimizer, the router and the MTP head on Adam;
 the same on megatron's layer-wise distributed optimizer (slow). A config error is one line and exit code 2.
 """
@@ -18,8 +18,7 @@ import types
 import pytest
 
 from tests.functional.test_pretrain import (  # noqa: F401 (stdlib_prefix: a fixture)
-    ROOT, TINY, TRACKER, check, check_exact_resume, launcher, losses, stdlib_prefix,
-    torchrun)
+    ROOT, TINY, TRACKER, check_exact_resume, launcher, losses, stdlib_prefix)
 
 MOE_TINY = str(ROOT / "configs" / "step35_moe_tiny_cpu.yaml")
 
@@ -29,24 +28,37 @@ MUON = ["optimizer.type=muon", "optimizer.muon_tp_mode=duplicated", "optimizer.l
 
 
 @pytest.fixture(scope="module")
-def muon_runs(tmp_path_factory, stdlib_prefix):
+def muon_runs(tmp_path_factory, stdlib_prefix, run_distributed_shared):
     from mcore_ext import _mcore_compat
 
     if not _mcore_compat.has_muon():
         pytest.skip(f"megatron-core {_mcore_compat.megatron_core_version()} has no Muon")
     tmp = tmp_path_factory.mktemp("muon")
-    common = ["--config", TINY, f"data.prefix={stdlib_prefix}", *SMALL, *MUON,
+    runs = run_distributed_shared(_muon_runs, tmp, stdlib_prefix, world_size=2, timeout=600)[0]
+    for name, result in runs.items():
+        assert result["code"] == 0, (name, result)
+    return dict(tmp=tmp, **{name: types.SimpleNamespace(**result) for name, result in runs.items()})
+
+
+def _muon_runs(tmp, data):
+    """``full``, ``resumed`` and ``tp1`` in this rank's process (tests/functional/inprocess.py)."""
+    import torch.distributed as dist
+
+    from tests.functional.inprocess import launch
+
+    common = ["--config", TINY, f"data.prefix={data}", *SMALL, *MUON,
               "training.train_iters=8", "checkpoint.save_interval=4"]
-    runs = dict(tmp=tmp)
-    runs["full"] = check(torchrun(*common, f"checkpoint.save={tmp / 'full'}",
-                                  f"checkpoint.load={tmp / 'full'}",
-                                  f"logging.metrics_file={tmp / 'full.jsonl'}"), "full")
+    runs = {"full": launch(*common, f"checkpoint.save={tmp / 'full'}",
+                           f"checkpoint.load={tmp / 'full'}",
+                           f"logging.metrics_file={tmp / 'full.jsonl'}")}
     for name, layout in (("resumed", []), ("tp1", ["parallelism.tensor_model_parallel_size=1"])):
-        shutil.copytree(tmp / "full" / "iter_0000004", tmp / name / "iter_0000004")
-        (tmp / name / TRACKER).write_text("4")
-        runs[name] = check(torchrun(*common, *layout, f"checkpoint.save={tmp / name}",
-                                    f"checkpoint.load={tmp / name}",
-                                    f"logging.metrics_file={tmp / name}.jsonl"), name)
+        if dist.get_rank() == 0:
+            shutil.copytree(tmp / "full" / "iter_0000004", tmp / name / "iter_0000004")
+            (tmp / name / TRACKER).write_text("4")
+        dist.barrier()
+        runs[name] = launch(*common, *layout, f"checkpoint.save={tmp / name}",
+                            f"checkpoint.load={tmp / name}",
+                            f"logging.metrics_file={tmp / name}.jsonl")
     return runs
 
 

@@ -1,15 +1,16 @@
 """The pretraining launcher end to end: torchrun, 2 gloo ranks, the tiny gated config.
 
-Four fp32 training runs are shared by the tests (module fixture, ~1.5 minutes on 2 cores):
+Three fp32 training runs are shared by the tests (module fixture, ~1 minute on 2 cores):
 
     full     TP=2, 20 steps, checkpoint at 10 and 20
-    first    TP=2, same job stopped by exit_interval=10 (checkpoint at 10)
-    tp1      TP=1 x DP=2 resuming ``first``'s step-10 checkpoint, to step 20
-    second   TP=2 resuming ``first``'s step-10 checkpoint, to step 20
+    tp1      TP=1 x DP=2 resuming a copy of ``full``'s step-10 checkpoint, to step 20 (the
+             launcher's ``main`` in the tests' gloo ranks, tests/functional/inprocess.py)
+    second   TP=2 resuming another copy of it, to step 20
 
 bf16 (``bf16_runs``, per layout: TP=2, and TP=1 x DP=2 with the distributed optimizer) runs 30
-steps uninterrupted and as 15 + 15 through a checkpoint (~2 minutes per layout). Short runs per
-attention backend (``backend_runs``) check that each trains and matches SDPA.
+steps uninterrupted and as 15 (stopped by exit_interval) + 15 through a checkpoint, in the tests'
+gloo ranks (~1 minute per layout). Short runs per attention backend (``backend_runs``) check that
+each trains and matches SDPA.
 
 Rank 0 writes a JSON-lines metrics file per run; the tests compare the losses in them. The smoke
 test of each megatron-core release (``-m smoke``) makes two short runs of its own.
@@ -23,10 +24,13 @@ import shutil
 import socket
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.functional.inprocess import completed, launch
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCHER = str(ROOT / "launch" / "pretrain.py")
@@ -88,7 +92,7 @@ def stdlib_prefix(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, stdlib_prefix):
+def runs(tmp_path_factory, stdlib_prefix, run_distributed_shared):
     tmp = tmp_path_factory.mktemp("pretrain")
     common = [
         "--config", TINY,
@@ -102,14 +106,14 @@ def runs(tmp_path_factory, stdlib_prefix):
 
     out = {"tmp": tmp}
     out["full"] = run("full", f"checkpoint.save={tmp / 'full'}", f"checkpoint.load={tmp / 'full'}")
-    out["first"] = run(
-        "first", f"checkpoint.save={tmp / 'resumed'}", f"checkpoint.load={tmp / 'resumed'}",
-        "training.exit_interval=10",
-    )
-    out["tp1"] = run(
-        "tp1", f"checkpoint.load={tmp / 'resumed'}", f"checkpoint.save={tmp / 'tp1'}",
-        "parallelism.tensor_model_parallel_size=1",
-    )
+    for name in ("tp1_start", "resumed"):  # the step-10 checkpoint, as a job stopped there left it
+        shutil.copytree(tmp / "full" / "iter_0000010", tmp / name / "iter_0000010")
+        (tmp / name / TRACKER).write_text("10")
+    # The reshard in the tests' gloo ranks (tests/functional/inprocess.py: no torchrun's imports)
+    out["tp1"] = check(completed(run_distributed_shared(
+        launch, *common, f"logging.metrics_file={tmp / 'tp1'}.jsonl",
+        f"checkpoint.load={tmp / 'tp1_start'}", f"checkpoint.save={tmp / 'tp1'}",
+        "parallelism.tensor_model_parallel_size=1", world_size=2, timeout=600)[0]), "tp1")
     out["second"] = run(
         "second", f"checkpoint.save={tmp / 'resumed'}", f"checkpoint.load={tmp / 'resumed'}"
     )
@@ -124,9 +128,8 @@ def test_loss_falls(runs):
 
 def test_resume_reaches_the_same_losses(runs):
     full = losses(runs["tmp"] / "full.jsonl")
-    first = losses(runs["tmp"] / "first.jsonl")
     second = losses(runs["tmp"] / "second.jsonl")
-    assert sorted(first) == list(range(1, 11)) and sorted(second) == list(range(11, 21))
+    assert sorted(second) == list(range(11, 21))
     # Same layout, weights, optimizer, schedule, data position and RNG: the same floats.
     assert [second[step] for step in range(11, 21)] == [full[step] for step in range(11, 21)]
     assert "resumed from" in runs["second"].stdout and "RNG not restored" not in runs["second"].stdout
@@ -188,26 +191,37 @@ BF16_LAYOUTS = {
 }
 
 
-# TP 2 in bf16 is opt-in (-m slow; ~2 minutes of CI): the gated layer's bf16 numerics at TP 2 are
-# tested against the reference in tests/unit, and the exact bf16 resume here at DP 2.
+# TP 2 in bf16 is opt-in (-m slow): the gated layer's bf16 numerics at TP 2 are tested against
+# the reference in tests/unit, and the exact bf16 resume here at DP 2.
 @pytest.fixture(scope="module", params=[pytest.param("tp2", marks=pytest.mark.slow),
                                         "dp2_distributed_optimizer"])
-def bf16_runs(request, tmp_path_factory, stdlib_prefix):
-    """bf16 (megatron's Float16Module + mixed-precision optimizer), 30 steps: uninterrupted, and
-    stopped at 15 by exit_interval then resumed. Only the interrupted job saves."""
+def bf16_runs(request, tmp_path_factory, stdlib_prefix, run_distributed_shared):
+    """bf16 (megatron's Float16Module + mixed-precision optimizer), 30 steps of 8 samples:
+    uninterrupted, and stopped at 15 by exit_interval then resumed. Only the interrupted job
+    saves. The three runs are the launcher's ``main`` in the tests' 2 gloo ranks
+    (tests/functional/inprocess.py): bf16 matmuls are slow on a CPU, so the samples per step are
+    half the config's, and no run pays torchrun's imports (the runs above launch through it)."""
     tmp = tmp_path_factory.mktemp(f"bf16_{request.param}")
+    outputs = run_distributed_shared(_bf16_runs, tmp, stdlib_prefix, request.param,
+                                     world_size=2, timeout=900)
+    for name, result in outputs[0].items():
+        assert result["code"] == 0, (name, result, outputs[1][name])
+    return {"tmp": tmp, **{name: types.SimpleNamespace(**result)
+                           for name, result in outputs[0].items()}}
+
+
+def _bf16_runs(tmp, data, layout):
     common = [
-        "--config", TINY, f"data.prefix={stdlib_prefix}", "training.precision=bf16",
+        "--config", TINY, f"data.prefix={data}", "training.precision=bf16",
         "training.train_iters=30", "training.eval_interval=null", "logging.log_interval=1",
-        *BF16_LAYOUTS[request.param],
+        "training.micro_batch_size=4", "training.global_batch_size=8", *BF16_LAYOUTS[layout],
     ]
 
     def run(name, *overrides):
-        return check(torchrun(*common, f"logging.metrics_file={tmp / name}.jsonl", *overrides), name)
+        return launch(*common, f"logging.metrics_file={tmp / name}.jsonl", *overrides)
 
     ckpt = tmp / "ckpt"
     return {
-        "tmp": tmp,
         "full": run("full", "checkpoint.save=null", "checkpoint.load=null"),
         "first": run("first", f"checkpoint.save={ckpt}", f"checkpoint.load={ckpt}",
                      "training.exit_interval=15"),
@@ -268,9 +282,10 @@ def test_fp16_skips_overflowing_steps_then_trains(tmp_path, stdlib_prefix):
 
 
 @pytest.fixture(scope="module")
-def backend_runs(tmp_path_factory, stdlib_prefix):
+def backend_runs(tmp_path_factory, stdlib_prefix, run_distributed_shared):
     """``run(backend)``: 10 fp32 steps at TP 2 with the gate, multi-head attention (as many query
-    groups as heads) and 4 samples per micro-batch; each backend runs once, on first use."""
+    groups as heads) and 4 samples per micro-batch; each backend runs once, on first use, as the
+    launcher's ``main`` in the tests' gloo ranks (tests/functional/inprocess.py)."""
     tmp = tmp_path_factory.mktemp("backends")
     done = {}
 
@@ -278,15 +293,16 @@ def backend_runs(tmp_path_factory, stdlib_prefix):
         if backend not in done:
             (tmp / backend).mkdir()
             metrics = tmp / backend / "metrics.jsonl"  # config.yaml goes beside it
-            result = check(torchrun(
+            result = check(completed(run_distributed_shared(
+                launch,
                 "--config", TINY, f"data.prefix={stdlib_prefix}", f"logging.metrics_file={metrics}",
                 f"model.attention_backend={backend}", "model.num_query_groups=4",
                 "parallelism.tensor_model_parallel_size=2", "training.precision=fp32",
                 "training.micro_batch_size=4", "training.global_batch_size=8",
                 "training.train_iters=10", "optimizer.lr_warmup_iters=2",
                 "training.eval_interval=null", "logging.log_interval=1",
-                "checkpoint.save=null", "checkpoint.load=null",
-            ), backend)
+                "checkpoint.save=null", "checkpoint.load=null", world_size=2, timeout=600,
+            )[0]), backend)
             done[backend] = (result, losses(metrics))
         return done[backend]
 

@@ -27,15 +27,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.functional.test_pretrain import TINY, TRACKER, check, losses, torchrun
+from tests.functional.inprocess import completed, launch
+from tests.functional.test_pretrain import TINY, TRACKER, check, losses
 
 TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def cp_runs(tmp_path_factory):
+def cp_runs(tmp_path_factory, run_distributed_shared):
     """``cp_runs(name)`` -> the run's result; each run once, when a test first asks for it (the
-    two resumes are opt-in, -m slow: the default run makes three of the five)."""
+    two resumes are opt-in, -m slow: the default run makes three of the five). Each is the
+    launcher's ``main`` in the tests' gloo ranks, 2 or 4 (tests/functional/inprocess.py: no
+    torchrun's imports per run; the launcher's torchrun path at CP 2: test_sft.py's recipe)."""
     tmp = tmp_path_factory.mktemp("pretrain_cp")
     common = [
         "--config", TINY, f"data.prefix={tmp / 'data' / 'stdlib_byte'}",
@@ -65,9 +68,10 @@ def cp_runs(tmp_path_factory):
             (resumed / TRACKER).write_text("5")
             overrides = [*overrides, f"checkpoint.save={resumed}", f"checkpoint.load={resumed}",
                          "checkpoint.save_interval=null"]
-        result = torchrun(*common, f"logging.metrics_file={tmp / name}.jsonl", *overrides,
-                          nproc=nproc)
-        done[name] = check(result, name)
+        result = run_distributed_shared(
+            launch, *common, f"logging.metrics_file={tmp / name}.jsonl", *overrides,
+            world_size=nproc, timeout=600)[0]
+        done[name] = check(completed(result), name)
         return done[name]
 
     get.tmp = tmp

@@ -1,12 +1,14 @@
 """Fine-tuning on chat data through the launcher: configs/step35_sft_tiny_cpu.yaml as written (the
 tiny Step-3.5 with MoE + MTP, TP 2 + SP, packed conversations of configs/sft_tiny) on 2 gloo
-ranks, shortened to 8 steps and saving at 4 (~1.5 minutes on 2 busy cores), then resumed from its
-step-4 checkpoint at TP 2 and at TP 1 x DP 2 to step 8 (~40 s each); a bad line of chat data
-under torchrun is one error before training; the recipe at CP 2 trains; the recipe at PP 2 trains
-and resumes exactly, also at PP 1; at CP 2 x PP 2 and EP 2 x PP 2 (-m slow) it trains and resumes
-exactly; pretraining text with data.document_masking trains.
+ranks through torchrun, shortened to 8 steps and saving at 4 (~1 minute on 2 busy cores), then
+resumed from its step-4 checkpoint at TP 2 and at TP 1 x DP 2 to step 8 in the tests' gloo ranks
+(the launcher's ``main``, tests/functional/inprocess.py); a bad line of chat data under torchrun
+is one error before training; the recipe at CP 2 trains; the recipe at PP 2 trains and resumes
+exactly, also at PP 1 (in the tests' ranks); at CP 2 x PP 2 and EP 2 x PP 2 (-m slow) it trains
+and resumes exactly; pretraining text with data.document_masking trains.
 """
 
+import contextlib
 import json
 import math
 import shutil
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.functional.inprocess import completed, launch
 from tests.functional.test_pretrain import (ROOT, TINY, TRACKER, check, check_exact_resume,
                                             losses, torchrun)
 
@@ -22,28 +25,46 @@ STEPS = 8
 
 
 @pytest.fixture(scope="module")
-def recipe_runs(tmp_path_factory):
-    """The recipe for 8 steps (checkpoints at 4 and 8); a copy of its step-4 checkpoint resumed
-    at the same layout, and the step-4 checkpoint resumed at TP 1 x DP 2 (no SP), both to 8."""
+def recipe_runs(tmp_path_factory, run_distributed_shared):
+    """The recipe for 8 steps (checkpoints at 4 and 8) through torchrun; a copy of its step-4
+    checkpoint resumed at the same layout, and the step-4 checkpoint resumed at TP 1 x DP 2 (no
+    SP), both to 8, as the launcher's ``main`` in the tests' 2 gloo ranks (no torchrun's imports
+    per run: tests/functional/inprocess.py)."""
     tmp = tmp_path_factory.mktemp("sft")
-    common = ["--config", RECIPE, f"training.train_iters={STEPS}", "training.eval_interval=8",
-              "logging.log_interval=1", "checkpoint.save_interval=4",
-              f"data.cache_dir={tmp / 'cache'}"]
-
-    def run(name, *overrides):
-        return check(torchrun(*common, f"logging.metrics_file={tmp / name}.jsonl", *overrides),
-                     name)
-
     out = {"tmp": tmp}
-    out["full"] = run("full", f"checkpoint.save={tmp / 'ckpt'}", "checkpoint.load=null")
+    out["full"] = check(torchrun(*_recipe_args(tmp, "full"), f"checkpoint.save={tmp / 'ckpt'}",
+                                 "checkpoint.load=null"), "full")
     resumed = tmp / "resumed"
     shutil.copytree(tmp / "ckpt" / "iter_0000004", resumed / "iter_0000004")
     (resumed / TRACKER).write_text("4")
-    out["tp1"] = run("tp1", "checkpoint.save=null", f"checkpoint.load={resumed}",
-                     "parallelism.tensor_model_parallel_size=1",
-                     "parallelism.sequence_parallel=false")
-    out["same"] = run("same", f"checkpoint.save={resumed}", f"checkpoint.load={resumed}")
+    for name, result in run_distributed_shared(_resumed_recipe_runs, tmp, world_size=2,
+                                               timeout=600)[0].items():
+        out[name] = check(completed(result), name)
     return out
+
+
+def _recipe_args(tmp, name):
+    return ["--config", RECIPE, f"training.train_iters={STEPS}", "training.eval_interval=8",
+            "logging.log_interval=1", "checkpoint.save_interval=4",
+            f"data.cache_dir={tmp / 'cache'}", f"logging.metrics_file={tmp / name}.jsonl"]
+
+
+def _resumed_recipe_runs(tmp):
+    """``tp1`` and ``same`` of ``recipe_runs`` on this rank, from the checkout as torchrun runs
+    (the recipe names its data relative to it)."""
+    from mcore_ext.data import chat
+
+    chat._FILES.clear()  # each start reads the cache, not an earlier test's memo
+    resumed = tmp / "resumed"
+    with contextlib.chdir(ROOT):
+        return {
+            "tp1": launch(*_recipe_args(tmp, "tp1"), "checkpoint.save=null",
+                          f"checkpoint.load={resumed}",
+                          "parallelism.tensor_model_parallel_size=1",
+                          "parallelism.sequence_parallel=false"),
+            "same": launch(*_recipe_args(tmp, "same"), f"checkpoint.save={resumed}",
+                           f"checkpoint.load={resumed}"),
+        }
 
 
 def test_recipe_fine_tunes_packed_conversations_and_loss_falls(recipe_runs):
@@ -115,10 +136,11 @@ def test_bad_chat_line_under_torchrun_is_one_error_before_training(tmp_path):
     pytest.param(["parallelism.tensor_model_parallel_size=1",
                   "parallelism.pipeline_model_parallel_size=2"], marks=pytest.mark.slow),
 ], ids=["tp2", "pp2"])
-def test_document_masking_trains_text_as_packed_documents(tmp_path, layout):
+def test_document_masking_trains_text_as_packed_documents(run_distributed, tmp_path, layout):
     """configs/tiny_cpu.yaml at TP 2 on short documents (several per 128-token sample), each
     attending only to itself; at TP 1 x PP 2 (-m slow) the stages exchange each micro-batch of
-    8 samples as one [1024, 1, h] THD sequence."""
+    8 samples as one [1024, 1, h] THD sequence. The launcher's ``main`` in the tests' gloo
+    ranks (tests/functional/inprocess.py)."""
     from mcore_ext.data.preprocess import preprocess
 
     texts = tmp_path / "docs.jsonl"
@@ -126,11 +148,12 @@ def test_document_masking_trains_text_as_packed_documents(tmp_path, layout):
                              for i in range(400)))
     preprocess([str(texts)], str(tmp_path / "docs"))
     metrics = tmp_path / "metrics.jsonl"
-    check(torchrun("--config", TINY, "data.source=files", f"data.prefix={tmp_path / 'docs'}",
-                   "data.document_masking=true", "training.train_iters=6",
-                   "training.eval_interval=null", "optimizer.lr_warmup_iters=2",
-                   "logging.log_interval=1", "checkpoint.save=null", "checkpoint.load=null",
-                   f"logging.metrics_file={metrics}", *layout), "document_masking")
+    check(completed(run_distributed(
+        launch, "--config", TINY, "data.source=files", f"data.prefix={tmp_path / 'docs'}",
+        "data.document_masking=true", "training.train_iters=6", "training.eval_interval=null",
+        "optimizer.lr_warmup_iters=2", "logging.log_interval=1", "checkpoint.save=null",
+        "checkpoint.load=null", f"logging.metrics_file={metrics}", *layout, world_size=2,
+        timeout=600)[0]), "document_masking")
     loss = losses(metrics)
     assert sorted(loss) == list(range(1, 7)) and loss[6] < loss[1], loss
 
@@ -160,49 +183,81 @@ def _train_losses(path):
     return {r["iteration"]: (r["loss"], r["mtp_losses"]) for r in records if r["kind"] == "train"}
 
 
-def _pipeline_run_and_resume(tmp_path, name, nproc, *layout):
+def _pipeline_args(tmp_path, *layout):
     """The recipe at TP 1 and ``layout`` (PP 2 and the global batch in it), lr 6e-3 after 2
-    warmup steps, 6 steps saving at 3, then a copy of the step-3 checkpoint resumed at the same
-    layout to 6 (``check_exact_resume``). Returns the two runs."""
-    common = ["--config", RECIPE, "parallelism.tensor_model_parallel_size=1",
-              "parallelism.sequence_parallel=false", *layout, "training.train_iters=6",
-              "optimizer.lr_warmup_iters=2", "optimizer.lr=6e-3", "training.eval_interval=null",
-              "logging.log_interval=1", "checkpoint.save_interval=3"]
-    full = check(torchrun(*common, f"checkpoint.save={tmp_path / 'ckpt'}", "checkpoint.load=null",
-                          f"logging.metrics_file={tmp_path / 'full.jsonl'}", nproc=nproc), name)
+    warmup steps, 6 steps."""
+    return ["--config", RECIPE, "parallelism.tensor_model_parallel_size=1",
+            "parallelism.sequence_parallel=false", *layout, "training.train_iters=6",
+            "optimizer.lr_warmup_iters=2", "optimizer.lr=6e-3", "training.eval_interval=null",
+            "logging.log_interval=1", f"data.cache_dir={tmp_path / 'cache'}"]
+
+
+def _pipeline_runs(tmp_path, layout):
+    """On this rank, from the checkout (the recipe names its data relative to it): the recipe at
+    ``layout`` saving at 3, then a copy of its step-3 checkpoint resumed to 6."""
+    import torch.distributed as dist
+
+    from mcore_ext.data import chat
+
+    chat._FILES.clear()  # each start reads the cache, not an earlier test's memo
+    common = [*_pipeline_args(tmp_path, *layout), "checkpoint.save_interval=3"]
+    with contextlib.chdir(ROOT):
+        full = launch(*common, f"checkpoint.save={tmp_path / 'ckpt'}", "checkpoint.load=null",
+                      f"logging.metrics_file={tmp_path / 'full.jsonl'}")
+        if full["code"]:
+            return full, None
+        resumed = tmp_path / "resumed"
+        if dist.get_rank() == 0:
+            shutil.copytree(tmp_path / "ckpt" / "iter_0000003", resumed / "iter_0000003")
+            (resumed / TRACKER).write_text("3")
+        dist.barrier()
+        again = launch(*common, f"checkpoint.save={resumed}", f"checkpoint.load={resumed}",
+                       f"logging.metrics_file={tmp_path / 'resumed.jsonl'}")
+    return full, again
+
+
+def _pipeline_run_and_resume(run_distributed, tmp_path, name, nproc, *layout):
+    """``_pipeline_runs`` on ``nproc`` gloo ranks (the launcher's ``main`` in the tests' ranks:
+    tests/functional/inprocess.py); the resume repeats steps 4-6 to the last bit
+    (``check_exact_resume``). Returns the two runs."""
+    full, again = run_distributed(_pipeline_runs, tmp_path, layout, world_size=nproc,
+                                  timeout=600)[0]
+    full = check(completed(full), name)
     assert all(math.isfinite(mtp[0]) for _, mtp in _train_losses(tmp_path / "full.jsonl").values())
-    resumed = tmp_path / "resumed"
-    shutil.copytree(tmp_path / "ckpt" / "iter_0000003", resumed / "iter_0000003")
-    (resumed / TRACKER).write_text("3")
-    again = check(torchrun(*common, f"checkpoint.save={resumed}", f"checkpoint.load={resumed}",
-                           f"logging.metrics_file={tmp_path / 'resumed.jsonl'}", nproc=nproc),
-                  f"{name} resumed")
+    again = check(completed(again), f"{name} resumed")
     check_exact_resume(tmp_path, again, steps=6, saved_at=3)
     return full, again
 
 
-def test_recipe_at_pipeline_parallel_2_trains_and_resumes_exactly_and_at_pp1(tmp_path):
+def _pp1_run(tmp_path, checkpoint):
+    """The recipe at PP 1 from ``checkpoint``, on this (one) rank, from the checkout."""
+    from mcore_ext.data import chat
+
+    chat._FILES.clear()
+    with contextlib.chdir(ROOT):
+        return launch(*_pipeline_args(tmp_path, "training.global_batch_size=4"),
+                      "checkpoint.save=null", f"checkpoint.load={checkpoint}",
+                      f"logging.metrics_file={tmp_path / 'pp1.jsonl'}")
+
+
+def test_recipe_at_pipeline_parallel_2_trains_and_resumes_exactly_and_at_pp1(run_distributed,
+                                                                              tmp_path):
     """The recipe at TP 1 x PP 2 (layers 1-2 | 3-4, MoE on both stages, the MTP depth on the
     last): each packed micro-batch of 2 rows crosses the stages as one [256, 1, h] THD sequence,
     2 micro-batches per step through the 1F1B schedule. 6 steps saving at 3, then a copy of the
     step-3 checkpoint resumed to 6: the loss falls below 0.8 x its first (0.73 x measured) and
     steps 4-6 repeat to the last bit. The step-3 checkpoint also resumes at PP 1 (one process,
     the same 2 micro-batches of 2 rows): the PP 2 run's main and MTP losses of steps 4-6 (the
-    same floats measured; 1e-5 allowed for the order of reductions). ~23 CPU seconds for the PP
-    1 run, 106 in all on the loaded 2 cores."""
+    same floats measured; 1e-5 allowed for the order of reductions). All in the tests' gloo
+    ranks (2, then 1)."""
     pp2 = ["parallelism.pipeline_model_parallel_size=2", "training.global_batch_size=4"]
-    full, _ = _pipeline_run_and_resume(tmp_path, "pp2", 2, *pp2)
+    full, _ = _pipeline_run_and_resume(run_distributed, tmp_path, "pp2", 2, *pp2)
     assert "world 2 = TP 1 x PP 2 x DP 1" in full.stdout and "2 micro-batches" in full.stdout
     at_3 = tmp_path / "at_pp1"
     shutil.copytree(tmp_path / "ckpt" / "iter_0000003", at_3 / "iter_0000003")
     (at_3 / TRACKER).write_text("3")
-    pp1 = check(torchrun("--config", RECIPE, "parallelism.tensor_model_parallel_size=1",
-                         "parallelism.sequence_parallel=false", "training.global_batch_size=4",
-                         "training.train_iters=6", "optimizer.lr_warmup_iters=2",
-                         "optimizer.lr=6e-3", "training.eval_interval=null",
-                         "logging.log_interval=1", "checkpoint.save=null",
-                         f"checkpoint.load={at_3}",
-                         f"logging.metrics_file={tmp_path / 'pp1.jsonl'}", nproc=1), "pp1")
+    pp1 = check(completed(run_distributed(_pp1_run, tmp_path, at_3, world_size=1,
+                                           timeout=600)[0]), "pp1")
     assert "layout {'tp': 1, 'pp': 2, 'dp': 1} -> {'tp': 1, 'pp': 1, 'dp': 1}" in pp1.stdout
     continued = _train_losses(tmp_path / "full.jsonl")
     at_pp1 = _train_losses(tmp_path / "pp1.jsonl")
@@ -220,12 +275,13 @@ def test_recipe_at_pipeline_parallel_2_trains_and_resumes_exactly_and_at_pp1(tmp
     (["parallelism.expert_model_parallel_size=2", "parallelism.pipeline_model_parallel_size=2",
       "training.global_batch_size=8"], "world 4 = TP 1 x PP 2 x DP 2 (experts: EP 2)"),
 ], ids=["cp2_pp2", "ep2_pp2"])
-def test_recipe_at_4_rank_pipeline_layouts_trains_and_resumes_exactly(tmp_path, layout, world):
+def test_recipe_at_4_rank_pipeline_layouts_trains_and_resumes_exactly(run_distributed, tmp_path,
+                                                                     layout, world):
     """The recipe on 4 ranks, 2 micro-batches of 2 packed rows per step: CP 2 x PP 2 (each
     document split over the CP ranks on both stages, the THD micro-batch crossing the stages as
     [128, 1, h]) and EP 2 x PP 2 (DP 2; the 4 experts of each MoE layer 2 per rank on both
     stages, the MTP depth's MoE on the last). 6 steps saving at 3, the loss below 0.8 x its first
     (0.74 x and 0.73 x measured), steps 4-6 resumed from 3 to the last bit. ~150 CPU seconds
     each (both runs), hence slow."""
-    full, _ = _pipeline_run_and_resume(tmp_path, world, 4, *layout)
+    full, _ = _pipeline_run_and_resume(run_distributed, tmp_path, world, 4, *layout)
     assert world in full.stdout and "2 micro-batches" in full.stdout, full.stdout

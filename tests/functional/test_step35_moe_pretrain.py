@@ -10,11 +10,12 @@ expert TP 1 (expert TP != TP, sequence parallel, expert DP 2) and ``cp2_ep2`` at
 (DP 2; MTP under CP too); these must match within 1e-3 (fp32; other reduction orders).
 """
 
-import pytest
-
 import json
 from pathlib import Path
 
+import pytest
+
+from tests.functional.inprocess import completed, launch
 from tests.functional.test_pretrain import ROOT, check, torchrun
 from tests.functional.test_pretrain import stdlib_prefix  # noqa: F401  (the shared dataset fixture)
 
@@ -86,16 +87,18 @@ def test_step35_moe_tiny_trains_at_ep4_and_resumes_exactly_and_at_other_layouts(
                 name, step, full[step], other[step])
 
 
-def test_step35_moe_tiny_trains_in_bf16_at_ep2(tmp_path, stdlib_prefix):  # noqa: F811
+def test_step35_moe_tiny_trains_in_bf16_at_ep2(run_distributed, tmp_path,
+                                              stdlib_prefix):  # noqa: F811
     """bf16 (megatron's Float16Module and mixed-precision optimizer; the router in fp32) at
-    EP 2 on 2 ranks: main and MTP losses both fall over 8 steps."""
+    EP 2 on 2 ranks: main and MTP losses both fall over 8 steps. The launcher's ``main`` in the
+    tests' gloo ranks (tests/functional/inprocess.py)."""
     metrics = tmp_path / "bf16.jsonl"
-    result = check(torchrun("--config", MOE_TINY, f"data.prefix={stdlib_prefix}",
-                            "training.train_iters=8", "training.eval_interval=null",
-                            "training.global_batch_size=4", "training.precision=bf16",
-                            "parallelism.expert_model_parallel_size=2", "checkpoint.save=null",
-                            "checkpoint.load=null", "logging.log_interval=1",
-                            f"logging.metrics_file={metrics}", nproc=2), "bf16")
+    result = check(completed(run_distributed(
+        launch, "--config", MOE_TINY, f"data.prefix={stdlib_prefix}", "training.train_iters=8",
+        "training.eval_interval=null", "training.global_batch_size=4", "training.precision=bf16",
+        "parallelism.expert_model_parallel_size=2", "checkpoint.save=null",
+        "checkpoint.load=null", "logging.log_interval=1", f"logging.metrics_file={metrics}",
+        world_size=2, timeout=600)[0]), "bf16")
     assert "(experts: EP 2)" in result.stdout and "bf16 on cpu" in result.stdout
     records = _train_records(metrics)
     assert sorted(records) == list(range(1, 9))
@@ -106,29 +109,42 @@ def test_step35_moe_tiny_trains_in_bf16_at_ep2(tmp_path, stdlib_prefix):  # noqa
 
 
 @pytest.fixture(scope="module")
-def pp_runs(tmp_path_factory, stdlib_prefix):
+def pp_runs(tmp_path_factory, stdlib_prefix, run_distributed_shared):
     """With moe_layer_freq [0, 0, 1, 1] at PP 2, stage 0 has no MoE layer and stage 1 has two
     and the MTP depth. ``start``: 3 PP 2 steps, saved after each; ``pp2`` and ``pp1``: 3 steps
     each from its step-1 weights (checkpoint.finetune: the same weights, a fresh optimizer, the
     same samples); ``pp1_resume``: resumes its step-1 checkpoint (optimizer state included) at
-    PP 1."""
+    PP 1. The launcher's ``main`` in the tests' gloo ranks, 2 and 1 (tests/functional/inprocess.py:
+    four runs of 3 steps would spend most of their time importing under torchrun)."""
     tmp = tmp_path_factory.mktemp("step35_moe_pp")
-    common = ["--config", MOE_TINY, f"data.prefix={stdlib_prefix}", "training.eval_interval=null",
-              "logging.log_interval=1", "optimizer.lr_warmup_iters=1",
+    out = {"tmp": tmp}
+    out.update(run_distributed_shared(_pp_runs, tmp, stdlib_prefix, ("start", "pp2"),
+                                      world_size=2, timeout=600)[0])
+    check(out["start"], "start")
+    out.update(run_distributed_shared(_pp_runs, tmp, stdlib_prefix, ("pp1", "pp1_resume"),
+                                      world_size=1, timeout=600)[0])
+    return out
+
+
+def _pp_runs(tmp, data, names):
+    """The runs ``names`` of ``pp_runs`` on this rank, each as a finished torchrun's fields."""
+    common = ["--config", MOE_TINY, f"data.prefix={data}", "training.eval_interval=null",
+              "logging.log_interval=1", "optimizer.lr_warmup_iters=1", "training.train_iters=3",
               "model.moe_layer_freq=[0,0,1,1]", "parallelism.expert_model_parallel_size=1"]
     pp2 = "parallelism.pipeline_model_parallel_size=2"
-    out = {"tmp": tmp}
-    out["start"] = check(torchrun(*common, pp2, "training.train_iters=3",
-                                  "checkpoint.save_interval=1",
-                                  f"checkpoint.save={tmp / 'start'}", "checkpoint.load=null",
-                                  f"logging.metrics_file={tmp / 'start'}.jsonl", nproc=2), "start")
     step1 = tmp / "start" / "iter_0000001"
-    for name, layout, nproc, start in (("pp2", [pp2], 2, ["checkpoint.finetune=true"]),
-                                       ("pp1", [], 1, ["checkpoint.finetune=true"]),
-                                       ("pp1_resume", [], 1, [])):
-        out[name] = torchrun(*common, *layout, *start, "training.train_iters=3",
-                             f"checkpoint.load={step1}", "checkpoint.save=null",
-                             f"logging.metrics_file={tmp / name}.jsonl", nproc=nproc)
+    runs = {
+        "start": [pp2, "checkpoint.save_interval=1", f"checkpoint.save={tmp / 'start'}",
+                  "checkpoint.load=null"],
+        "pp2": [pp2, "checkpoint.finetune=true", f"checkpoint.load={step1}",
+                "checkpoint.save=null"],
+        "pp1": ["checkpoint.finetune=true", f"checkpoint.load={step1}", "checkpoint.save=null"],
+        "pp1_resume": [f"checkpoint.load={step1}", "checkpoint.save=null"],
+    }
+    out = {}
+    for name in names:
+        out[name] = completed(launch(*common, *runs[name],
+                                     f"logging.metrics_file={tmp / name}.jsonl"))
     return out
 
 

@@ -2,7 +2,8 @@
 
 - import at TP 2, export at PP 2: every tensor bit-identical, same keys;
 - each bad input is one clear error, and nothing is written;
-- import, 20 launcher steps at TP 2 (torchrun), export, and transformers loads the result.
+- import, 20 launcher steps at TP 2 (its main in the tests' gloo ranks), export, and
+  transformers loads the result.
 """
 
 import json
@@ -14,6 +15,7 @@ import sys
 import pytest
 import torch
 
+from tests.functional.inprocess import completed, launch
 from tests.functional.test_pretrain import LAUNCHER, ROOT, check, losses, torchrun
 from mcore_ext.hf import HFConfigError
 from mcore_ext.hf.checkpoint import TOKENIZER_FILES
@@ -208,27 +210,31 @@ def test_cli_error_is_one_line_exit_2_nothing_written(hf_dir, tmp_path):
     assert not ckpt.exists()
 
 
-def import_train_export(hf_dir, tmp_path, steps, *overrides):
-    """``hf import`` (seq 16), the launcher fine-tunes it for ``steps`` on 2 ranks (mock data),
-    ``hf export``: (launcher result, metrics file, exported directory)."""
+def import_train_export(run_distributed, hf_dir, tmp_path, steps, *overrides):
+    """``hf import`` (seq 16), the launcher fine-tunes it for ``steps`` on 2 ranks (mock data;
+    its ``main`` in the tests' gloo ranks, tests/functional/inprocess.py: the fine-tune command
+    under torchrun is test_hf_moe.py's), ``hf export``: (launcher result, metrics file,
+    exported directory)."""
     ckpt, run, out = tmp_path / "imported", tmp_path / "run", tmp_path / "exported"
     check(_cli("import", hf_dir, str(ckpt), "--seq-length", "16", timeout=600), "import")
     metrics = tmp_path / "metrics.jsonl"
-    result = check(torchrun(
-        "--config", str(ckpt / "iter_0000000" / "config.yaml"), "data.source=mock",
+    result = check(completed(run_distributed(
+        launch, "--config", str(ckpt / "iter_0000000" / "config.yaml"), "data.source=mock",
         "training.micro_batch_size=2", "training.global_batch_size=4",
         f"training.train_iters={steps}", "training.eval_interval=null", "optimizer.lr=1e-3",
         "model.attention_backend=sdpa", f"checkpoint.save={run}",
         f"logging.metrics_file={metrics}", "logging.log_interval=1", *overrides,
-    ), "launcher")
+        world_size=2, timeout=600)[0]), "launcher")
     assert "finetune: loaded the model weights" in result.stdout
     check(_cli("export", str(run), str(out), timeout=600), "export")
     return result, metrics, out
 
 
-def test_import_train_20_steps_at_tp2_export_loads_in_transformers(hf_dir, tmp_path):
+def test_import_train_20_steps_at_tp2_export_loads_in_transformers(run_distributed, hf_dir,
+                                                                   tmp_path):
     pytest.importorskip("transformers")
-    _, metrics, out = import_train_export(hf_dir, tmp_path, 20, "optimizer.lr_warmup_iters=2",
+    _, metrics, out = import_train_export(run_distributed, hf_dir, tmp_path, 20,
+                                          "optimizer.lr_warmup_iters=2",
                                           "parallelism.tensor_model_parallel_size=2")
     loss = losses(metrics)
     assert sorted(loss) == list(range(1, 21))

@@ -40,7 +40,10 @@ def test_ranks_run_a_real_collective(run_distributed):
     assert run_distributed(_rank_sum, world_size=4) == [(r, 10.0) for r in range(4)]
 
 
-def test_failing_rank_traceback_is_reported(run_distributed):
+def test_failing_rank_traceback_is_reported(run_distributed, monkeypatch):
+    # Rank 0 waits in its barrier until the pool is killed: after the grace given to the other
+    # ranks once one failed (15 s by default; nothing is left to finish here).
+    monkeypatch.setattr("tests.distributed._GRACE_AFTER_FAILURE_S", 1.0)
     with pytest.raises(DistributedTestFailure, match=r"(?s)rank 1.*boom on rank one"):
         run_distributed(_fail_on_rank_one, world_size=2, timeout=60)
     assert run_distributed(_rank_sum, world_size=2) == [(0, 3.0), (1, 3.0)]  # pool recovers
