@@ -122,6 +122,22 @@ def _logits(model, batch):
     return full
 
 
+def _document_logit_diff(model, batches, docs, doc_logits):
+    """Logits of every document in its packed slots against the document alone: (the largest
+    difference, how many documents were found in the rows)."""
+    logit_diff, matched = 0.0, 0
+    for batch in batches:
+        logits = _logits(model, batch)
+        for at, length in zip(batch["cu_seqlens_padded"][:-1].tolist(),
+                              batch["cu_seqlens"].diff().tolist()):
+            ids = batch["tokens"][0, at:at + length]
+            for doc, ref in zip(docs, doc_logits):
+                if len(doc.ids) - 1 == length and torch.equal(torch.from_numpy(doc.ids[:-1]), ids):
+                    logit_diff = max(logit_diff, (logits[at:at + length] - ref).abs().max())
+                    matched += 1
+    return float(logit_diff), matched
+
+
 def _per_document_reference(docs, weights, layers, eps):
     """The SFT loss from the formula: each document alone from position 0, cross entropy on its
     loss tokens, the mean over every loss token of ``docs``; backward run into the embedding and
@@ -171,18 +187,7 @@ def _packed_sft(tp, cp, lengths):
         grads = {name: params[name].main_grad.clone() for name in
                  ("output_layer.weight", "embedding.word_embeddings.weight")}
 
-        # Logits of every document in its packed slots against the document alone.
-        logit_diff, matched = 0.0, 0
-        for batch in batches:
-            logits = _logits(model, batch)
-            for at, length in zip(batch["cu_seqlens_padded"][:-1].tolist(),
-                                  batch["cu_seqlens"].diff().tolist()):
-                ids = batch["tokens"][0, at:at + length]
-                for doc, ref in zip(docs, doc_logits):
-                    if len(doc.ids) - 1 == length and torch.equal(torch.from_numpy(
-                            doc.ids[:-1]), ids):
-                        logit_diff = max(logit_diff, (logits[at:at + length] - ref).abs().max())
-                        matched += 1
+        logit_diff, matched = _document_logit_diff(model, batches, docs, doc_logits)
 
         # Control: the row as one sequence (documents attending to those before them, positions
         # running on) gives other logits than the model's, by far more than the tolerance.
@@ -273,17 +278,7 @@ def _packed_moe_sft(ep):
         params = dict(model.module.named_parameters())
         grads = {name: params[name].main_grad.clone() for name in
                  ("output_layer.weight", "embedding.word_embeddings.weight")}
-        logit_diff, matched = 0.0, 0
-        for batch in batches:
-            logits = _logits(model, batch)
-            for at, length in zip(batch["cu_seqlens_padded"][:-1].tolist(),
-                                  batch["cu_seqlens"].diff().tolist()):
-                ids = batch["tokens"][0, at:at + length]
-                for doc, ref in zip(docs, doc_logits):
-                    if len(doc.ids) - 1 == length and torch.equal(
-                            torch.from_numpy(doc.ids[:-1]), ids):
-                        logit_diff = max(logit_diff, (logits[at:at + length] - ref).abs().max())
-                        matched += 1
+        logit_diff, matched = _document_logit_diff(model, batches, docs, doc_logits)
     return dict(loss=loss, expected=expected.item(), logit_diff=float(logit_diff),
                 matched=matched,
                 lm_head_diff=(grads["output_layer.weight"] - ref_weights["lm_head"].grad
