@@ -347,7 +347,7 @@ def _head_dots(a, b):
 def _scale_heads_backward(grad, x, scale):
     """_ScaleHeads' two gradients from the formulas, ``scale`` already in grad's dtype: grad *
     scale (the forward's product) and <grad_h, x_h> per head (fp32 products and sum)."""
-    return grad * scale.unsqueeze(-1), (grad.float() * x.float()).sum(-1)
+    return _product(grad, scale), (grad.float() * x.float()).sum(-1)
 
 
 @functools.cache
