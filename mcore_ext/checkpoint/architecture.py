@@ -24,8 +24,11 @@ The reverse, a hybrid checkpoint into a GPT run, is refused (as megatron.trainin
 ``check_loadable`` says so in one line naming both architectures.
 """
 
+import os
 import re
 
+import yaml
+from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
 from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase
 
@@ -38,7 +41,10 @@ _LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
 _MTP_LAYER = re.compile(r"(mtp\.layers\.\d+\.)mtp_model_layer\.layers\.[01]\.")
 _GPT_LAYERS = re.compile(r"(\*[-E])+")
 
-__all__ = ["GPT", "HYBRID", "check_loadable", "retarget_to_gpt_checkpoint", "saved_architecture"]
+__all__ = [
+    "GPT", "HYBRID", "check_loadable", "checkpoint_architecture", "retarget_to_gpt_checkpoint",
+    "saved_architecture",
+]
 
 
 def saved_architecture(saved_keys) -> str | None:
@@ -51,6 +57,23 @@ def saved_architecture(saved_keys) -> str | None:
         if key.startswith(_HYBRID_FINAL_NORM):
             return HYBRID
     return None
+
+
+def checkpoint_architecture(directory: str) -> str | None:
+    """The model a checkpoint directory (one iteration) holds: ``saved_architecture`` of its
+    tensor keys, and for a LoRA run's adapters-only checkpoint (no final norm in it) the
+    ``model.architecture`` of its config.yaml (``gpt`` when the key is missing: launcher
+    checkpoints from before HybridModel was built). None for neither."""
+    found = saved_architecture(dist_checkpointing.load_tensors_metadata(directory))
+    if found is not None:
+        return found
+    try:
+        with open(os.path.join(directory, "config.yaml")) as f:
+            saved = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError):
+        return None
+    model = saved.get("model") if isinstance(saved, dict) else None
+    return model.get("architecture", GPT) if isinstance(model, dict) else None
 
 
 def check_loadable(saved: str | None, model: str, directory: str) -> None:

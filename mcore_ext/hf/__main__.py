@@ -31,9 +31,10 @@ def main(argv=None) -> int:
     imp.add_argument("--seq-length", type=int, default=None,
                      help="the launcher's model.seq_length (default: min(max positions, 4096))")
     imp.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    imp.add_argument("--architecture", choices=["gpt", "hybrid"], default="gpt",
+    imp.add_argument("--architecture", choices=["gpt", "hybrid"], default=None,
                      help="the launcher's model.architecture of the checkpoint: megatron's "
-                          "GPTModel or HybridModel (export reads either)")
+                          "GPTModel or HybridModel (default: the one the installed "
+                          "megatron-core recommends, hybrid from 0.19; export reads either)")
     exp = sub.add_parser("export", help="launcher checkpoint -> HF Step-3.5 directory")
     exp.add_argument("ckpt_dir")
     exp.add_argument("hf_dir")

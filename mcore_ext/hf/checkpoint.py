@@ -124,7 +124,7 @@ def copy_tokenizer(hf_dir: str, names: list[str], target: str) -> None:
 
 def import_checkpoint(hf_dir: str, ckpt_dir: str, *, dtype: torch.dtype | None = None,
                       seq_length: int | None = None, make_vocab_size_divisible_by: int = 128,
-                      backend: str = "sdpa", architecture: str = "gpt") -> str:
+                      backend: str = "sdpa", architecture: str | None = None) -> str:
     """HF directory -> ``<ckpt_dir>/iter_0000000`` (call after ``init_parallel``, any TP / PP).
 
     Refuses (before writing anything) a ``ckpt_dir`` that already holds a checkpoint, and any
@@ -133,7 +133,8 @@ def import_checkpoint(hf_dir: str, ckpt_dir: str, *, dtype: torch.dtype | None =
     config's ``data.tokenizer``. ``architecture`` ``hybrid`` writes megatron's HybridModel
     (``model.architecture: hybrid`` in the config; the GPTModel that read the HF weights is
     copied into it, so both are held for a moment; MTP layers become the pattern's ``/*-``
-    depths).
+    depths), ``gpt`` its GPTModel; None: the one the installed megatron-core recommends
+    (``run_config.schema.recommended_architecture``).
     Returns the iteration directory.
     """
     raw, spec = read_hf_config(hf_dir)
@@ -142,6 +143,10 @@ def import_checkpoint(hf_dir: str, ckpt_dir: str, *, dtype: torch.dtype | None =
     file_dtype = check_weights(reader, spec)
     reader.close()
     check_parallel(spec, parallel_state.get_tensor_model_parallel_world_size())
+    from mcore_ext.run_config import PretrainConfig, build
+    from mcore_ext.run_config.schema import recommended_architecture
+
+    architecture = architecture or recommended_architecture()
     if architecture not in ("gpt", "hybrid"):
         raise HFConfigError(f"--architecture {architecture!r}: expected gpt or hybrid")
     _refuse_on_every_rank(
@@ -149,7 +154,6 @@ def import_checkpoint(hf_dir: str, ckpt_dir: str, *, dtype: torch.dtype | None =
         if os.path.exists(os.path.join(ckpt_dir, TRACKER)) else None)
     dtype = dtype or file_dtype
     seq_length = seq_length or min(spec.max_position_embeddings, 4096)
-    from mcore_ext.run_config import PretrainConfig, build
 
     directory = iteration_dir(ckpt_dir, 0)
     tokenizer = tokenizer_files(hf_dir)

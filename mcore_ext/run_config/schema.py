@@ -7,6 +7,7 @@ with its default and a docstring. How a file and command-line overrides become t
 """
 
 import dataclasses
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
@@ -15,6 +16,13 @@ import yaml
 
 class ConfigError(ValueError):
     """A configuration the launcher refuses to run: the message says what to change."""
+
+
+def recommended_architecture() -> str:
+    """The model class the installed megatron-core recommends: ``hybrid`` where it has
+    HybridModel (0.19+, which deprecates GPTModel), else ``gpt``. (Found without importing
+    megatron-core: reading a config stays cheap.)"""
+    return "hybrid" if importlib.util.find_spec("megatron.core.models.hybrid") else "gpt"
 
 
 @dataclass
@@ -161,10 +169,13 @@ class ModelConfig:
     attention_dropout: float = 0.0
     """Dropout on attention probabilities."""
 
-    architecture: Literal["gpt", "hybrid"] = "gpt"
+    architecture: Literal["gpt", "hybrid"] = field(default_factory=recommended_architecture)
     """megatron-core model class: gpt (GPTModel, deprecated from megatron-core 0.19) or hybrid
-    (HybridModel, 0.19+: each layer an attention layer and an MLP / MoE layer, pattern *- / *E;
-    no MTP yet). The same weights compute the same; checkpoints do not load across the two."""
+    (HybridModel, 0.19+: each GPT layer an attention layer and an MLP / MoE layer, pattern *- /
+    *E, MTP depths /*-). Left out: the model of the checkpoint the run loads (a run continues as
+    it was saved), else the one the installed megatron-core recommends (hybrid on 0.19+, gpt on
+    0.16 - 0.18). The same weights compute the same; a GPT checkpoint loads into a hybrid run,
+    not the reverse."""
 
     attention_backend: Literal["auto", "sdpa", "local", "te"] = "auto"
     """Attention implementation; auto: Transformer Engine on a GPU if installed, else SDPA."""

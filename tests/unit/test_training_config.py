@@ -339,3 +339,63 @@ def test_resolved_config_never_goes_over_an_input(tmp_path, capsys):
     assert users.read_text().startswith(RESOLVED_MARK + "\n")
     before = users.read_text()
     assert announce(users) == resolved and users.read_text() == before  # a resolved --config
+
+
+# ------------------------------------------------------- model.architecture left out
+
+
+def _save_final_norms(root):
+    """Three one-tensor dist checkpoints (2 ranks): a GPTModel's final norm key, a
+    HybridModel's, and an adapters-only one (a LoRA key; its config.yaml says what it is)."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    import mcore_ext
+
+    mcore_ext.init_parallel()
+    for name, key in (("gpt", "decoder.final_layernorm.weight"),
+                      ("hybrid", "decoder.final_norm.weight"),
+                      ("adapters", "decoder.layers.0.self_attention.linear_qkv.adapter.weight")):
+        directory = Path(root) / name / "iter_0000004"
+        if dist.get_rank() == 0:
+            directory.mkdir(parents=True)
+        dist.barrier()
+        tensor = ShardedTensor.from_rank_offsets(key, torch.ones(4), replica_id=dist.get_rank())
+        dist_checkpointing.save({"w": tensor}, str(directory))
+        if dist.get_rank() == 0:
+            (directory.parent / "latest_checkpointed_iteration.txt").write_text("4")
+
+
+def test_architecture_left_out_follows_the_loaded_checkpoint_else_megatron(
+        run_distributed, tmp_path):
+    """Left out, model.architecture is the loaded checkpoint's (a GPT run resumes or fine-tunes
+    as GPT, a hybrid one as hybrid, an adapters-only checkpoint as its config.yaml says, a
+    launcher config.yaml from before the key as gpt); from scratch, HybridModel where the installed
+    megatron-core has it (0.19+, which deprecates GPTModel), else GPTModel. Named, it wins."""
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    run_distributed(_save_final_norms, str(tmp_path), world_size=2)
+    recommended = "hybrid" if Version(version("megatron-core")) >= Version("0.19") else "gpt"
+    path = write(tmp_path, MOCK)
+    assert load_config(path, world_size=1).model.architecture == recommended
+    adapters = tmp_path / "adapters" / "iter_0000004"
+
+    def loaded(name, *overrides):
+        return load_config(path, [f"checkpoint.load={tmp_path / name}", *overrides],
+                           world_size=1).model.architecture
+
+    assert loaded("adapters") == recommended  # no final norm, no config.yaml: not known
+    (adapters / "config.yaml").write_text("model:\n  num_layers: 2\n")
+    assert loaded("adapters") == "gpt"  # saved before model.architecture existed
+    (adapters / "config.yaml").write_text("model:\n  architecture: hybrid\n")
+    cases = {"gpt": "gpt", "hybrid": "hybrid", "adapters": "hybrid"}
+    for name, expected in cases.items():
+        assert loaded(name) == expected, name
+        # The run's own checkpoint in checkpoint.save (a restart) decides the same way.
+        own = load_config(path, [f"checkpoint.save={tmp_path / name}"], world_size=1)
+        assert own.model.architecture == expected, name
+    assert loaded("hybrid", "model.architecture=gpt") == "gpt"
+    assert loaded("gpt", "model.architecture=hybrid") == "hybrid" or recommended == "gpt"

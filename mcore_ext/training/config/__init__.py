@@ -25,9 +25,33 @@ def load_config(path: str | None, overrides=(), world_size: int | None = None) -
 
     ``world_size`` defaults to $WORLD_SIZE (set by torchrun), else 1.
     """
-    raw = read_yaml(path) if path else {}
-    cfg = build(PretrainConfig, apply_overrides(raw, overrides))
+    raw = apply_overrides(read_yaml(path) if path else {}, overrides)
+    cfg = build(PretrainConfig, raw)
+    if "architecture" not in (raw.get("model") or {}):
+        cfg.model.architecture = _loaded_architecture(cfg) or cfg.model.architecture
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     validate(cfg, world_size)
     return cfg
+
+
+def _loaded_architecture(cfg: PretrainConfig) -> str | None:
+    """The model (gpt / hybrid) of the checkpoint the run starts from, for a config that does
+    not name ``model.architecture``: a run resumes, and a fine-tune continues, as its checkpoint
+    was saved (megatron translates GPT -> hybrid, and a run that switched on its own would save
+    hybrid checkpoints beside its GPT ones). None from scratch: the schema's default, the model
+    the installed megatron-core recommends, also where no checkpoint can be read (the launcher
+    refuses a missing or unreadable one when it starts)."""
+    from mcore_ext.checkpoint.architecture import checkpoint_architecture
+    from mcore_ext.checkpoint.directory import find_start, replaced_dir
+
+    try:
+        start = find_start(cfg.checkpoint.save, cfg.checkpoint.load)
+        if start.checkpoint is None:
+            return None
+        directory = start.checkpoint.directory
+        if not os.path.isdir(directory):  # a killed save's, put back before loading
+            directory = replaced_dir(directory)
+        return checkpoint_architecture(directory)
+    except Exception:  # noqa: BLE001  (no or no readable checkpoint: the launcher's load
+        return None  # refuses it in its own words, after validation)
