@@ -309,7 +309,11 @@ def _mtp_model_class():
             self._pre_norm_hidden = None  # [s, b, h], set by the final norm's pre-hook
             self._post_norm_hidden = None  # [s, b, h], the final norm's output, while MTP runs
             self._mtp_logits_sink = None  # a list while mtp_logits runs
+            self._decoder_packed_seq_params = None  # the decoder's, while MTP gets padded ones
             self._step35 = bool(self.mtp_process and self.config.mtp_step35_heads)
+            if self.mtp_process and self.post_process:
+                self.decoder.register_forward_pre_hook(self._own_documents_into_decoder,
+                                                       with_kwargs=True)
             if self._step35:
                 final_norm = getattr(self.decoder, "final_norm", None)
                 if not self.post_process or final_norm is None:
@@ -322,6 +326,12 @@ def _mtp_model_class():
 
         def _keep_pre_norm_hidden(self, module, args):
             self._pre_norm_hidden = args[0]
+
+        def _own_documents_into_decoder(self, module, args, kwargs):
+            if self._decoder_packed_seq_params is not None:
+                kwargs["packed_seq_params"] = self._decoder_packed_seq_params
+                self._decoder_packed_seq_params = None
+            return args, kwargs
 
         def _pre_norm_into_mtp(self, module, args, kwargs):
             # The post-norm output stays the main head's: the block returns its input first.
@@ -340,11 +350,12 @@ def _mtp_model_class():
             bound = inspect.signature(super().forward).bind(*args, **kwargs).arguments
             params = bound.get("packed_seq_params")
             if params is not None and params.cu_seqlens_q_padded is not None:
-                # GPTModel's MTP rolls within the padded documents (mtp_model._padded_documents);
-                # HybridModel hands the decoder's params to the MTP block and loss too.
-                raise NotImplementedError(
-                    "MTP on HybridModel with padded packed documents (cu_seqlens_q_padded: "
-                    "context parallelism's 2 x CP padding) is not built: use architecture gpt")
+                # MTP rolls its labels within the padded documents, as on GPTModel
+                # (mtp_model._padded_documents), and HybridModel's forward hands one packed
+                # params to the decoder, the MTP block and the loss: the padded ones go in, the
+                # decoder gets its own back (_own_documents_into_decoder).
+                kwargs["packed_seq_params"] = mtp_model._padded_documents(params)
+                self._decoder_packed_seq_params = params
             sink = self._mtp_logits_sink
             if (not (self._step35 or sink is not None)
                     or (bound.get("labels") is None and bound.get("input_ids") is None)):

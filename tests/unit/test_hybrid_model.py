@@ -337,7 +337,8 @@ def test_moe_symbols_must_be_the_configs_moe_layers():
 
 def test_launcher_config_refuses_what_hybrid_does_not_build(tmp_path, monkeypatch):
     """model.architecture=hybrid takes MTP (the '/*-' depths); a megatron-core without
-    HybridModel (0.16 - 0.18, stood in for by its version query) names the field and release."""
+    HybridModel (0.16 - 0.18, stood in for by its version query) names the field and release.
+    (The default: test_training_config's test_architecture_left_out_...)"""
     from mcore_ext import _mcore_compat
     from mcore_ext.training.config import ConfigError, load_config
 
@@ -345,16 +346,8 @@ def test_launcher_config_refuses_what_hybrid_does_not_build(tmp_path, monkeypatc
     path.write_text("data:\n  source: mock\n")
     hybrid = ["model.architecture=hybrid"]
     assert load_config(str(path), hybrid, world_size=1).model.architecture == "hybrid"
-    assert load_config(str(path), [], world_size=1).model.architecture == "gpt"
     assert load_config(str(path), [*hybrid, "model.mtp_num_layers=1"],
                        world_size=1).model.mtp_num_layers == 1
-    with pytest.raises(ConfigError) as error:  # packed chat documents padded for CP
-        load_config(str(path), [*hybrid, "model.mtp_num_layers=1", "data.source=chat",
-                                "parallelism.context_parallel_size=2"], world_size=2)
-    assert str(error.value) == (
-        "data.source=chat with model.architecture=hybrid, model.mtp_num_layers=1 and "
-        "parallelism.context_parallel_size=2: MTP over CP-padded packed documents is not built "
-        "on HybridModel (docs/known-gaps.md); use model.architecture=gpt")
     monkeypatch.setattr(_mcore_compat, "has_hybrid_model", lambda: False)
     monkeypatch.setattr(_mcore_compat, "megatron_core_version", lambda: "0.18.2")
     with pytest.raises(ConfigError) as error:

@@ -368,14 +368,6 @@ def _validate_chat(cfg: PretrainConfig) -> None:
     where the process group already exists (the launcher in process) the ranks agree on the
     first's result before going on."""
     d, p, m = cfg.data, cfg.parallelism, cfg.model
-    if m.architecture == "hybrid" and m.mtp_num_layers and p.context_parallel_size > 1:
-        # CP pads each document to 2 x CP; GPTModel's MTP rolls within the padded documents,
-        # HybridModel hands its MTP loss the unpadded ones (mcore_ext.models.hybrid).
-        raise ConfigError(
-            f"data.source=chat with model.architecture=hybrid, model.mtp_num_layers="
-            f"{m.mtp_num_layers} and parallelism.context_parallel_size="
-            f"{p.context_parallel_size}: MTP over CP-padded packed documents is not built on "
-            "HybridModel (docs/known-gaps.md); use model.architecture=gpt")
     if not d.path:
         raise ConfigError("data.source=chat needs data.path (a JSONL file of conversations)")
     if not os.path.isfile(d.path):
