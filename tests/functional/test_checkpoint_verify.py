@@ -11,6 +11,7 @@ Both must be one error line naming the file and the newest checkpoint that verif
 import contextlib
 import io
 import os
+import re
 import shutil
 
 import pytest
@@ -18,8 +19,9 @@ import pytest
 from tests.functional.inprocess import MARK, TINY_MOCK, launch, losses, start_lines
 
 TRACKER = "latest_checkpointed_iteration.txt"
-MODEL_KEY = "decoder.layers.self_attention.linear_qkv.weight._qkv"
-OPTIMIZER_KEY = "optimizer.state.exp_avg." + MODEL_KEY
+# The gated QKV weight: GPTModel's stacked layers or any of HybridModel's attention layers.
+MODEL_KEY = r"decoder\.layers\.(\d+\.)?self_attention\.linear_qkv\.weight\._qkv"
+OPTIMIZER_KEY = r"optimizer\.state\.exp_avg\." + MODEL_KEY
 LAYOUTS = {
     2: ["parallelism.tensor_model_parallel_size=2"],
     4: ["parallelism.tensor_model_parallel_size=2", "optimizer.use_distributed_optimizer=true"],
@@ -35,7 +37,8 @@ def damage(directory, how: str) -> str:
 
     key = OPTIMIZER_KEY if how.endswith("optimizer") else MODEL_KEY
     storage = FileSystemReader(str(directory)).read_metadata().storage_data
-    places = [info for index, info in storage.items() if index.fqn == key or how == "truncate_last"]
+    places = [info for index, info in storage.items()
+              if re.fullmatch(key, index.fqn) or how == "truncate_last"]
     assert places, sorted({index.fqn for index in storage})
     info = max(places, key=lambda info: int(info.relative_path.split("_")[2]))  # __<rank>_<n>
     path = os.path.join(directory, info.relative_path)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 from mcore_ext import _mcore_compat
 from tests.functional.test_pretrain import ROOT, TINY, _free_port
@@ -89,14 +90,23 @@ def test_mistake_under_torchrun_is_one_line_first_and_exit_2(entry, hf_dir, tmp_
 def test_hf_commands_print_their_result_alone(hf_dir, tmp_path):
     imported = _run(*HF, "import", hf_dir, str(tmp_path / "ckpt"))
     exported = _run(*HF, "export", str(tmp_path / "ckpt"), str(tmp_path / "out"))
-    for result, line in ((imported, "[hf] import: wrote"), (exported, "[hf] export: wrote")):
+    as_gpt = _run(*HF, "import", hf_dir, str(tmp_path / "gpt"), "--architecture", "gpt")
+    notices = {}
+    for name, result, line in (("import", imported, "[hf] import: wrote"),
+                               ("export", exported, "[hf] export: wrote"),
+                               ("import gpt", as_gpt, "[hf] import: wrote")):
         assert result.returncode == 0, result.stderr[-3000:]
         assert _lines(result.stderr) == [], result.stderr  # no third-party notices
-        out, *notice = _lines(result.stdout)
+        out, *notices[name] = _lines(result.stdout)
         assert out.startswith(line), out
-    # An import to GPTModel (--architecture gpt, the default) says once that it is deprecated
-    # (megatron-core 0.19+, which has HybridModel); the export says nothing of it.
-    assert notice == [] and _lines(imported.stdout)[1:] == [
+    # The default import writes the model megatron-core recommends (HybridModel from 0.19) and
+    # the export reads it, both silently; an import to GPTModel (--architecture gpt) says once
+    # that it is deprecated (megatron-core 0.19+, which has HybridModel).
+    saved = yaml.safe_load((tmp_path / "ckpt" / "iter_0000000" / "config.yaml").read_text())
+    assert saved["model"]["architecture"] == (
+        "hybrid" if _mcore_compat.has_hybrid_model() else "gpt")
+    assert notices["import"] == notices["export"] == []
+    assert notices["import gpt"] == [
         "[hf] import --architecture gpt: GPTModel is deprecated in megatron-core "
         f"{_mcore_compat.megatron_core_version()} (critical fixes only); --architecture hybrid "
         "writes a HybridModel checkpoint (model.architecture: hybrid)"

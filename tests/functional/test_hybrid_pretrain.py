@@ -89,7 +89,8 @@ def gpt_to_hybrid_runs(tmp_path_factory, stdlib_prefix, run_distributed_shared):
             launch, *common, *overrides, f"logging.metrics_file={tmp / name}.jsonl",
             world_size=2, timeout=600)[0]), name)
 
-    out["gpt"] = run("gpt", f"checkpoint.save={tmp / 'gpt'}", f"checkpoint.load={tmp / 'gpt'}")
+    out["gpt"] = run("gpt", "model.architecture=gpt", f"checkpoint.save={tmp / 'gpt'}",
+                     f"checkpoint.load={tmp / 'gpt'}")
     for name, tp in (("hybrid", 2), ("hybrid_tp1", 1)):
         out[name] = run(name, "model.architecture=hybrid",
                         f"parallelism.tensor_model_parallel_size={tp}",
@@ -129,7 +130,8 @@ def _gpt_loads_hybrid(hybrid_dir, save):
     from tests.functional.inprocess import launch
 
     return launch("--config", TINY, *SMALL, "data.source=mock", "training.train_iters=10",
-                  f"checkpoint.load={hybrid_dir}", f"checkpoint.save={save}")
+                  "model.architecture=gpt", f"checkpoint.load={hybrid_dir}",
+                  f"checkpoint.save={save}")
 
 
 def test_a_hybrid_checkpoint_into_a_gpt_run_is_one_line(gpt_to_hybrid_runs, run_distributed):
@@ -162,8 +164,8 @@ def _step35_gpt_then_hybrid(tmp):
     MTP): a GPT run of 4 steps saving 2 and 4, and its iteration 2 continued as a hybrid run."""
     from tests.functional.inprocess import launch
 
-    gpt = launch(*MOE_TINY, f"checkpoint.save={tmp / 'gpt'}", f"checkpoint.load={tmp / 'gpt'}",
-                 f"logging.metrics_file={tmp / 'gpt.jsonl'}")
+    gpt = launch(*MOE_TINY, "model.architecture=gpt", f"checkpoint.save={tmp / 'gpt'}",
+                 f"checkpoint.load={tmp / 'gpt'}", f"logging.metrics_file={tmp / 'gpt.jsonl'}")
     hybrid = launch(*MOE_TINY, "model.architecture=hybrid", f"checkpoint.save={tmp / 'hybrid'}",
                     f"checkpoint.load={tmp / 'gpt' / 'iter_0000002'}",
                     f"logging.metrics_file={tmp / 'hybrid.jsonl'}")

@@ -16,7 +16,7 @@ import torch
 
 from tests.functional.inprocess import TINY_MOCK, launch
 from tests.functional.test_pretrain import (  # noqa: F401 (stdlib_prefix: a fixture)
-    TRACKER, check_exact_resume, stdlib_prefix)
+    TRACKER, check_exact_resume, gated_qkv, stdlib_prefix)
 
 DP2 = ["parallelism.tensor_model_parallel_size=1"]  # the tiny config is TP 2
 MUON = ["optimizer.type=muon", "optimizer.lr=0.01"]
@@ -133,7 +133,7 @@ def test_layer_wise_run_saves_and_resumes_exactly(run_distributed, tmp_path, std
 
     keys = set(dcp.FileSystemReader(str(tmp_path / "full" / "iter_0000003"))
                .read_metadata().state_dict_metadata)
-    layer = "decoder.layers.self_attention.linear_qkv"
+    layer = gated_qkv(keys)
     assert {f"optimizer.state.momentum_buffer.{layer}.weight._qkv",
             f"optimizer.state.momentum_buffer.{layer}.weight._gate",
             "optimizer.state.exp_avg.embedding.word_embeddings.weight"} <= keys, sorted(keys)

@@ -18,7 +18,7 @@ import types
 import pytest
 
 from tests.functional.test_pretrain import (  # noqa: F401 (stdlib_prefix: a fixture)
-    ROOT, TINY, TRACKER, check_exact_resume, launcher, losses, stdlib_prefix)
+    ROOT, TINY, TRACKER, check_exact_resume, gated_qkv, launcher, losses, stdlib_prefix)
 
 MOE_TINY = str(ROOT / "configs" / "step35_moe_tiny_cpu.yaml")
 
@@ -71,7 +71,7 @@ def test_muon_run_trains_and_resumes_exactly(muon_runs):
 
     keys = set(dcp.FileSystemReader(str(tmp / "full" / "iter_0000004"))
                .read_metadata().state_dict_metadata)
-    layer = "decoder.layers.self_attention.linear_qkv"
+    layer = gated_qkv(keys)
     assert {f"optimizer.state.momentum_buffer.{layer}.weight._qkv",
             f"optimizer.state.momentum_buffer.{layer}.weight._gate",
             f"optimizer.state.exp_avg.{layer}.bias._gate",

@@ -68,6 +68,17 @@ def losses(path) -> dict[int, float]:
     return {r["iteration"]: r["loss"] for r in records if r["kind"] == "train"}
 
 
+def gated_qkv(keys) -> str:
+    """The first gated ``linear_qkv`` of a checkpoint's tensor ``keys``: GPTModel's stacked layers
+    (``decoder.layers.self_attention.linear_qkv``) or HybridModel's first attention layer
+    (``decoder.layers.0.self_attention.linear_qkv``), the launcher's default from megatron-core
+    0.19."""
+    found = sorted(k for k in keys if re.fullmatch(
+        r"decoder\.layers\.(\d+\.)?self_attention\.linear_qkv\.weight\._qkv", k))
+    assert found, sorted(keys)
+    return found[0].removesuffix(".weight._qkv")
+
+
 def check(result, name):
     assert result.returncode == 0, f"{name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     return result
@@ -238,7 +249,7 @@ def test_bf16_trains_with_fp32_main_weights(bf16_runs):
     assert "; bf16 on " in bf16_runs["full"].stdout
     # The checkpoint holds bf16 model weights and the optimizer's fp32 copy of them.
     saved = dist_checkpointing.load_tensors_metadata(str(bf16_runs["tmp"] / "ckpt" / "iter_0000015"))
-    gate = "decoder.layers.self_attention.linear_qkv.weight._gate"
+    gate = f"{gated_qkv(saved)}.weight._gate"
     assert saved[gate].dtype is torch.bfloat16
     main_weights = [k for k in saved if k.endswith(gate) and (".fp32_param." in k or ".state.param." in k)]
     assert len(main_weights) == 1 and saved[main_weights[0]].dtype is torch.float32, sorted(saved)

@@ -44,6 +44,7 @@ def _loaded_architecture(cfg: PretrainConfig) -> str | None:
     refuses a missing or unreadable one when it starts)."""
     from mcore_ext.checkpoint.architecture import checkpoint_architecture
     from mcore_ext.checkpoint.directory import find_start, replaced_dir
+    from mcore_ext.checkpoint.errors import PickleRefused
 
     try:
         start = find_start(cfg.checkpoint.save, cfg.checkpoint.load)
@@ -53,5 +54,5 @@ def _loaded_architecture(cfg: PretrainConfig) -> str | None:
         if not os.path.isdir(directory):  # a killed save's, put back before loading
             directory = replaced_dir(directory)
         return checkpoint_architecture(directory)
-    except Exception:  # noqa: BLE001  (no or no readable checkpoint: the launcher's load
-        return None  # refuses it in its own words, after validation)
+    except (Exception, PickleRefused):  # noqa: BLE001  (no, an unreadable or an unsafe
+        return None  # checkpoint: the launcher's load refuses it in its own words)
