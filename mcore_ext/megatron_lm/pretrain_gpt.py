@@ -119,11 +119,12 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 
 def forward_step(data_iterator, model):
-    """megatron.training's forward step: the model's per-token loss and ``loss_func``."""
+    """megatron.training's forward step: the model's per-token loss and ``loss_func``. The model
+    gets the loss mask too: its MTP losses (``--mtp-num-layers``) count the tokens it keeps."""
     batch = get_batch(data_iterator)
     output = model(
         batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
-        labels=batch["labels"],
+        labels=batch["labels"], loss_mask=batch["loss_mask"],
     )
     return output, functools.partial(loss_func, batch["loss_mask"])
 

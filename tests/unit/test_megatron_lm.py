@@ -424,6 +424,62 @@ def test_hybrid_mtp_flags_build_the_gpt_entrys_mtp_model_on_two_ranks(run_distri
         assert all(value <= 1e-5 for value in diffs.values()), diffs
 
 
+def _check_forward_step_hands_the_model_the_loss_mask():
+    """The entry's forward step (megatron.training's, pretrain_gpt.forward_step) on the GPT and
+    the hybrid MTP model of the flags, a batch whose loss mask drops half the tokens: the MTP
+    loss megatron tracks is the masked mean of the depth logits' cross entropy (plain PyTorch:
+    position t predicts label t + 1 where the mask keeps it; the last position has none), as
+    the launcher's loop computes it; the per-token loss the step returns is the model's."""
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region as gather
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    import mcore_ext
+    from mcore_ext import _mcore_compat
+    from mcore_ext.megatron_lm import model as megatron_lm_model
+    from mcore_ext.megatron_lm.pretrain_gpt import forward_step, given_layer_flags
+    from mcore_ext.models.mtp_model import mtp_logits
+
+    mcore_ext.init_parallel(tensor_model_parallel_size=2, seed=7)
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    MTPLossLoggingHelper.tracker.clear()  # sized by the first model of the process to track
+    gpt_flags, hybrid_flags = [*FLAGS, "--mtp-num-layers", "1"], [*FLAGS, *MTP_SPELLINGS[1]]
+    models = [
+        megatron_lm_model.GatedGPTModelBuilder(megatron_lm_model.gated_gpt_config_from_args(
+            _parse(gpt_flags, world_size=2))).build_model(pgs),
+        megatron_lm_model.GatedHybridModelBuilder(megatron_lm_model.gated_hybrid_config_from_args(
+            _parse(hybrid_flags, world_size=2), **given_layer_flags(hybrid_flags))).build_model(pgs)]
+    gen = torch.Generator().manual_seed(0)
+    batch = dict(tokens=torch.randint(0, 128, (2, 16), generator=gen),
+                 labels=torch.randint(0, 128, (2, 16), generator=gen),
+                 loss_mask=(torch.rand(2, 16, generator=gen) < 0.5).float(),
+                 position_ids=torch.arange(16).unsqueeze(0).expand(2, -1).contiguous())
+    rolled = torch.cat([batch["loss_mask"][:, 1:], torch.zeros(2, 1)], dim=1)  # label t + 1's
+    assert 0 < rolled.sum() < 30
+    diffs = []
+    for model in models:
+        depth = gather(mtp_logits(model, batch["tokens"], batch["position_ids"])[0]).detach()
+        shifted = torch.cat([batch["labels"][:, 1:], batch["labels"][:, :1]], dim=1)
+        per_token = F.cross_entropy(depth.reshape(-1, 128).float(), shifted.reshape(-1),
+                                    reduction="none").view(2, 16)
+        formula = (per_token * rolled).sum() / rolled.sum()
+        _mcore_compat.take_mtp_losses(1)  # HybridModel's logits forward tracks its own
+        output, _ = forward_step(iter([dict(batch)]), model)
+        mtp_loss = _mcore_compat.take_mtp_losses(1)
+        model_loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        diffs.append(((mtp_loss[0] - formula).abs().item(),
+                      (output - model_loss).abs().max().item()))
+    return diffs
+
+
+def test_forward_step_hands_the_model_the_loss_mask_on_two_ranks(run_distributed):
+    for diffs in run_distributed(_check_forward_step_hands_the_model_the_loss_mask,
+                                 world_size=2):
+        assert all(mtp <= 1e-5 and loss == 0 for mtp, loss in diffs), diffs
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--hybrid-layer-pattern", "*-*-/*-", "--mtp-num-layers", "2"],
      "--mtp-num-layers 2 disagrees with --hybrid-layer-pattern '*-*-/*-': 1 MTP depth ('/'); "
