@@ -6,9 +6,10 @@
 
 The model is megatron's GPTModel, or with Megatron-LM's own ``--hybrid-layer-pattern`` its
 successor HybridModel (megatron.training's choice, as its ``inference_cfg_container_from_args``
-makes it): ``*`` attention, ``-`` dense MLP, ``E`` MoE, ``|`` pipeline stages, each ``*`` one of
-the GPT layers the mcore_ext flags describe (model.py). A run that builds GPTModel on a
-megatron-core deprecating it is told so once, by the first rank.
+makes it): ``*`` attention, ``-`` dense MLP, ``E`` MoE, ``|`` pipeline stages, ``/*-`` an MTP
+depth (or ``--mtp-num-layers``), each ``*`` one of the GPT layers the mcore_ext flags describe
+(model.py). A run that builds GPTModel on a megatron-core deprecating it is told so once, by the
+first rank.
 
 megatron.training (in the megatron-core wheel, >= 0.19 here) parses the flags, builds the
 optimizer, schedules, data loaders and checkpoints, and runs its training loop; this module gives
