@@ -367,8 +367,8 @@ def _mtp_depths_added(args, pattern: str) -> str | None:
 def given_layer_flags(argv) -> dict:
     """``num_layers`` and ``mtp_num_layers``: the ``--num-layers`` and ``--mtp-num-layers`` in
     ``argv`` (megatron's parser takes no abbreviations), None where not given. megatron's
-    validation replaces both with what ``--hybrid-layer-pattern`` counts (its layers, its ``/``
-    MTP depths), warning."""
+    validation replaces them with what ``--hybrid-layer-pattern`` counts (its layers; its ``/``
+    MTP depths, where it has some), warning."""
     import argparse
 
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
