@@ -35,6 +35,7 @@ from mcore_ext.models.hybrid import (  # noqa: E402
     ATTENTION,
     BUILT_HYBRID_SETTINGS,
     MTP,
+    MTP_DEPTH,
     check_hybrid_pattern,
 )
 
@@ -188,33 +189,46 @@ class GatedHybridModelBuilder(HybridModelBuilder):
         )
 
 
-def gated_hybrid_config_from_args(args, num_layers: Optional[int] = None) -> GatedHybridModelConfig:
+def gated_hybrid_config_from_args(args, num_layers: Optional[int] = None,
+                                  mtp_num_layers: Optional[int] = None) -> GatedHybridModelConfig:
     """megatron's ``hybrid_config_from_args`` (``--hybrid-layer-pattern``) with a
     ``GatedTransformerConfig`` of the GPT layers the pattern stands for: ``num_layers`` = its
     attention symbols, so each layer kind / clamp flag lists one value per GPT layer, and the
     model is ``build_hybrid_model``'s for the launcher's config of those flags (the same weights
     as the GPT entry's, layer for layer).
 
-    ``num_layers``: the ``--num-layers`` the user gave, if any (megatron's validation replaces it
-    with the pattern's count, warning); it must be the pattern's layer count (megatron's meaning)
-    or its attention count (the GPT entry's). Raises ValueError naming the flag for what is not
-    built: MTP, a symbol other than ``* - E |``, an ``E`` / ``-`` other than its GPT layer's
-    (``--num-experts``, ``--moe-layer-freq``), another ``--num-layers``, ``--spec``.
+    MTP has megatron's two spellings, one model: the pattern's ``/`` depths (``'*-*-/*-'``,
+    megatron's validation sets ``--mtp-num-layers`` from them), or ``--mtp-num-layers N`` with a
+    pattern without ``/``, to which the config's pattern adds N depths ``/*-`` (megatron's own
+    HybridModel would build none) as the launcher's derived pattern has them: each depth one
+    dense GPT layer, Step-3.5's with ``mtp_step35_heads``.
+
+    ``num_layers`` / ``mtp_num_layers``: the ``--num-layers`` / ``--mtp-num-layers`` the user
+    gave, if any (megatron's validation replaces them with the pattern's counts, warning);
+    ``num_layers`` must be the pattern's layer count (megatron's meaning) or its attention count
+    (the GPT entry's), ``mtp_num_layers`` the pattern's depths where it has some. Raises
+    ValueError naming the flag for what is not built: a symbol other than ``* - E |``, a depth
+    other than ``/*-``, an ``E`` / ``-`` other than its GPT layer's (``--num-experts``,
+    ``--moe-layer-freq``), another ``--num-layers`` or ``--mtp-num-layers``, ``--spec``.
     """
     from megatron.training.argument_utils import hybrid_config_from_args
 
     from mcore_ext.megatron_lm.arguments import transformer_config_from_args
 
     pattern = args.hybrid_layer_pattern
-    attention = pattern.split(MTP)[0].count(ATTENTION)
-    if args.mtp_num_layers or MTP in pattern:  # megatron reads MTP depths from the pattern
-        raise ValueError(
-            f"--mtp-num-layers {args.mtp_num_layers} with --hybrid-layer-pattern {pattern!r}: "
-            "MTP on this entry's HybridModel is not built yet (docs/known-gaps.md; the "
-            "launcher's model.architecture: hybrid builds it); leave out "
-            "--hybrid-layer-pattern for the GPT model's MTP")
+    main, *depths = pattern.split(MTP)
+    attention = main.count(ATTENTION)
+    if depths and mtp_num_layers is not None and mtp_num_layers != len(depths):
+        raise ValueError(  # megatron warns, and builds the pattern's depths
+            f"--mtp-num-layers {mtp_num_layers} disagrees with --hybrid-layer-pattern "
+            f"{pattern!r}: {len(depths)} MTP depth{'s' * (len(depths) > 1)} ('{MTP}'); give "
+            f"--mtp-num-layers {len(depths)} or leave it out, or give the pattern without its "
+            f"depths ({main!r}) with --mtp-num-layers {mtp_num_layers}")
+    if not depths and args.mtp_num_layers:
+        pattern = main + (MTP + MTP_DEPTH) * args.mtp_num_layers
     flags = types.SimpleNamespace(num_layers=attention, num_moe_experts=args.num_experts,
-                                  moe_layer_freq=args.moe_layer_freq)
+                                  moe_layer_freq=args.moe_layer_freq,
+                                  mtp_num_layers=args.mtp_num_layers)
     try:  # the symbols first: megatron reads MLA from the pattern
         check_hybrid_pattern(pattern, flags)
     except ValueError as err:  # in the flags' words
@@ -223,7 +237,8 @@ def gated_hybrid_config_from_args(args, num_layers: Optional[int] = None) -> Gat
         for field, flag in (("use architecture gpt", "leave out --hybrid-layer-pattern"),
                             ("the config makes", "the flags make"),
                             ("num_moe_experts ", "--num-experts "),
-                            ("moe_layer_freq ", "--moe-layer-freq ")):
+                            ("moe_layer_freq ", "--moe-layer-freq "),
+                            ("mtp_num_layers is", "--mtp-num-layers is")):
             message = message.replace(field, flag)
         raise ValueError(message) from None
     if num_layers is not None and num_layers not in (args.num_layers, attention):
@@ -240,8 +255,10 @@ def gated_hybrid_config_from_args(args, num_layers: Optional[int] = None) -> Gat
     # without GPT's factor 2 -- with num_layers counting GPT layers it would differ from GPT's.
     gpt_args = copy.copy(args)
     gpt_args.num_layers, gpt_args.hybrid_layer_pattern = attention, None
+    hybrid_args = copy.copy(args)
+    hybrid_args.hybrid_layer_pattern = pattern  # with the MTP depths
     config = hybrid_config_from_args(
-        args, config=transformer_config_from_args(gpt_args),
+        hybrid_args, config=transformer_config_from_args(gpt_args),
         model_config_cls=GatedHybridModelConfig,
     )
     config.mcore_ext_backend = getattr(args, "mcore_ext_backend", "auto")

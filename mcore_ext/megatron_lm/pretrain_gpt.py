@@ -6,9 +6,10 @@
 
 The model is megatron's GPTModel, or with Megatron-LM's own ``--hybrid-layer-pattern`` its
 successor HybridModel (megatron.training's choice, as its ``inference_cfg_container_from_args``
-makes it): ``*`` attention, ``-`` dense MLP, ``E`` MoE, ``|`` pipeline stages, each ``*`` one of
-the GPT layers the mcore_ext flags describe (model.py). A run that builds GPTModel on a
-megatron-core deprecating it is told so once, by the first rank.
+makes it): ``*`` attention, ``-`` dense MLP, ``E`` MoE, ``|`` pipeline stages, ``/*-`` an MTP
+depth (or ``--mtp-num-layers``), each ``*`` one of the GPT layers the mcore_ext flags describe
+(model.py). A run that builds GPTModel on a megatron-core deprecating it is told so once, by the
+first rank.
 
 megatron.training (in the megatron-core wheel, >= 0.19 here) parses the flags, builds the
 optimizer, schedules, data loaders and checkpoints, and runs its training loop; this module gives
@@ -41,6 +42,7 @@ import os
 import sys
 import traceback
 import types
+import warnings
 
 import torch
 
@@ -78,7 +80,11 @@ from mcore_ext.megatron_lm.model import (  # noqa: E402
     gated_gpt_config_from_args,
     gated_hybrid_config_from_args,
 )
+from mcore_ext.models.hybrid import MTP_DEPTH  # noqa: E402
 from mcore_ext.specs import AttentionBackend, resolve_backend  # noqa: E402
+
+# megatron's warning for --mtp-num-layers with a --hybrid-layer-pattern without '/' depths.
+MEGATRON_NO_MTP_PATTERN = r"Hybrid model with --mtp-num-layers but no MTP pattern"
 
 
 class FlagError(ValueError):
@@ -114,11 +120,12 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 
 def forward_step(data_iterator, model):
-    """megatron.training's forward step: the model's per-token loss and ``loss_func``."""
+    """megatron.training's forward step: the model's per-token loss and ``loss_func``. The model
+    gets the loss mask too: its MTP losses (``--mtp-num-layers``) count the tokens it keeps."""
     batch = get_batch(data_iterator)
     output = model(
         batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
-        labels=batch["labels"],
+        labels=batch["labels"], loss_mask=batch["loss_mask"],
     )
     return output, functools.partial(loss_func, batch["loss_mask"])
 
@@ -300,15 +307,21 @@ def main(argv=None) -> int:
     _mcore_compat.skip_dataset_helper_compilation()
     with _cpu_compat.megatron_training_on_cpu():  # a no-op context with CUDA
         try:
-            args = parse_and_validate_args(
-                extra_args_provider=add_mcore_ext_args,
-                args_defaults=_default_tokenizer(sys.argv[1:]),
-            )
+            with warnings.catch_warnings():
+                # --mtp-num-layers with a pattern without '/': megatron's HybridModel would have
+                # no MTP; this entry adds the depths and says so (_mtp_depths_added).
+                warnings.filterwarnings("ignore", message=MEGATRON_NO_MTP_PATTERN)
+                args = parse_and_validate_args(
+                    extra_args_provider=add_mcore_ext_args,
+                    args_defaults=_default_tokenizer(sys.argv[1:]),
+                )
             notes = attention_flags(args)
             check_learning_rate_schedule(args)
             check_data_flags(args)
             if args.hybrid_layer_pattern is not None:
-                model_config = gated_hybrid_config_from_args(args, given_num_layers(sys.argv[1:]))
+                model_config = gated_hybrid_config_from_args(
+                    args, **given_layer_flags(sys.argv[1:]))
+                notes.append(_mtp_depths_added(args, model_config.hybrid_layer_pattern))
             else:
                 model_config = gated_gpt_config_from_args(args)
                 notes.append(gpt_deprecation_notice(
@@ -338,14 +351,30 @@ def main(argv=None) -> int:
     return 0
 
 
-def given_num_layers(argv) -> int | None:
-    """The ``--num-layers`` in ``argv`` (megatron's parser takes no abbreviations), if any:
-    megatron's validation replaces it with ``--hybrid-layer-pattern``'s layer count."""
+def _mtp_depths_added(args, pattern: str) -> str | None:
+    """The line saying that ``--mtp-num-layers`` added its depths to ``--hybrid-layer-pattern``
+    (the model's ``pattern``; None where the pattern had them). ``args`` then holds the model's
+    pattern, which megatron's FLOPs count and the checkpoint's ``args`` read: one run, either
+    spelling."""
+    if pattern == args.hybrid_layer_pattern:
+        return None
+    given, args.hybrid_layer_pattern = args.hybrid_layer_pattern, pattern
+    return (f"--mtp-num-layers {args.mtp_num_layers} with --hybrid-layer-pattern {given!r}: "
+            f"each MTP depth is '/{MTP_DEPTH}' (one dense GPT layer), the model's pattern is "
+            f"{pattern!r}")
+
+
+def given_layer_flags(argv) -> dict:
+    """``num_layers`` and ``mtp_num_layers``: the ``--num-layers`` and ``--mtp-num-layers`` in
+    ``argv`` (megatron's parser takes no abbreviations), None where not given. megatron's
+    validation replaces them with what ``--hybrid-layer-pattern`` counts (its layers; its ``/``
+    MTP depths, where it has some), warning."""
     import argparse
 
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    parser.add_argument("--num-layers", type=int)  # megatron's parser has accepted its value
-    return parser.parse_known_args(argv)[0].num_layers
+    for flag in ("--num-layers", "--mtp-num-layers"):  # megatron's parser has accepted them
+        parser.add_argument(flag, type=int)
+    return vars(parser.parse_known_args(argv)[0])
 
 
 def _default_tokenizer(argv) -> dict:

@@ -4,7 +4,9 @@ test_megatron_lm_pretrain plus the pattern of its 2 gated GPT layers.
 
 Default suite (one process, TP 1, about 40 CPU seconds): 3 iterations, the loss falls, the
 checkpoint is HybridModel's with the gate; the same for '*-*E' (a dense MLP and a MoE layer, 60
-CPU seconds). Slow: '*E*E' at TP 2 x SP and '*-|*-' at PP 2 (2 CPU ranks, 3 iterations each,
+CPU seconds) and for '*-*-' with --mtp-num-layers 1 (one MTP depth '/*-', the main and MTP
+losses fall; 24 CPU seconds). Slow: '*-*-/*-' at TP 2 resumed exactly in the other spelling
+(2 CPU ranks, 90 CPU seconds). Slow: '*E*E' at TP 2 x SP and '*-|*-' at PP 2 (2 CPU ranks, 3 iterations each,
 164 CPU seconds); and (2 CPU ranks at TP 2, 142 CPU seconds, 5 minutes on the shared cores):
 
     full     5 iterations, checkpoints at 2 and 4 (and the final one at 5)
@@ -22,6 +24,7 @@ Neither run prints the GPTModel deprecation notice (test_megatron_lm_pretrain: o
 """
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -45,7 +48,7 @@ HYBRID = ("--hybrid-layer-pattern", "*-*-")
 
 def _hybrid_checkpoint_keys(keys) -> None:
     assert any(key.startswith("decoder.final_norm.") for key in keys)  # HybridModel's keys
-    assert not any("final_layernorm" in key for key in keys)
+    assert not any("decoder.final_layernorm" in key for key in keys)
     assert any("linear_qkv.weight._gate" in key for key in keys)  # the gate
     assert any("exp_avg_sq" in key for key in keys)  # Adam's moments
 
@@ -114,6 +117,78 @@ def test_moe_at_tp2_with_sequence_parallel_and_pattern_stages_at_pp2_train(tmp_p
     counts = dict(re.findall(r"number of parameters on \(tensor, gtp_remat, pipeline\) model "
                              r"parallel rank \(0, 0, (\d)\): (\d+)", stages.stdout))
     assert int(counts["1"]) - int(counts["0"]) == 2 * 64, counts  # final_norm weight and bias
+
+
+# One MTP depth, in each of Megatron-LM's spellings (the entry adds '/*-' to the pattern for
+# --mtp-num-layers): Step-3.5's depth, its own head.
+MTP_PATTERN = ("--hybrid-layer-pattern", "*-*-/*-")
+MTP_FLAG = ("--hybrid-layer-pattern", "*-*-", "--mtp-num-layers", "1")
+MTP_LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?mtp_1 loss: ([0-9.E+-]+)")
+MTP_NOTE = ("mcore_ext: --mtp-num-layers 1 with --hybrid-layer-pattern '*-*-': each MTP depth "
+            "is '/*-' (one dense GPT layer), the model's pattern is '*-*-/*-'")
+
+
+def mtp_losses(result) -> dict[int, str]:
+    return {int(step): loss for step, loss in MTP_LOSS.findall(result.stdout)}
+
+
+def _mtp_checkpoint_keys(keys) -> None:
+    """The depth's two hybrid layers (attention, dense MLP) and Step-3.5's head and norms."""
+    _hybrid_checkpoint_keys(keys)
+    depth = "mtp.layers.0."
+    for name in ("mtp_model_layer.layers.0.self_attention.linear_qkv.weight._gate",
+                 "mtp_model_layer.layers.1.mlp.linear_fc2.weight", "eh_proj.weight",
+                 "enorm.weight", "hnorm.weight", "final_layernorm.weight",
+                 "output_layer.weight"):
+        assert depth + name in keys, name
+
+
+def _saved_args(directory):
+    """megatron's ``args`` in a torch_dist checkpoint's common state (after
+    ``checkpoint_tensors``, which wrote the checkpoint's torch.save file)."""
+    state = torch.load(Path(directory).with_suffix(".pt"), weights_only=False)
+    common = [value for key, value in state.items() if key.startswith("common_state/")]
+    return common[0][0]["args"]
+
+
+def test_mtp_trains_through_pretrain_on_one_rank(tmp_path):
+    """'*-*-' with --mtp-num-layers 1 (the depth '/*-' added, said once; megatron's warning
+    that the pattern has no MTP depth is not printed), 3 iterations through pretrain() in one
+    process at TP 1: the main and the MTP loss fall, the checkpoint holds the depth and its
+    args the model's pattern (megatron's FLOPs count reads it too)."""
+    run = check(torchrun(*MODEL, *TRAINING, *MTP_FLAG, "--tensor-model-parallel-size", "1",
+                         "--train-iters", "3", "--save", str(tmp_path), nproc=1,
+                         program=MEGATRON_LM, timeout=TIMEOUT_S), "pretrain_gpt hybrid MTP")
+    trained, mtp = losses(run), mtp_losses(run)
+    assert sorted(trained) == sorted(mtp) == [1, 2, 3]
+    assert float(trained[3]) < float(trained[1]) and float(mtp[3]) < float(mtp[1]), (trained, mtp)
+    output = run.stdout + run.stderr
+    assert output.count(MTP_NOTE) == 1 and "no MTP pattern" not in output
+    _mtp_checkpoint_keys(checkpoint_tensors(tmp_path / "iter_0000003"))
+    saved = _saved_args(tmp_path / "iter_0000003")  # the model's pattern, as '/' would give
+    assert (saved.hybrid_layer_pattern, saved.mtp_num_layers) == ("*-*-/*-", 1)
+
+
+@pytest.mark.slow
+def test_mtp_trains_saves_and_resumes_exactly_in_the_other_spelling(tmp_path):
+    """'*-*-/*-' at TP 2 on 2 CPU ranks, 5 iterations saved at 2 and 4; resumed from iteration 2
+    with '*-*-' and --mtp-num-layers 1 (the same model): the uninterrupted run's main and MTP
+    losses of the iterations printed alone (3, 5), and at iteration 5 the same weights and Adam
+    moments bit for bit."""
+    full = pretrain_gpt(*MTP_PATTERN, "--save", str(tmp_path / "full"))
+    resumed = pretrain_gpt(*MTP_FLAG, "--load", str(tmp_path / "full"), "--ckpt-step", "2",
+                           "--save", str(tmp_path / "resumed"))
+    check_resumed_from_iteration_2(tmp_path, full, resumed)
+    uninterrupted, continued = mtp_losses(full), mtp_losses(resumed)
+    assert sorted(uninterrupted) == [1, 2, 3, 4, 5] and sorted(continued) == [3, 4, 5]
+    assert float(uninterrupted[5]) < float(uninterrupted[1])
+    assert [continued[step] for step in (3, 5)] == [uninterrupted[step] for step in (3, 5)]
+    assert MTP_NOTE not in full.stdout and MTP_NOTE in resumed.stdout
+    a = checkpoint_tensors(tmp_path / "full" / "iter_0000005")
+    b = checkpoint_tensors(tmp_path / "resumed" / "iter_0000005")
+    assert a.keys() == b.keys()
+    _mtp_checkpoint_keys(a)
+    assert [key for key in a if not torch.equal(a[key], b[key])] == []
 
 
 @pytest.fixture(scope="module")

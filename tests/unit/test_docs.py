@@ -184,6 +184,10 @@ DECISIONS = {
     "pretrain_gpt.py flags> --head-wise-attn-gate --hybrid-layer-pattern *-*-*-*-": Covered(
         "tests/functional/test_megatron_lm_hybrid.py::"
         "test_hybrid_model_trains_saves_and_resumes_exactly"),
+    "torchrun --nproc_per_node=8 -m mcore_ext.megatron_lm.pretrain_gpt <your Megatron-LM "
+    "pretrain_gpt.py flags> --head-wise-attn-gate --hybrid-layer-pattern *-*-*-*-/*-": Covered(
+        "tests/functional/test_megatron_lm_hybrid.py::"
+        "test_mtp_trains_saves_and_resumes_exactly_in_the_other_spelling"),
     # Megatron-LM under CP (docs/megatron-lm.md): a template of the user's own flags
     "torchrun --nproc_per_node=8 -m mcore_ext.megatron_lm.pretrain_gpt <your Megatron-LM "
     "pretrain_gpt.py flags> --head-wise-attn-gate --context-parallel-size 2 "

@@ -6,7 +6,9 @@ written field by field and ``mcore_ext.build_gpt_model`` (whose numerics tests/u
 test_layer_kinds.py checks against plain PyTorch) or ``mcore_ext.build_hybrid_model``. Both are
 built from the same seed, so the two models must have identical parameters and identical logits
 (exact equality, fp32, same code); the hybrid one's weights, copied into the GPT reference, give
-its logits (fp32, 1e-5: tests/unit/test_hybrid_model.py proves hybrid == GPT per layout).
+its logits (fp32, 1e-5: tests/unit/test_hybrid_model.py proves hybrid == GPT per layout). With
+MTP (``--mtp-num-layers``, or the pattern's ``/`` depths) also each depth's logits and the MTP
+loss, which equals the depth logits' cross entropy written in plain PyTorch.
 """
 
 import argparse
@@ -154,8 +156,8 @@ def test_spec_flag_is_refused():
         gated_gpt_config_from_args(args)
 
 
-def _reference_config():
-    """The GatedTransformerConfig FLAGS describe, written field by field."""
+def _reference_config(**overrides):
+    """The GatedTransformerConfig FLAGS describe, written field by field (and ``overrides``)."""
     import torch.nn.functional as F
 
     import mcore_ext
@@ -169,7 +171,7 @@ def _reference_config():
         head_wise_attn_gate_init_bias=1.5, layer_types=["sliding_attention", "full_attention"],
         sliding_window=4, rotary_base=500000.0, sliding_rotary_base=10000.0,
         sliding_rotary_percent=0.5, swiglu_limits=[0.0, 7.5], apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
+        gradient_accumulation_fusion=False, **overrides,
     )
 
 
@@ -183,14 +185,14 @@ def _build_both(seed=7, hybrid=False):
 
     import mcore_ext
     from mcore_ext.megatron_lm import model as megatron_lm_model
-    from mcore_ext.megatron_lm.pretrain_gpt import given_num_layers
+    from mcore_ext.megatron_lm.pretrain_gpt import given_layer_flags
     from mcore_ext.runtime import set_seed
 
     flags = [*FLAGS, *HYBRID_FLAGS] if hybrid else FLAGS
     args = _parse(flags, world_size=2)
     if hybrid:
         model_config = megatron_lm_model.gated_hybrid_config_from_args(
-            args, given_num_layers(flags))
+            args, **given_layer_flags(flags))
         builder, build = megatron_lm_model.GatedHybridModelBuilder, mcore_ext.build_hybrid_model
     else:
         model_config = megatron_lm_model.gated_gpt_config_from_args(args)
@@ -311,21 +313,187 @@ def test_hybrid_flags_build_the_hybrid_model_on_two_ranks(run_distributed):
         assert scale > 0 and gpt_diff <= 1e-5, (gpt_diff, scale)
 
 
+# Megatron-LM's two spellings of one MTP depth on HybridModel: the pattern's '/' depth, and
+# --mtp-num-layers (to which the entry adds Step-3.5's depth, '/*-', as the launcher does).
+MTP_SPELLINGS = (("--hybrid-layer-pattern", "*-*-/*-"),
+                 ("--hybrid-layer-pattern", "*-*-", "--mtp-num-layers", "1"))
+
+
+def _gathered_outputs(model, tokens, positions, labels):
+    """(main logits, each MTP depth's logits, both gathered over TP; the per-token loss and the
+    MTP depths' losses of a forward with ``labels``, megatron's tracker)."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region as gather
+
+    from mcore_ext import _mcore_compat
+    from mcore_ext.models.mtp_model import mtp_logits
+
+    depths = [gather(logits) for logits in mtp_logits(model, tokens, positions)]
+    logits = gather(model(tokens, positions, None))
+    _mcore_compat.take_mtp_losses(1)  # HybridModel's forwards above track theirs, from input_ids
+    loss = model(tokens, positions, None, labels=labels)
+    return (logits.detach(), [d.detach() for d in depths], loss.detach(),
+            _mcore_compat.take_mtp_losses(1))
+
+
+def _check_hybrid_mtp_flags_build_the_gpt_entrys_mtp_model():
+    """Both MTP spellings build one HybridModel (every parameter equal from one seed; the
+    pattern '*-*-/*-', Step-3.5's depth: own head, global layer 3, sliding as Step's rule makes
+    an MTP layer of a 2-entry --layer-types), build_hybrid_model's (the launcher's). The GPT
+    entry's --mtp-num-layers 1 model is build_gpt_model's (test_mtp checks its depths against
+    plain PyTorch). With the hybrid model's weights the GPT entry's model gives its main and
+    depth logits, per-token loss and MTP loss; the MTP loss is the depth logits' cross entropy
+    with the labels shifted once more (plain PyTorch: labels t + 1, the last position
+    masked)."""
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    import mcore_ext
+    from mcore_ext.megatron_lm import model as megatron_lm_model
+    from mcore_ext.megatron_lm.pretrain_gpt import given_layer_flags
+    from mcore_ext.models.hybrid import copy_weights
+    from mcore_ext.runtime import set_seed
+
+    mcore_ext.init_parallel(tensor_model_parallel_size=2, seed=7)
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    MTPLossLoggingHelper.tracker.clear()  # sized by the first model of the process to track
+    build = dict(vocab_size=128, max_sequence_length=16, backend="sdpa")
+
+    def tensors(model):
+        return {k: v for k, v in model.state_dict().items() if torch.is_tensor(v)}
+
+    def same(a, b):
+        a, b = tensors(a), tensors(b)
+        return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    gpt_flags = [*FLAGS, "--mtp-num-layers", "1"]
+    gpt_config = megatron_lm_model.gated_gpt_config_from_args(_parse(gpt_flags, world_size=2))
+    assert gpt_config.transformer.mtp_num_layers == 1 and gpt_config.transformer.mtp_step35_heads
+    set_seed(7)
+    gpt = megatron_lm_model.GatedGPTModelBuilder(gpt_config).build_model(pgs)
+    set_seed(7)
+    assert same(gpt, mcore_ext.build_gpt_model(_reference_config(mtp_num_layers=1), **build))
+
+    hybrids = []
+    for spelling in MTP_SPELLINGS:
+        flags = [*FLAGS, *spelling]
+        config = megatron_lm_model.gated_hybrid_config_from_args(
+            _parse(flags, world_size=2), **given_layer_flags(flags))
+        assert config.hybrid_layer_pattern == "*-*-/*-", spelling
+        assert config.transformer.num_layers == 2 and config.transformer.mtp_num_layers == 1
+        set_seed(11)
+        hybrids.append(megatron_lm_model.GatedHybridModelBuilder(config).build_model(pgs))
+    set_seed(11)
+    launcher = mcore_ext.build_hybrid_model(_reference_config(mtp_num_layers=1), **build)
+    assert same(hybrids[0], hybrids[1]) and same(hybrids[0], launcher)
+    hybrid = hybrids[0]
+    assert isinstance(hybrid, HybridModel)
+    depth = hybrid.mtp.layers[0]
+    assert hasattr(depth, "output_layer")  # Step-3.5's own head
+    assert [(layer.gpt_layer_number, layer.config.window_size)
+            for layer in depth.mtp_model_layer.layers] == [(3, (3, 0)), (3, (3, 0))]
+
+    copy_weights(hybrid, gpt, to_hybrid=False)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 128, (2, 16), generator=gen)
+    labels = torch.randint(0, 128, (2, 16), generator=gen)
+    positions = torch.arange(16).unsqueeze(0).expand(2, -1)
+    logits, depths, loss, mtp_loss = _gathered_outputs(hybrid, tokens, positions, labels)
+    gpt_logits, gpt_depths, gpt_loss, gpt_mtp_loss = _gathered_outputs(gpt, tokens, positions,
+                                                                       labels)
+    depth_logits = gpt_depths[0].float()
+    formula = F.cross_entropy(depth_logits[:, :-1].reshape(-1, 128), labels[:, 1:].reshape(-1))
+    return dict(logits=(logits - gpt_logits).abs().max().item(),
+                depth=(depths[0] - gpt_depths[0]).abs().max().item(),
+                loss=(loss - gpt_loss).abs().max().item(),
+                mtp_loss=(mtp_loss - gpt_mtp_loss).abs().max().item(),
+                mtp_formula=(gpt_mtp_loss[0] - formula).abs().item(),
+                scales=(logits.abs().max().item(), depths[0].abs().max().item(),
+                        mtp_loss[0].item(), (depths[0] - logits).abs().max().item()))
+
+
+def test_hybrid_mtp_flags_build_the_gpt_entrys_mtp_model_on_two_ranks(run_distributed):
+    for diffs in run_distributed(_check_hybrid_mtp_flags_build_the_gpt_entrys_mtp_model,
+                                 world_size=2):
+        logits_scale, depth_scale, mtp_loss, depth_vs_main = diffs.pop("scales")
+        # Real outputs: O(1) logits, a depth that is not the main head, a cross entropy near
+        # log 128.
+        assert logits_scale > 0.1 and depth_scale > 0.1 and depth_vs_main > 0.1 and mtp_loss > 1
+        assert all(value <= 1e-5 for value in diffs.values()), diffs
+
+
+def _check_forward_step_hands_the_model_the_loss_mask():
+    """The entry's forward step (megatron.training's, pretrain_gpt.forward_step) on the GPT and
+    the hybrid MTP model of the flags, a batch whose loss mask drops half the tokens: the MTP
+    loss megatron tracks is the masked mean of the depth logits' cross entropy (plain PyTorch:
+    position t predicts label t + 1 where the mask keeps it; the last position has none), as
+    the launcher's loop computes it; the per-token loss the step returns is the model's."""
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region as gather
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    import mcore_ext
+    from mcore_ext import _mcore_compat
+    from mcore_ext.megatron_lm import model as megatron_lm_model
+    from mcore_ext.megatron_lm.pretrain_gpt import forward_step, given_layer_flags
+    from mcore_ext.models.mtp_model import mtp_logits
+
+    mcore_ext.init_parallel(tensor_model_parallel_size=2, seed=7)
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    MTPLossLoggingHelper.tracker.clear()  # sized by the first model of the process to track
+    gpt_flags, hybrid_flags = [*FLAGS, "--mtp-num-layers", "1"], [*FLAGS, *MTP_SPELLINGS[1]]
+    models = [
+        megatron_lm_model.GatedGPTModelBuilder(megatron_lm_model.gated_gpt_config_from_args(
+            _parse(gpt_flags, world_size=2))).build_model(pgs),
+        megatron_lm_model.GatedHybridModelBuilder(megatron_lm_model.gated_hybrid_config_from_args(
+            _parse(hybrid_flags, world_size=2), **given_layer_flags(hybrid_flags))).build_model(pgs)]
+    gen = torch.Generator().manual_seed(0)
+    batch = dict(tokens=torch.randint(0, 128, (2, 16), generator=gen),
+                 labels=torch.randint(0, 128, (2, 16), generator=gen),
+                 loss_mask=(torch.rand(2, 16, generator=gen) < 0.5).float(),
+                 position_ids=torch.arange(16).unsqueeze(0).expand(2, -1).contiguous())
+    rolled = torch.cat([batch["loss_mask"][:, 1:], torch.zeros(2, 1)], dim=1)  # label t + 1's
+    assert 0 < rolled.sum() < 30
+    diffs = []
+    for model in models:
+        depth = gather(mtp_logits(model, batch["tokens"], batch["position_ids"])[0]).detach()
+        shifted = torch.cat([batch["labels"][:, 1:], batch["labels"][:, :1]], dim=1)
+        per_token = F.cross_entropy(depth.reshape(-1, 128).float(), shifted.reshape(-1),
+                                    reduction="none").view(2, 16)
+        formula = (per_token * rolled).sum() / rolled.sum()
+        _mcore_compat.take_mtp_losses(1)  # HybridModel's logits forward tracks its own
+        output, _ = forward_step(iter([dict(batch)]), model)
+        mtp_loss = _mcore_compat.take_mtp_losses(1)
+        model_loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        diffs.append(((mtp_loss[0] - formula).abs().item(),
+                      (output - model_loss).abs().max().item()))
+    return diffs
+
+
+def test_forward_step_hands_the_model_the_loss_mask_on_two_ranks(run_distributed):
+    for diffs in run_distributed(_check_forward_step_hands_the_model_the_loss_mask,
+                                 world_size=2):
+        assert all(mtp <= 1e-5 and loss == 0 for mtp, loss in diffs), diffs
+
+
 @pytest.mark.parametrize("flags, message", [
-    (["--hybrid-layer-pattern", "*-*-/*-"],
-     "--mtp-num-layers 1 with --hybrid-layer-pattern '*-*-/*-': MTP on this entry's "
-     "HybridModel is not built yet (docs/known-gaps.md; the launcher's model.architecture: "
-     "hybrid builds it); leave out --hybrid-layer-pattern for the GPT model's MTP"),
+    (["--hybrid-layer-pattern", "*-*-/*-", "--mtp-num-layers", "2"],
+     "--mtp-num-layers 2 disagrees with --hybrid-layer-pattern '*-*-/*-': 1 MTP depth ('/'); "
+     "give --mtp-num-layers 1 or leave it out, or give the pattern without its depths "
+     "('*-*-') with --mtp-num-layers 2"),
+    (["--hybrid-layer-pattern", "*-*-/-*"],
+     "--hybrid-layer-pattern '*-*-/-*' has 1 MTP depths ('/'), --mtp-num-layers is 1: each "
+     "depth is '/*-' (one dense GPT layer, the MTP layer mcore_ext builds)"),
     (["--hybrid-layer-pattern", "*-*M"],
      "--hybrid-layer-pattern '*-*M': symbol 'M' is not one of * - E | (attention, dense MLP, "
      "MoE, pipeline stage)"),
     ([*HYBRID_FLAGS, "--num-layers", "3"],
      "--num-layers 3 disagrees with --hybrid-layer-pattern '*-*-': 4 layers, 2 of them "
      "attention ('*', the GPT layers); give --num-layers 4 or 2, or leave it out"),
-    ([*HYBRID_FLAGS, "--mtp-num-layers", "1"],
-     "--mtp-num-layers 1 with --hybrid-layer-pattern '*-*-': MTP on this entry's HybridModel "
-     "is not built yet (docs/known-gaps.md; the launcher's model.architecture: hybrid builds "
-     "it); leave out --hybrid-layer-pattern for the GPT model's MTP"),
     (["--hybrid-layer-pattern", "*-*E", "--num-experts", "2", "--moe-router-topk", "2"],
      "--hybrid-layer-pattern '*-*E': hybrid layer 2 is '-' (dense MLP), the MLP of GPT layer 1, "
      "which the flags make MoE (--num-experts 2, --moe-layer-freq 1): give its MLP as 'E'"),
@@ -335,11 +503,11 @@ def test_hybrid_flags_build_the_hybrid_model_on_two_ranks(run_distributed):
 ])
 def test_hybrid_flags_mcore_ext_does_not_build_are_refused(flags, message):
     from mcore_ext.megatron_lm import gated_hybrid_config_from_args
-    from mcore_ext.megatron_lm.pretrain_gpt import given_num_layers
+    from mcore_ext.megatron_lm.pretrain_gpt import given_layer_flags
 
     flags = [*FLAGS, "--tensor-model-parallel-size", "1", *flags]
     with pytest.raises(ValueError) as error:
-        gated_hybrid_config_from_args(_parse(flags, world_size=1), given_num_layers(flags))
+        gated_hybrid_config_from_args(_parse(flags, world_size=1), **given_layer_flags(flags))
     assert str(error.value) == message
 
 
@@ -347,12 +515,12 @@ def test_num_layers_of_either_meaning_or_none_builds_the_pattern():
     """--num-layers as megatron counts a pattern (every symbol) or as the GPT entry counts
     layers (its attention symbols), or none: the same config of 2 GPT layers."""
     from mcore_ext.megatron_lm import gated_hybrid_config_from_args
-    from mcore_ext.megatron_lm.pretrain_gpt import given_num_layers
+    from mcore_ext.megatron_lm.pretrain_gpt import given_layer_flags
 
     at = FLAGS.index("--num-layers")
     without = [*FLAGS[:at], *FLAGS[at + 2:], "--tensor-model-parallel-size", "1", *HYBRID_FLAGS]
     for given in ([], ["--num-layers", "4"], ["--num-layers=2"]):
         flags = [*without, *given]
         config = gated_hybrid_config_from_args(_parse(flags, world_size=1),
-                                               given_num_layers(flags))
+                                               **given_layer_flags(flags))
         assert config.transformer.num_layers == 2, given
