@@ -164,6 +164,24 @@ def staged_pattern(pattern: str, config) -> str:
     return staged + mtp + depths
 
 
+def _config_in_hybrid_layers(config, pattern: str):
+    """``config`` as megatron's HybridModel reads it: the config counts GPT layers, HybridModel
+    hybrid ones. The first / last pipeline stage counts go (``pattern``'s ``|`` holds them,
+    ``staged_pattern``; megatron refuses both at once), and full recompute's
+    ``recompute_num_layers`` counts the hybrid layers of as many GPT layers (2 a GPT layer:
+    uniform recomputes each ``*-`` pair as one, block the first N pairs, as GPTModel does)."""
+    changes = {}
+    if PIPE in pattern and (config.num_layers_in_first_pipeline_stage is not None
+                            or config.num_layers_in_last_pipeline_stage is not None):
+        changes.update(num_layers_in_first_pipeline_stage=None,
+                       num_layers_in_last_pipeline_stage=None)
+    if config.recompute_granularity == "full" and config.recompute_num_layers:
+        layers = len(pattern.split(MTP)[0].replace(PIPE, ""))
+        changes["recompute_num_layers"] = (
+            config.recompute_num_layers * layers // config.num_layers)
+    return dataclasses.replace(config, **changes) if changes else config
+
+
 def gpt_layer_number(pattern: str, hybrid_number: int) -> int:
     """The GPT layer (1-based) hybrid layer ``hybrid_number`` (1-based, ``|`` not counted) of
     ``pattern`` stands for: the attention layers up to it; an MLP before any attention belongs
@@ -323,12 +341,7 @@ def build_hybrid_model(
 
     pattern = gpt_hybrid_pattern(config) if hybrid_layer_pattern is None else hybrid_layer_pattern
     pattern = staged_pattern(pattern, config)
-    if PIPE in pattern and (config.num_layers_in_first_pipeline_stage is not None
-                            or config.num_layers_in_last_pipeline_stage is not None):
-        # megatron counts these in hybrid layers and refuses them beside '|': the stages are
-        # the pattern's now (GPT layers 1-2 | 3 of a 2 + 1 split: '*-*-|*-').
-        config = dataclasses.replace(config, num_layers_in_first_pipeline_stage=None,
-                                     num_layers_in_last_pipeline_stage=None)
+    config = _config_in_hybrid_layers(config, pattern)
     if config.mtp_num_layers:
         _mcore_compat.check_mtp_supported(getattr(config, "mtp_step35_heads", False))
     pre_process, post_process = stage_ends(pre_process, post_process, vp_stage)

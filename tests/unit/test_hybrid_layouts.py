@@ -143,6 +143,11 @@ def _recompute_full(tp, ep, cp=1):
                                            recompute_method="uniform", recompute_num_layers=1)
 
 
+def _recompute_block(tp, ep, cp=1):
+    return test_hybrid_model._kinds_config(tp, ep, cp, recompute_granularity="full",
+                                           recompute_method="block", recompute_num_layers=1)
+
+
 def _recompute_selective(tp, ep, cp=1):
     return test_hybrid_model._kinds_config(tp, ep, cp, recompute_granularity="selective")
 
@@ -154,7 +159,8 @@ def _all_gather_cp(tp, ep, cp=1):
                                            cp_comm_type="all_gather")
 
 
-CONFIGS = {"recompute_full": _recompute_full, "recompute_selective": _recompute_selective,
+CONFIGS = {"recompute_full": _recompute_full, "recompute_block": _recompute_block,
+           "recompute_selective": _recompute_selective,
            "all_gather_cp": _all_gather_cp, "kinds": test_hybrid_model._kinds_config}
 
 
@@ -193,10 +199,13 @@ def _layouts_hybrid_vs_gpt(runs):
 
 
 @pytest.mark.parametrize("runs, calls", [
-    # GPT's 4 layers and the hybrid model's 8, each recomputed on its own; then the 4 core
-    # attentions of each model
-    ([("recompute_full", 2, 1, 1, "sdpa"), ("recompute_selective", 1, 1, 1, "sdpa")],
-     [{"checkpoint": 12}, {"checkpoint": 8}]),
+    # uniform, 1 layer: GPT's 4 layers and the hybrid model's 4 pairs ('*-'), each recomputed
+    # on its own (recompute_num_layers counts GPT layers, megatron's HybridStack hybrid ones);
+    # block, 1 layer: GPT layer 1, and its two hybrid layers; selective: the 4 core attentions
+    # of each model
+    ([("recompute_full", 2, 1, 1, "sdpa"), ("recompute_block", 1, 1, 1, "sdpa"),
+      ("recompute_selective", 1, 1, 1, "sdpa")],
+     [{"checkpoint": 8}, {"checkpoint": 3}, {"checkpoint": 8}]),
     # the all-gather variant: no halo; the control (window 3 < SEQ): the 2 sliding layers of
     # GPT's, the hybrid model's and its kinds-swapped control's forward exchange halos
     ([("all_gather_cp", 1, 1, 2, "sdpa"), ("kinds", 1, 1, 2, "sdpa")],
