@@ -340,15 +340,16 @@ def _gpt_checkpoint_into_hybrid(case, save, load, directory):
             architecture.saved_architecture(saved))
 
 
-@pytest.mark.parametrize("case, save, load", [
-    ("kinds", (1, 1), (2, 1)),
-    ("moe", (1, 2), (1, 1)),
-    pytest.param("moe", (1, 1), (2, 2), marks=pytest.mark.slow),
+@pytest.mark.parametrize("case, save, load, world", [
+    ("kinds", (1, 1), (2, 1), 2),
+    ("moe", (1, 2), (1, 1), 2),
+    pytest.param("moe", (1, 1), (2, 2), 4, marks=pytest.mark.slow),
 ], ids=["kinds_pp1_to_pp2", "moe_ep2_to_ep1", "moe_pp1_ep1_to_pp2_ep2"])
 def test_gpt_checkpoint_loads_into_hybrid_at_another_pp_or_ep(run_distributed, tmp_path, case,
-                                                              save, load):
+                                                              save, load, world):
+    """(PP, EP) saved -> loaded; the slow one on 4 ranks (PP 2 x EP 2, from DP 4)."""
     ranks = run_distributed(_gpt_checkpoint_into_hybrid, case, save, load, str(tmp_path),
-                            world_size=2, timeout=600)
+                            world_size=world, timeout=600)
     last = ranks[-1]
     assert all(saved_as == "gpt" for *_, saved_as in ranks), ranks
     assert last[1] > 0.1 and last[0] <= TOL, ranks
