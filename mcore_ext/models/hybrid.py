@@ -329,7 +329,9 @@ def build_hybrid_model(
     does), and may set ``|`` pipeline stages. A config that splits its GPT layers unevenly
     (``num_layers_in_first_pipeline_stage`` / ``..._last_...``,
     ``pipeline_model_parallel_layout``) puts the same GPT layers on each stage
-    (``staged_pattern``: ``|`` at its stage ends; a pattern's own ``|`` must agree).
+    (``staged_pattern``: ``|`` at its stage ends; a pattern's own ``|`` must agree), and full
+    recompute's ``recompute_num_layers`` counts GPT layers as on GPTModel: the model's config
+    is then a copy with megatron's hybrid counts (``_config_in_hybrid_layers``).
 
     RoPE comes from the config (the full layers'; a kind with others computes its own), every
     layer is built with its GPT layer's kind config, and the output matches ``build_gpt_model``'s
