@@ -7,8 +7,9 @@ summed, logits and every gradient within 1e-5 (fp32; gradients O(10), 10x that).
   2 + 1) against GPTModel with ``num_layers_in_first_pipeline_stage=2``, through megatron's
   schedule; the GPT config alone (no pattern) makes the same stages, a pattern whose stages
   disagree with the config's split is refused in one line.
-- Activation recompute, full (uniform, 1 layer) and selective, as the launcher's
-  ``model.recompute_granularity`` sets it.
+- Activation recompute, full (uniform and block, 1 layer) and selective, as the launcher's
+  ``model.recompute_granularity`` sets it; ``recompute_num_layers`` counts GPT layers on both
+  (megatron's checkpoint calls counted).
 - Packed documents (THD, ``PackedSeqParams`` of test_sft_packed_loss's conversations) through
   the launcher's forward step at CP 1 and CP 2: loss, each token's logits, every gradient.
 - CP 2's all-gather path for sliding layers (a window that reaches the sequence start, with
