@@ -108,6 +108,80 @@ def check_hybrid_pattern(pattern: str, config) -> None:
                 f"{MOE if moe else MLP!r}")
 
 
+def gpt_stage_layer_counts(config) -> Optional[list[int]]:
+    """The GPT layers of each pipeline stage (rank 0 first) when ``config`` splits them itself:
+    ``num_layers_in_first_pipeline_stage`` / ``num_layers_in_last_pipeline_stage`` or
+    ``pipeline_model_parallel_layout``, which count GPT layers; None for megatron's even split
+    (the same whether it splits GPT layers or their ``*-`` pairs). Not with virtual stages."""
+    from megatron.core.transformer.enums import LayerType
+
+    first = config.num_layers_in_first_pipeline_stage
+    last = config.num_layers_in_last_pipeline_stage
+    layout = config.pipeline_model_parallel_layout
+    if (first is None and last is None and layout is None) or (
+            config.virtual_pipeline_model_parallel_size is not None):
+        return None
+    pp = config.pipeline_model_parallel_size
+    if layout is not None:
+        return [layout.layout[rank][0].count(LayerType.decoder) for rank in range(pp)]
+    ends = {0: first, pp - 1: last}
+    middle = [rank for rank in range(pp) if ends.get(rank) is None]
+    per_middle = (config.num_layers - (first or 0) - (last or 0)) // max(1, len(middle))
+    return [per_middle if ends.get(rank) is None else ends[rank] for rank in range(pp)]
+
+
+def staged_pattern(pattern: str, config) -> str:
+    """``pattern`` with ``|`` where ``config`` ends its GPT pipeline stages
+    (``gpt_stage_layer_counts``): each stage starts at its first GPT layer's attention. A
+    pattern with its own ``|`` is kept if each stage holds as many attention layers as the GPT
+    split, else refused (ValueError naming both); unchanged without such a split."""
+    counts = gpt_stage_layer_counts(config)
+    if counts is None:
+        return pattern
+    main, mtp, depths = pattern.partition(MTP)
+    if PIPE in main:
+        given = [stage.count(ATTENTION) for stage in main.split(PIPE)]
+        if given != counts:
+            split = ("pipeline_model_parallel_layout"
+                     if config.pipeline_model_parallel_layout is not None else
+                     f"num_layers_in_first_pipeline_stage "
+                     f"{config.num_layers_in_first_pipeline_stage}, "
+                     f"num_layers_in_last_pipeline_stage {config.num_layers_in_last_pipeline_stage}")
+            raise ValueError(
+                f"hybrid_layer_pattern={pattern!r} puts {given} attention layers ('*') on its "
+                f"pipeline stages, the config's GPT layers per stage are {counts} ({split}): "
+                "give each stage that many '*', or leave the '|' out")
+        return pattern
+    # The GPT layers before each stage but the first; a stage starts at its first attention.
+    bounds = [sum(counts[:stage]) for stage in range(1, len(counts))]
+    staged, attention = "", 0
+    for symbol in main:
+        if symbol == ATTENTION:
+            staged += PIPE * bounds.count(attention)
+            attention += 1
+        staged += symbol
+    staged += PIPE * bounds.count(attention)  # stages after the last layer hold none
+    return staged + mtp + depths
+
+
+def _config_in_hybrid_layers(config, pattern: str):
+    """``config`` as megatron's HybridModel reads it: the config counts GPT layers, HybridModel
+    hybrid ones. The first / last pipeline stage counts go (``pattern``'s ``|`` holds them,
+    ``staged_pattern``; megatron refuses both at once), and full recompute's
+    ``recompute_num_layers`` counts the hybrid layers of as many GPT layers (2 a GPT layer:
+    uniform recomputes each ``*-`` pair as one, block the first N pairs, as GPTModel does)."""
+    changes = {}
+    if PIPE in pattern and (config.num_layers_in_first_pipeline_stage is not None
+                            or config.num_layers_in_last_pipeline_stage is not None):
+        changes.update(num_layers_in_first_pipeline_stage=None,
+                       num_layers_in_last_pipeline_stage=None)
+    if config.recompute_granularity == "full" and config.recompute_num_layers:
+        layers = len(pattern.split(MTP)[0].replace(PIPE, ""))
+        changes["recompute_num_layers"] = (
+            config.recompute_num_layers * layers // config.num_layers)
+    return dataclasses.replace(config, **changes) if changes else config
+
+
 def gpt_layer_number(pattern: str, hybrid_number: int) -> int:
     """The GPT layer (1-based) hybrid layer ``hybrid_number`` (1-based, ``|`` not counted) of
     ``pattern`` stands for: the attention layers up to it; an MLP before any attention belongs
@@ -252,7 +326,12 @@ def build_hybrid_model(
     """This rank's megatron ``HybridModel`` for ``config`` on ``backend``, the arguments as
     ``build_gpt_model``'s; ``hybrid_layer_pattern`` defaults to the GPT layers' (``*-`` / ``*E``
     per layer; megatron splits it evenly over pipeline stages, whole GPT layers as GPTModel
-    does), and may set ``|`` pipeline stages.
+    does), and may set ``|`` pipeline stages. A config that splits its GPT layers unevenly
+    (``num_layers_in_first_pipeline_stage`` / ``..._last_...``,
+    ``pipeline_model_parallel_layout``) puts the same GPT layers on each stage
+    (``staged_pattern``: ``|`` at its stage ends; a pattern's own ``|`` must agree), and full
+    recompute's ``recompute_num_layers`` counts GPT layers as on GPTModel: the model's config
+    is then a copy with megatron's hybrid counts (``_config_in_hybrid_layers``).
 
     RoPE comes from the config (the full layers'; a kind with others computes its own), every
     layer is built with its GPT layer's kind config, and the output matches ``build_gpt_model``'s
@@ -263,6 +342,8 @@ def build_hybrid_model(
     _mcore_compat.check_hybrid_model()
 
     pattern = gpt_hybrid_pattern(config) if hybrid_layer_pattern is None else hybrid_layer_pattern
+    pattern = staged_pattern(pattern, config)
+    config = _config_in_hybrid_layers(config, pattern)
     if config.mtp_num_layers:
         _mcore_compat.check_mtp_supported(getattr(config, "mtp_step35_heads", False))
     pre_process, post_process = stage_ends(pre_process, post_process, vp_stage)

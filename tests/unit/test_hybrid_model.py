@@ -121,11 +121,11 @@ def _mtp_logits_and_losses(model, tokens, positions):
     return depths, lambda: _mcore_compat.take_mtp_losses(model.config.mtp_num_layers)
 
 
-def _hybrid_vs_gpt(runs):
+def _hybrid_vs_gpt(runs, configs=None):
     """{(case, tp, ep, cp, backend): (logits diff, gradient diff, parameters of each, control
     diff, logits scale, seconds, MTP logits diff, MTP losses diff, the MTP depths' hybrid
     layers: GPT number, window, heads)}; under CP each rank compares its load-balanced
-    chunks."""
+    chunks. ``configs``: the cases' config functions (default CONFIGS)."""
     import mcore_ext
     from mcore_ext._cpu_compat import cuda_to_cpu
     from mcore_ext.attention import context_parallel
@@ -136,7 +136,7 @@ def _hybrid_vs_gpt(runs):
         start = time.perf_counter()
         mcore_ext.init_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
                                 context_parallel_size=cp)
-        config = CONFIGS[case](tp, ep, cp)
+        config = (configs or CONFIGS)[case](tp, ep, cp)
         gen = torch.Generator().manual_seed(3)
         batch = dict(tokens=torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen),
                      target=torch.randn(BATCH, SEQ, VOCAB, generator=gen),
