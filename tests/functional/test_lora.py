@@ -194,7 +194,12 @@ def test_a_new_run_starts_from_a_peft_adapter(lora_runs, run_distributed):
         if key.startswith("optimizer.") or ADAPTER not in key:
             continue
         local, _, rest = key.removeprefix("decoder.layers.").partition(".targets.")
-        for layer, tensor in enumerate(value):  # layers stacked along a leading axis
+        number, _, module = local.partition(".")
+        if number.isdigit():  # HybridModel: GPT layer g's attention is layer 2g, its MLP 2g + 1
+            local, layers = module, {int(number) // 2: value}.items()
+        else:  # GPTModel: the layers stacked along a leading axis
+            layers = enumerate(value)
+        for layer, tensor in layers:
             tensors[f"base_model.model.model.layers.{layer}.{_PEFT_MODULE[local]}.{rest}.weight"] = (
                 tensor.contiguous())
     save_file(tensors, adapter / "adapter_model.safetensors")

@@ -58,8 +58,8 @@ MLM = [
     "--vocab-size", "257", "--make-vocab-size-divisible-by", "64", "--log-interval", "1",
     "--eval-iters", "0", "--eval-interval", "1000", "--ckpt-format", "torch_dist",
 ]
-LAUNCHER = {
-    "model": {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128,
+LAUNCHER = {  # GPTModel, as the Megatron-LM entry builds without --hybrid-layer-pattern
+    "model": {"architecture": "gpt", "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128,
               "num_attention_heads": 4, "num_query_groups": 2, "seq_length": 32,
               "head_wise_attn_gate": True, "add_qkv_bias": True, "normalization": "RMSNorm",
               "attention_backend": "sdpa", "make_vocab_size_divisible_by": 128},
