@@ -1,7 +1,8 @@
-"""The SFT loss of packed rows, at TP 2 with sequence parallelism, at CP 2, with MoE at EP 2 and
-at PP 2 (micro-batch 2 and 1; CP 2 x PP 2 on 4 ranks; TP 2 x PP 2 with -m slow), and Step-3.5's
-MTP loss of packed rows (one micro-batch against the formula, several against megatron's
-weighting of them), against plain PyTorch written from the formula.
+"""The SFT loss of packed rows, at TP 2 with sequence parallelism, at CP 2, with MoE at EP 2, TP 2
+x EP 2 and expert TP 2 (TP 2 x EP 2 x expert TP 2 with -m slow) and at PP 2 (micro-batch 2 and
+1; CP 2 x PP 2 on 4 ranks; TP 2 x PP 2 with -m slow), and Step-3.5's MTP loss of packed rows
+(one micro-batch against the formula, several against megatron's weighting of them), against
+plain PyTorch written from the formula.
 
 Conversations of 1 to 8 positions (shorter and longer than the sliding window, 3) are packed by
 the launcher's own ``ChatDataset`` into 4 rows of 8 and collated by ``collate_packed`` into 2 THD
@@ -252,24 +253,34 @@ def test_packed_sft_loss_logits_and_gradients_match_per_document_reference(
         assert r["moved"]["prompt"] == 0.0 and r["moved"]["answer"] > 1e-4, r
 
 
-def _packed_moe_sft(ep):
+EXPERT_WEIGHTS = ("experts_gate_proj", "experts_up_proj", "experts_down_proj")
+
+
+def _packed_moe_sft(ep, tp=1, etp=None):
     """The MoE model of test_moe (layers 2-4 MoE with a shared expert, sigmoid router with its
-    expert bias, clamps) on packed conversations at EP ``ep`` (alltoall), 2 ranks at TP 1: the
-    loss, the logits of each document in its slots and the embedding / lm_head gradients. No
-    balancing loss (it depends on the batch, not on each document)."""
+    expert bias, clamps) on packed conversations at TP ``tp`` (with SP), EP ``ep`` and expert TP
+    ``etp`` (alltoall): the loss, the logits of each document in its slots, the embedding /
+    lm_head gradients and those of this rank's experts (their expert-TP slices). No balancing
+    loss (it depends on the batch, not on each document)."""
     import mcore_ext
     from mcore_ext._cpu_compat import cuda_to_cpu
     from tests.unit import test_moe
 
-    mcore_ext.init_parallel(expert_model_parallel_size=ep)
-    config = test_moe.moe_config(ep=ep, dispatcher="alltoall", calculate_per_token_loss=True,
+    mcore_ext.init_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                            expert_tensor_parallel_size=etp)
+    config = test_moe.moe_config(tp, ep, "alltoall", etp, calculate_per_token_loss=True,
                                  moe_router_load_balancing_type="none")
     layers = builders.reference_layers(config)
     weights = test_moe.global_weights(layers)
     docs = _conversations(test_moe.VOCAB, LENGTHS)
     batches = _micro_batches(docs, cp=1)
-    ref_weights, expected, doc_logits, _ = _per_document_reference(docs, weights, layers,
+    # the routed experts' weights are leaves of the reference too
+    leaves = dict(weights, layers=[dict(w, **{k: w[k].clone().requires_grad_()
+                                              for k in EXPERT_WEIGHTS if k in w})
+                                   for w in weights["layers"]])
+    ref_weights, expected, doc_logits, _ = _per_document_reference(docs, leaves, layers,
                                                                    test_moe.EPS)
+    rows = builders.rank_rows_of_this_rank
     with cuda_to_cpu():
         gpt = mcore_ext.build_gpt_model(config, vocab_size=test_moe.VOCAB,
                                         max_sequence_length=SEQ, backend="sdpa")
@@ -279,25 +290,66 @@ def _packed_moe_sft(ep):
         params = dict(model.module.named_parameters())
         grads = {name: params[name].main_grad.clone() for name in
                  ("output_layer.weight", "embedding.word_embeddings.weight")}
+        expert_diff, expert_scale, experts = _expert_grad_diff(model, ref_weights)
         logit_diff, matched = _document_logit_diff(model, batches, docs, doc_logits)
     return dict(loss=loss, expected=expected.item(), logit_diff=float(logit_diff),
                 matched=matched,
-                lm_head_diff=(grads["output_layer.weight"] - ref_weights["lm_head"].grad
+                lm_head_diff=(grads["output_layer.weight"] - rows(ref_weights["lm_head"].grad)
                               ).abs().max().item(),
-                embed_diff=(grads["embedding.word_embeddings.weight"] - ref_weights["embed"].grad
-                            ).abs().max().item(),
-                grad_scale=ref_weights["lm_head"].grad.abs().max().item())
+                embed_diff=(grads["embedding.word_embeddings.weight"]
+                            - rows(ref_weights["embed"].grad)).abs().max().item(),
+                grad_scale=ref_weights["lm_head"].grad.abs().max().item(),
+                expert_diff=expert_diff, expert_scale=expert_scale, experts=experts)
 
 
-def test_packed_sft_of_the_moe_model_at_ep2_matches_per_document_reference(run_distributed):
-    """Routing is per token, so each packed document's logits are its own alone (1e-5, fp32);
-    the loss and the gradients are the formula's over the global batch (each DP rank feeds the
-    same rows: the gradients are summed over both and divided by both ranks' loss tokens)."""
-    for r in run_distributed(_packed_moe_sft, 2, world_size=2):
+def _expert_grad_diff(model, ref_weights):
+    """This rank's experts' reduced gradients (``main_grad``) against the reference's expert-TP
+    slices of them (fc1: the gate's and the up projection's rows, fc2: the down projection's
+    columns): (the largest difference, the largest reference gradient, [(layer, expert)])."""
+    from megatron.core import parallel_state as ps
+
+    rank = ps.get_expert_tensor_parallel_rank()
+    size = ps.get_expert_tensor_parallel_world_size()
+    diff, scale, experts = 0.0, 0.0, []
+    for layer in model.module.decoder.layers:
+        if not hasattr(layer.mlp, "experts"):
+            continue
+        w = ref_weights["layers"][layer.layer_number - 1]
+        for e, expert in zip(layer.mlp.local_expert_indices, layer.mlp.experts.local_experts):
+            fc1 = torch.cat([w["experts_gate_proj"].grad[e].chunk(size)[rank],
+                             w["experts_up_proj"].grad[e].chunk(size)[rank]])
+            fc2 = w["experts_down_proj"].grad[e].chunk(size, dim=1)[rank]
+            for got, want in ((expert.linear_fc1.weight.main_grad, fc1),
+                              (expert.linear_fc2.weight.main_grad, fc2)):
+                diff = max(diff, (got - want).abs().max().item())
+                scale = max(scale, want.abs().max().item())
+            experts.append((layer.layer_number, e))
+    return diff, scale, experts
+
+
+@pytest.mark.parametrize("world, tp, ep, etp", [
+    (2, 1, 2, None),
+    (2, 2, 2, 1),  # TP 2 + SP x EP 2, every expert whole on its rank
+    (2, 1, 1, 2),  # expert TP 2 (each expert's width split) over dense DP 2
+    pytest.param(4, 2, 2, 2, marks=pytest.mark.slow),  # TP 2 + SP x EP 2 x expert TP 2
+], ids=["ep2", "tp2_ep2", "etp2", "tp2_ep2_etp2"])
+def test_packed_sft_of_the_moe_model_matches_per_document_reference(run_distributed, world, tp,
+                                                                     ep, etp):
+    """Routing is per token, so each packed document's logits are its own alone (1e-5, fp32)
+    at EP 2, TP 2 x EP 2, expert TP 2 and (-m slow, 4 ranks) TP 2 x EP 2 x expert TP 2; the
+    loss and the gradients (embedding, lm_head, every routed expert's slice) are the formula's
+    over the global batch (each DP rank feeds the same rows: the gradients are summed over them
+    and divided by all ranks' loss tokens)."""
+    seen = set()
+    for r in run_distributed(_packed_moe_sft, ep, tp, etp, world_size=world):
         assert r["matched"] == len(LENGTHS), r
         assert abs(r["loss"] - r["expected"]) <= TOL, r
         assert r["logit_diff"] <= TOL, r
         assert r["grad_scale"] > 1e-3 and r["lm_head_diff"] <= TOL and r["embed_diff"] <= TOL, r
+        assert r["expert_scale"] > 1e-3 and r["expert_diff"] <= TOL, r
+        assert len(r["experts"]) == 3 * 4 // ep, r["experts"]  # 3 MoE layers, 4 experts
+        seen.update(r["experts"])
+    assert seen == {(n, e) for n in (2, 3, 4) for e in range(4)}
 
 
 def _per_token_step(data_iterator, model):
