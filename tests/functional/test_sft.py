@@ -1,8 +1,9 @@
 """Fine-tuning on chat data through the launcher: configs/step35_sft_tiny_cpu.yaml as written (the
 tiny Step-3.5 with MoE + MTP, TP 2 + SP, packed conversations of configs/sft_tiny) on 2 gloo
 ranks through torchrun, shortened to 8 steps and saving at 4 (~1 minute on 2 busy cores), then
-resumed from its step-4 checkpoint at TP 2 and at TP 1 x DP 2 to step 8 in the tests' gloo ranks
-(the launcher's ``main``, tests/functional/inprocess.py); a bad line of chat data under torchrun
+resumed from its step-4 checkpoint at TP 2 and at TP 1 x DP 2 to step 8, and at TP 1 x DP 2 with
+EP 2 and with micro-batches of 1 row to step 6, in the tests' gloo ranks (the launcher's
+``main``, tests/functional/inprocess.py); a bad line of chat data under torchrun
 is one error before training; the recipe at CP 2 trains; the recipe at PP 2 trains and resumes
 exactly, also at PP 1, and a PP 1 checkpoint resumes at PP 2 (in the tests' ranks); at CP 2 x
 PP 2 and EP 2 x PP 2 (-m slow) it trains and resumes exactly; pretraining text with
@@ -29,8 +30,9 @@ STEPS = 8
 def recipe_runs(tmp_path_factory, run_distributed_shared):
     """The recipe for 8 steps (checkpoints at 4 and 8) through torchrun; a copy of its step-4
     checkpoint resumed at the same layout, and the step-4 checkpoint resumed at TP 1 x DP 2 (no
-    SP), both to 8, as the launcher's ``main`` in the tests' 2 gloo ranks (no torchrun's imports
-    per run: tests/functional/inprocess.py)."""
+    SP), both to 8, and at TP 1 x DP 2 with EP 2 and with micro-batches of 1 row, to 6, as the
+    launcher's ``main`` in the tests' 2 gloo ranks (no torchrun's imports per run:
+    tests/functional/inprocess.py)."""
     tmp = tmp_path_factory.mktemp("sft")
     out = {"tmp": tmp}
     out["full"] = check(torchrun(*_recipe_args(tmp, "full"), f"checkpoint.save={tmp / 'ckpt'}",
@@ -45,24 +47,31 @@ def recipe_runs(tmp_path_factory, run_distributed_shared):
 
 
 def _recipe_args(tmp, name):
-    return ["--config", RECIPE, f"training.train_iters={STEPS}", "training.eval_interval=8",
+    return ["--config", RECIPE, "model.architecture=gpt", f"training.train_iters={STEPS}",
+            "training.eval_interval=8",
             "logging.log_interval=1", "checkpoint.save_interval=4",
             f"data.cache_dir={tmp / 'cache'}", f"logging.metrics_file={tmp / name}.jsonl"]
 
 
 def _resumed_recipe_runs(tmp):
-    """``tp1`` and ``same`` of ``recipe_runs`` on this rank, from the checkout as torchrun runs
-    (the recipe names its data relative to it)."""
+    """``tp1``, ``ep2``, ``micro1`` and ``same`` of ``recipe_runs`` on this rank, from the
+    checkout as torchrun runs (the recipe names its data relative to it); ``same`` last, as it
+    saves into the directory the others load."""
     from mcore_ext.data import chat
 
     chat._FILES.clear()  # each start reads the cache, not an earlier test's memo
     resumed = tmp / "resumed"
+    tp1 = ["parallelism.tensor_model_parallel_size=1", "parallelism.sequence_parallel=false"]
     with contextlib.chdir(ROOT):
         return {
             "tp1": launch(*_recipe_args(tmp, "tp1"), "checkpoint.save=null",
-                          f"checkpoint.load={resumed}",
-                          "parallelism.tensor_model_parallel_size=1",
-                          "parallelism.sequence_parallel=false"),
+                          f"checkpoint.load={resumed}", *tp1),
+            # Steps 5 and 6 only (training.exit_interval keeps the LR schedule of 8 steps).
+            **{name: launch(*_recipe_args(tmp, name), "checkpoint.save=null",
+                            f"checkpoint.load={resumed}", *tp1, change,
+                            "training.exit_interval=6")
+               for name, change in (("ep2", "parallelism.expert_model_parallel_size=2"),
+                                    ("micro1", "training.micro_batch_size=1"))},
             "same": launch(*_recipe_args(tmp, "same"), f"checkpoint.save={resumed}",
                            f"checkpoint.load={resumed}"),
         }
@@ -115,6 +124,31 @@ def test_sft_checkpoint_at_tp2_resumes_at_tp1(recipe_runs):
     for step in range(5, STEPS + 1):
         assert tp1[step] == pytest.approx(full[step], abs=1e-4, rel=0), (step, tp1, full)
     assert "TP 1 x PP 1 x DP 2" in recipe_runs["tp1"].stdout
+
+
+def test_sft_checkpoint_resumes_at_expert_parallel_2_and_at_micro_batch_1(recipe_runs):
+    """The step-4 checkpoint at TP 1 x DP 2 with one more change each, to step 6, against the
+    TP 1 x DP 2 resume (EP 1, micro-batches of 2 rows). EP 2 (each MoE layer's 4 experts 2 per
+    rank, tokens exchanged by alltoall): the same main and MTP losses of steps 5 and 6 within
+    1e-5 (fp32 sums in another order; the same floats at step 5 measured, 2e-7 apart at 6).
+    Micro-batches of 1 row (4 a step): the same 8 rows make up step 5, so its main loss is the
+    same within 1e-5 (the same float measured); megatron weighs each micro-batch's MTP loss by
+    its own loss tokens over its rolled ones and computes the balancing loss per micro-batch, so
+    the logged MTP loss and the update move a little with the split: step 5's MTP loss and step
+    6's losses within 1e-3 (9e-5 and 4e-5 apart measured)."""
+    tp1 = _train_losses(recipe_runs["tmp"] / "tp1.jsonl")
+    change = "(iteration 4, layout {'tp': 2, 'pp': 1, 'dp': 1} -> {'tp': 1, 'pp': 1, 'dp': 2}"
+    for name in ("ep2", "micro1"):
+        assert change in recipe_runs[name].stdout, recipe_runs[name].stdout
+    assert "(experts: EP 2)" in recipe_runs["ep2"].stdout
+    assert "micro 1 x DP 2 x 4 micro-batches" in recipe_runs["micro1"].stdout
+    _same_losses(_train_losses(recipe_runs["tmp"] / "ep2.jsonl"), tp1, steps=(5, 6))
+    micro1 = _train_losses(recipe_runs["tmp"] / "micro1.jsonl")
+    assert sorted(micro1) == [5, 6], micro1
+    assert micro1[5][0] == pytest.approx(tp1[5][0], abs=1e-5, rel=0), (micro1, tp1)
+    for got, want in ((micro1[5][1], tp1[5][1]), (micro1[6][0], tp1[6][0]),
+                      (micro1[6][1], tp1[6][1])):
+        assert got == pytest.approx(want, abs=1e-3, rel=0), (micro1, tp1)
 
 
 def test_bad_chat_line_under_torchrun_is_one_error_before_training(tmp_path):
