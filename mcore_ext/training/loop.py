@@ -233,6 +233,25 @@ def _masked_sum(loss_mask, losses):
     return total, count.int(), {"lm loss": torch.stack([total.detach(), count])}
 
 
+def _mean_mtp_losses(depths, num_microbatches: int):
+    """Per MTP depth, this step's loss, on every rank; None without MTP. megatron tracks each
+    micro-batch's loss over its own rolled loss tokens on the last pipeline stage while training
+    (``MTPLossLoggingHelper``); logged as megatron-LM logs it: the mean over the micro-batches
+    (not weighted by their tokens) and the data-parallel (and CP) ranks. The main loss does not
+    include them."""
+    if not depths:
+        return None
+    local = _mcore_compat.take_mtp_losses(depths)
+    contributes = local is not None and parallel_state.get_tensor_model_parallel_rank() == 0
+    total = torch.zeros(depths + 1, dtype=torch.float64)
+    if contributes:
+        total[:depths] = local.double().cpu() / num_microbatches
+        total[depths] = 1.0
+    total = total.to(device())
+    dist.all_reduce(total)
+    return (total[:depths] / total[depths]).tolist()
+
+
 class _Trainer:
     def __init__(self, cfg, signals=None):
         self.cfg = cfg
@@ -325,7 +344,8 @@ class _Trainer:
             loss, grad_norm, ok = self._train_step()
             self.iteration += 1
             it, last = self.iteration, self.iteration == t.train_iters
-            window.add(loss, self._mean_mtp_losses())
+            window.add(loss, _mean_mtp_losses(self.cfg.model.mtp_num_layers,
+                                              self.cfg.num_microbatches))
             if it == first or last or _every(log_interval, it):
                 self._log(window, grad_norm, ok)
                 window = _Window()
@@ -426,23 +446,6 @@ class _Trainer:
         total = total.to(device())
         dist.all_reduce(total)
         return (total[0] / total[1]).item()
-
-    def _mean_mtp_losses(self):
-        """Per MTP depth, this step's loss (mean over micro-batches and data-parallel ranks), on
-        every rank; None without MTP. megatron tracks them on the last pipeline stage while
-        training (``MTPLossLoggingHelper``); the main loss does not include them."""
-        depths = self.cfg.model.mtp_num_layers
-        if not depths:
-            return None
-        local = _mcore_compat.take_mtp_losses(depths)
-        contributes = local is not None and parallel_state.get_tensor_model_parallel_rank() == 0
-        total = torch.zeros(depths + 1, dtype=torch.float64)
-        if contributes:
-            total[:depths] = local.double().cpu() / self.cfg.num_microbatches
-            total[depths] = 1.0
-        total = total.to(device())
-        dist.all_reduce(total)
-        return (total[:depths] / total[depths]).tolist()
 
     def _save(self):
         t0 = time.perf_counter()

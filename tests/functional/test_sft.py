@@ -1,11 +1,13 @@
 """Fine-tuning on chat data through the launcher: configs/step35_sft_tiny_cpu.yaml as written (the
 tiny Step-3.5 with MoE + MTP, TP 2 + SP, packed conversations of configs/sft_tiny) on 2 gloo
 ranks through torchrun, shortened to 8 steps and saving at 4 (~1 minute on 2 busy cores), then
-resumed from its step-4 checkpoint at TP 2 and at TP 1 x DP 2 to step 8 in the tests' gloo ranks
-(the launcher's ``main``, tests/functional/inprocess.py); a bad line of chat data under torchrun
+resumed from its step-4 checkpoint at TP 2 and at TP 1 x DP 2 to step 8, and at TP 1 x DP 2 with
+EP 2 and with micro-batches of 1 row to step 6, in the tests' gloo ranks (the launcher's
+``main``, tests/functional/inprocess.py); a bad line of chat data under torchrun
 is one error before training; the recipe at CP 2 trains; the recipe at PP 2 trains and resumes
-exactly, also at PP 1 (in the tests' ranks); at CP 2 x PP 2 and EP 2 x PP 2 (-m slow) it trains
-and resumes exactly; pretraining text with data.document_masking trains.
+exactly, also at PP 1, and a PP 1 checkpoint resumes at PP 2 (in the tests' ranks); at CP 2 x
+PP 2 and EP 2 x PP 2 (-m slow) it trains and resumes exactly; pretraining text with
+data.document_masking trains.
 """
 
 import contextlib
@@ -28,8 +30,9 @@ STEPS = 8
 def recipe_runs(tmp_path_factory, run_distributed_shared):
     """The recipe for 8 steps (checkpoints at 4 and 8) through torchrun; a copy of its step-4
     checkpoint resumed at the same layout, and the step-4 checkpoint resumed at TP 1 x DP 2 (no
-    SP), both to 8, as the launcher's ``main`` in the tests' 2 gloo ranks (no torchrun's imports
-    per run: tests/functional/inprocess.py)."""
+    SP), both to 8, and at TP 1 x DP 2 with EP 2 and with micro-batches of 1 row, to 6, as the
+    launcher's ``main`` in the tests' 2 gloo ranks (no torchrun's imports per run:
+    tests/functional/inprocess.py)."""
     tmp = tmp_path_factory.mktemp("sft")
     out = {"tmp": tmp}
     out["full"] = check(torchrun(*_recipe_args(tmp, "full"), f"checkpoint.save={tmp / 'ckpt'}",
@@ -44,24 +47,31 @@ def recipe_runs(tmp_path_factory, run_distributed_shared):
 
 
 def _recipe_args(tmp, name):
-    return ["--config", RECIPE, f"training.train_iters={STEPS}", "training.eval_interval=8",
+    return ["--config", RECIPE, "model.architecture=gpt", f"training.train_iters={STEPS}",
+            "training.eval_interval=8",
             "logging.log_interval=1", "checkpoint.save_interval=4",
             f"data.cache_dir={tmp / 'cache'}", f"logging.metrics_file={tmp / name}.jsonl"]
 
 
 def _resumed_recipe_runs(tmp):
-    """``tp1`` and ``same`` of ``recipe_runs`` on this rank, from the checkout as torchrun runs
-    (the recipe names its data relative to it)."""
+    """``tp1``, ``ep2``, ``micro1`` and ``same`` of ``recipe_runs`` on this rank, from the
+    checkout as torchrun runs (the recipe names its data relative to it); ``same`` last, as it
+    saves into the directory the others load."""
     from mcore_ext.data import chat
 
     chat._FILES.clear()  # each start reads the cache, not an earlier test's memo
     resumed = tmp / "resumed"
+    tp1 = ["parallelism.tensor_model_parallel_size=1", "parallelism.sequence_parallel=false"]
     with contextlib.chdir(ROOT):
         return {
             "tp1": launch(*_recipe_args(tmp, "tp1"), "checkpoint.save=null",
-                          f"checkpoint.load={resumed}",
-                          "parallelism.tensor_model_parallel_size=1",
-                          "parallelism.sequence_parallel=false"),
+                          f"checkpoint.load={resumed}", *tp1),
+            # Steps 5 and 6 only (training.exit_interval keeps the LR schedule of 8 steps).
+            **{name: launch(*_recipe_args(tmp, name), "checkpoint.save=null",
+                            f"checkpoint.load={resumed}", *tp1, change,
+                            "training.exit_interval=6")
+               for name, change in (("ep2", "parallelism.expert_model_parallel_size=2"),
+                                    ("micro1", "training.micro_batch_size=1"))},
             "same": launch(*_recipe_args(tmp, "same"), f"checkpoint.save={resumed}",
                            f"checkpoint.load={resumed}"),
         }
@@ -114,6 +124,31 @@ def test_sft_checkpoint_at_tp2_resumes_at_tp1(recipe_runs):
     for step in range(5, STEPS + 1):
         assert tp1[step] == pytest.approx(full[step], abs=1e-4, rel=0), (step, tp1, full)
     assert "TP 1 x PP 1 x DP 2" in recipe_runs["tp1"].stdout
+
+
+def test_sft_checkpoint_resumes_at_expert_parallel_2_and_at_micro_batch_1(recipe_runs):
+    """The step-4 checkpoint at TP 1 x DP 2 with one more change each, to step 6, against the
+    TP 1 x DP 2 resume (EP 1, micro-batches of 2 rows). EP 2 (each MoE layer's 4 experts 2 per
+    rank, tokens exchanged by alltoall): the same main and MTP losses of steps 5 and 6 within
+    1e-5 (fp32 sums in another order; the same floats at step 5 measured, 2e-7 apart at 6).
+    Micro-batches of 1 row (4 a step): the same 8 rows make up step 5, so its main loss is the
+    same within 1e-5 (the same float measured); megatron weighs each micro-batch's MTP loss by
+    its own loss tokens over its rolled ones and computes the balancing loss per micro-batch, so
+    the logged MTP loss and the update move a little with the split: step 5's MTP loss and step
+    6's losses within 1e-3 (9e-5 and 4e-5 apart measured)."""
+    tp1 = _train_losses(recipe_runs["tmp"] / "tp1.jsonl")
+    change = "(iteration 4, layout {'tp': 2, 'pp': 1, 'dp': 1} -> {'tp': 1, 'pp': 1, 'dp': 2}"
+    for name in ("ep2", "micro1"):
+        assert change in recipe_runs[name].stdout, recipe_runs[name].stdout
+    assert "(experts: EP 2)" in recipe_runs["ep2"].stdout
+    assert "micro 1 x DP 2 x 4 micro-batches" in recipe_runs["micro1"].stdout
+    _same_losses(_train_losses(recipe_runs["tmp"] / "ep2.jsonl"), tp1, steps=(5, 6))
+    micro1 = _train_losses(recipe_runs["tmp"] / "micro1.jsonl")
+    assert sorted(micro1) == [5, 6], micro1
+    assert micro1[5][0] == pytest.approx(tp1[5][0], abs=1e-5, rel=0), (micro1, tp1)
+    for got, want in ((micro1[5][1], tp1[5][1]), (micro1[6][0], tp1[6][0]),
+                      (micro1[6][1], tp1[6][1])):
+        assert got == pytest.approx(want, abs=1e-3, rel=0), (micro1, tp1)
 
 
 def test_bad_chat_line_under_torchrun_is_one_error_before_training(tmp_path):
@@ -186,7 +221,8 @@ def _train_losses(path):
 def _pipeline_args(tmp_path, *layout):
     """The recipe at TP 1 and ``layout`` (PP 2 and the global batch in it), lr 6e-3 after 2
     warmup steps, 6 steps."""
-    return ["--config", RECIPE, "parallelism.tensor_model_parallel_size=1",
+    return ["--config", RECIPE, "model.architecture=gpt",
+            "parallelism.tensor_model_parallel_size=1",
             "parallelism.sequence_parallel=false", *layout, "training.train_iters=6",
             "optimizer.lr_warmup_iters=2", "optimizer.lr=6e-3", "training.eval_interval=null",
             "logging.log_interval=1", f"data.cache_dir={tmp_path / 'cache'}"]
@@ -208,8 +244,7 @@ def _pipeline_runs(tmp_path, layout):
             return full, None
         resumed = tmp_path / "resumed"
         if dist.get_rank() == 0:
-            shutil.copytree(tmp_path / "ckpt" / "iter_0000003", resumed / "iter_0000003")
-            (resumed / TRACKER).write_text("3")
+            _checkpoint_copy(tmp_path / "ckpt", 3, resumed)
         dist.barrier()
         again = launch(*common, f"checkpoint.save={resumed}", f"checkpoint.load={resumed}",
                        f"logging.metrics_file={tmp_path / 'resumed.jsonl'}")
@@ -229,43 +264,68 @@ def _pipeline_run_and_resume(run_distributed, tmp_path, name, nproc, *layout):
     return full, again
 
 
-def _pp1_run(tmp_path, checkpoint):
-    """The recipe at PP 1 from ``checkpoint``, on this (one) rank, from the checkout."""
+def _checkpoint_copy(saved, iteration, to):
+    """A copy of the checkpoint directory ``saved``'s ``iteration`` in ``to`` (its tracker
+    naming it): a run resumed from it leaves the original as it was."""
+    name = f"iter_{iteration:07d}"
+    shutil.copytree(saved / name, to / name)
+    (to / TRACKER).write_text(str(iteration))
+    return to
+
+
+def _resumed_at(tmp_path, checkpoint, name, *layout):
+    """The recipe at ``layout`` (2 micro-batches of 2 rows a step) from ``checkpoint`` to step 6,
+    on this rank, from the checkout; its metrics in ``name``.jsonl."""
     from mcore_ext.data import chat
 
     chat._FILES.clear()
     with contextlib.chdir(ROOT):
-        return launch(*_pipeline_args(tmp_path, "training.global_batch_size=4"),
-                      "checkpoint.save=null", f"checkpoint.load={checkpoint}",
-                      f"logging.metrics_file={tmp_path / 'pp1.jsonl'}")
+        return launch(*_pipeline_args(tmp_path, "training.global_batch_size=4", *layout),
+                      f"checkpoint.load={checkpoint}",
+                      f"logging.metrics_file={tmp_path / name}.jsonl")
 
 
-def test_recipe_at_pipeline_parallel_2_trains_and_resumes_exactly_and_at_pp1(run_distributed,
-                                                                              tmp_path):
+def _same_losses(got, expected, steps):
+    """Main and MTP losses of ``steps`` within 1e-5 (the same rows; fp32 reductions in another
+    order)."""
+    assert sorted(got) == list(steps), got
+    for step in steps:
+        (loss, mtp), (want, want_mtp) = got[step], expected[step]
+        assert loss == pytest.approx(want, abs=1e-5, rel=0), (step, got, expected)
+        assert mtp == pytest.approx(want_mtp, abs=1e-5, rel=0), (step, got, expected)
+
+
+def test_recipe_at_pipeline_parallel_2_resumes_exactly_and_across_pp1_both_ways(run_distributed,
+                                                                                 tmp_path):
     """The recipe at TP 1 x PP 2 (layers 1-2 | 3-4, MoE on both stages, the MTP depth on the
     last): each packed micro-batch of 2 rows crosses the stages as one [256, 1, h] THD sequence,
     2 micro-batches per step through the 1F1B schedule. 6 steps saving at 3, then a copy of the
     step-3 checkpoint resumed to 6: the loss falls below 0.8 x its first (0.73 x measured) and
     steps 4-6 repeat to the last bit. The step-3 checkpoint also resumes at PP 1 (one process,
     the same 2 micro-batches of 2 rows): the PP 2 run's main and MTP losses of steps 4-6 (the
-    same floats measured; 1e-5 allowed for the order of reductions). All in the tests' gloo
-    ranks (2, then 1)."""
-    pp2 = ["parallelism.pipeline_model_parallel_size=2", "training.global_batch_size=4"]
-    full, _ = _pipeline_run_and_resume(run_distributed, tmp_path, "pp2", 2, *pp2)
+    same floats measured; 1e-5 allowed for the order of reductions). That PP 1 run saves at 4,
+    and its PP 1 checkpoint resumes at PP 2 the other way: the PP 1 run's losses of steps 5-6,
+    main and MTP (1e-5). All in the tests' gloo ranks (2, then 1, then 2)."""
+    pp2 = ["parallelism.pipeline_model_parallel_size=2"]
+    full, _ = _pipeline_run_and_resume(run_distributed, tmp_path, "pp2", 2, *pp2,
+                                       "training.global_batch_size=4")
     assert "world 2 = TP 1 x PP 2 x DP 1" in full.stdout and "2 micro-batches" in full.stdout
-    at_3 = tmp_path / "at_pp1"
-    shutil.copytree(tmp_path / "ckpt" / "iter_0000003", at_3 / "iter_0000003")
-    (at_3 / TRACKER).write_text("3")
-    pp1 = check(completed(run_distributed(_pp1_run, tmp_path, at_3, world_size=1,
-                                           timeout=600)[0]), "pp1")
+    at_3 = _checkpoint_copy(tmp_path / "ckpt", 3, tmp_path / "at_pp1")
+    pp1_saved = tmp_path / "pp1_ckpt"
+    pp1 = check(completed(run_distributed(
+        _resumed_at, tmp_path, at_3, "pp1", f"checkpoint.save={pp1_saved}",
+        "checkpoint.save_interval=4", world_size=1, timeout=600)[0]), "pp1")
     assert "layout {'tp': 1, 'pp': 2, 'dp': 1} -> {'tp': 1, 'pp': 1, 'dp': 1}" in pp1.stdout
-    continued = _train_losses(tmp_path / "full.jsonl")
     at_pp1 = _train_losses(tmp_path / "pp1.jsonl")
-    assert sorted(at_pp1) == [4, 5, 6], at_pp1
-    for step in (4, 5, 6):
-        (loss, mtp), (expected, expected_mtp) = at_pp1[step], continued[step]
-        assert loss == pytest.approx(expected, abs=1e-5, rel=0), (step, at_pp1, continued)
-        assert mtp == pytest.approx(expected_mtp, abs=1e-5, rel=0), (step, at_pp1, continued)
+    _same_losses(at_pp1, _train_losses(tmp_path / "full.jsonl"), steps=(4, 5, 6))
+
+    at_4 = _checkpoint_copy(pp1_saved, 4, tmp_path / "at_pp2")
+    back = run_distributed(_resumed_at, tmp_path, at_4, "pp2_again", *pp2,
+                           "checkpoint.save=null", world_size=2, timeout=600)
+    back = check(completed(back[0]), "pp2 from pp1")
+    assert "layout {'tp': 1, 'pp': 1, 'dp': 1} -> {'tp': 1, 'pp': 2, 'dp': 1}" in back.stdout
+    assert "world 2 = TP 1 x PP 2 x DP 1" in back.stdout
+    _same_losses(_train_losses(tmp_path / "pp2_again.jsonl"), at_pp1, steps=(5, 6))
 
 
 @pytest.mark.slow

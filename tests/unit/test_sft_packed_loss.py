@@ -1,6 +1,8 @@
-"""The SFT loss of packed rows, at TP 2 with sequence parallelism, at CP 2, with MoE at EP 2 and
-at PP 2 (micro-batch 2 and 1; CP 2 x PP 2 on 4 ranks; TP 2 x PP 2 with -m slow), and Step-3.5's
-MTP loss of packed rows, against plain PyTorch written from the formula.
+"""The SFT loss of packed rows, at TP 2 with sequence parallelism, at CP 2, with MoE at EP 2, TP 2
+x EP 2 and expert TP 2 (TP 2 x EP 2 x expert TP 2 with -m slow) and at PP 2 (micro-batch 2 and
+1; CP 2 x PP 2 on 4 ranks; TP 2 x PP 2 with -m slow), and Step-3.5's MTP loss of packed rows
+(one micro-batch against the formula, several against megatron's weighting of them), against
+plain PyTorch written from the formula.
 
 Conversations of 1 to 8 positions (shorter and longer than the sliding window, 3) are packed by
 the launcher's own ``ChatDataset`` into 4 rows of 8 and collated by ``collate_packed`` into 2 THD
@@ -251,24 +253,34 @@ def test_packed_sft_loss_logits_and_gradients_match_per_document_reference(
         assert r["moved"]["prompt"] == 0.0 and r["moved"]["answer"] > 1e-4, r
 
 
-def _packed_moe_sft(ep):
+EXPERT_WEIGHTS = ("experts_gate_proj", "experts_up_proj", "experts_down_proj")
+
+
+def _packed_moe_sft(ep, tp=1, etp=None):
     """The MoE model of test_moe (layers 2-4 MoE with a shared expert, sigmoid router with its
-    expert bias, clamps) on packed conversations at EP ``ep`` (alltoall), 2 ranks at TP 1: the
-    loss, the logits of each document in its slots and the embedding / lm_head gradients. No
-    balancing loss (it depends on the batch, not on each document)."""
+    expert bias, clamps) on packed conversations at TP ``tp`` (with SP), EP ``ep`` and expert TP
+    ``etp`` (alltoall): the loss, the logits of each document in its slots, the embedding /
+    lm_head gradients and those of this rank's experts (their expert-TP slices). No balancing
+    loss (it depends on the batch, not on each document)."""
     import mcore_ext
     from mcore_ext._cpu_compat import cuda_to_cpu
     from tests.unit import test_moe
 
-    mcore_ext.init_parallel(expert_model_parallel_size=ep)
-    config = test_moe.moe_config(ep=ep, dispatcher="alltoall", calculate_per_token_loss=True,
+    mcore_ext.init_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                            expert_tensor_parallel_size=etp)
+    config = test_moe.moe_config(tp, ep, "alltoall", etp, calculate_per_token_loss=True,
                                  moe_router_load_balancing_type="none")
     layers = builders.reference_layers(config)
     weights = test_moe.global_weights(layers)
     docs = _conversations(test_moe.VOCAB, LENGTHS)
     batches = _micro_batches(docs, cp=1)
-    ref_weights, expected, doc_logits, _ = _per_document_reference(docs, weights, layers,
+    # the routed experts' weights are leaves of the reference too
+    leaves = dict(weights, layers=[dict(w, **{k: w[k].clone().requires_grad_()
+                                              for k in EXPERT_WEIGHTS if k in w})
+                                   for w in weights["layers"]])
+    ref_weights, expected, doc_logits, _ = _per_document_reference(docs, leaves, layers,
                                                                    test_moe.EPS)
+    rows = builders.rank_rows_of_this_rank
     with cuda_to_cpu():
         gpt = mcore_ext.build_gpt_model(config, vocab_size=test_moe.VOCAB,
                                         max_sequence_length=SEQ, backend="sdpa")
@@ -278,25 +290,66 @@ def _packed_moe_sft(ep):
         params = dict(model.module.named_parameters())
         grads = {name: params[name].main_grad.clone() for name in
                  ("output_layer.weight", "embedding.word_embeddings.weight")}
+        expert_diff, expert_scale, experts = _expert_grad_diff(model, ref_weights)
         logit_diff, matched = _document_logit_diff(model, batches, docs, doc_logits)
     return dict(loss=loss, expected=expected.item(), logit_diff=float(logit_diff),
                 matched=matched,
-                lm_head_diff=(grads["output_layer.weight"] - ref_weights["lm_head"].grad
+                lm_head_diff=(grads["output_layer.weight"] - rows(ref_weights["lm_head"].grad)
                               ).abs().max().item(),
-                embed_diff=(grads["embedding.word_embeddings.weight"] - ref_weights["embed"].grad
-                            ).abs().max().item(),
-                grad_scale=ref_weights["lm_head"].grad.abs().max().item())
+                embed_diff=(grads["embedding.word_embeddings.weight"]
+                            - rows(ref_weights["embed"].grad)).abs().max().item(),
+                grad_scale=ref_weights["lm_head"].grad.abs().max().item(),
+                expert_diff=expert_diff, expert_scale=expert_scale, experts=experts)
 
 
-def test_packed_sft_of_the_moe_model_at_ep2_matches_per_document_reference(run_distributed):
-    """Routing is per token, so each packed document's logits are its own alone (1e-5, fp32);
-    the loss and the gradients are the formula's over the global batch (each DP rank feeds the
-    same rows: the gradients are summed over both and divided by both ranks' loss tokens)."""
-    for r in run_distributed(_packed_moe_sft, 2, world_size=2):
+def _expert_grad_diff(model, ref_weights):
+    """This rank's experts' reduced gradients (``main_grad``) against the reference's expert-TP
+    slices of them (fc1: the gate's and the up projection's rows, fc2: the down projection's
+    columns): (the largest difference, the largest reference gradient, [(layer, expert)])."""
+    from megatron.core import parallel_state as ps
+
+    rank = ps.get_expert_tensor_parallel_rank()
+    size = ps.get_expert_tensor_parallel_world_size()
+    diff, scale, experts = 0.0, 0.0, []
+    for layer in model.module.decoder.layers:
+        if not hasattr(layer.mlp, "experts"):
+            continue
+        w = ref_weights["layers"][layer.layer_number - 1]
+        for e, expert in zip(layer.mlp.local_expert_indices, layer.mlp.experts.local_experts):
+            fc1 = torch.cat([w["experts_gate_proj"].grad[e].chunk(size)[rank],
+                             w["experts_up_proj"].grad[e].chunk(size)[rank]])
+            fc2 = w["experts_down_proj"].grad[e].chunk(size, dim=1)[rank]
+            for got, want in ((expert.linear_fc1.weight.main_grad, fc1),
+                              (expert.linear_fc2.weight.main_grad, fc2)):
+                diff = max(diff, (got - want).abs().max().item())
+                scale = max(scale, want.abs().max().item())
+            experts.append((layer.layer_number, e))
+    return diff, scale, experts
+
+
+@pytest.mark.parametrize("world, tp, ep, etp", [
+    (2, 1, 2, None),
+    (2, 2, 2, 1),  # TP 2 + SP x EP 2, every expert whole on its rank
+    (2, 1, 1, 2),  # expert TP 2 (each expert's width split) over dense DP 2
+    pytest.param(4, 2, 2, 2, marks=pytest.mark.slow),  # TP 2 + SP x EP 2 x expert TP 2
+], ids=["ep2", "tp2_ep2", "etp2", "tp2_ep2_etp2"])
+def test_packed_sft_of_the_moe_model_matches_per_document_reference(run_distributed, world, tp,
+                                                                     ep, etp):
+    """Routing is per token, so each packed document's logits are its own alone (1e-5, fp32)
+    at EP 2, TP 2 x EP 2, expert TP 2 and (-m slow, 4 ranks) TP 2 x EP 2 x expert TP 2; the
+    loss and the gradients (embedding, lm_head, every routed expert's slice) are the formula's
+    over the global batch (each DP rank feeds the same rows: the gradients are summed over them
+    and divided by all ranks' loss tokens)."""
+    seen = set()
+    for r in run_distributed(_packed_moe_sft, ep, tp, etp, world_size=world):
         assert r["matched"] == len(LENGTHS), r
         assert abs(r["loss"] - r["expected"]) <= TOL, r
         assert r["logit_diff"] <= TOL, r
         assert r["grad_scale"] > 1e-3 and r["lm_head_diff"] <= TOL and r["embed_diff"] <= TOL, r
+        assert r["expert_scale"] > 1e-3 and r["expert_diff"] <= TOL, r
+        assert len(r["experts"]) == 3 * 4 // ep, r["experts"]  # 3 MoE layers, 4 experts
+        seen.update(r["experts"])
+    assert seen == {(n, e) for n in (2, 3, 4) for e in range(4)}
 
 
 def _per_token_step(data_iterator, model):
@@ -555,31 +608,48 @@ def _mtp_packed_loss():
                 rows=batch["tokens"].view(-1, SEQ), docs=[(d.ids, d.loss) for d in docs])
 
 
-def _mtp_reference(r):
-    """Per depth k the MTP loss from the formula: each document alone from position 0 (depth k
-    at position t predicts the document's token t + k + 2, weighed by that token's loss mask;
-    positions with no such token take no part), the sum over every document's loss tokens
-    divided by their number; and the gradients of the scaled sum of the depths' losses."""
+def _mtp_leaves(r):
+    """The run's weights with each MTP depth's head and ``eh_proj`` as leaves."""
+    return dict(r["weights"], mtp=[dict(w, shared_head_output=w["shared_head_output"].clone()
+                                        .requires_grad_(), eh_proj=w["eh_proj"].clone()
+                                        .requires_grad_()) for w in r["weights"]["mtp"]])
+
+
+def _mtp_document_sums(r, weights):
+    """Per document, per depth k, from the formula: (the sum of its masked MTP losses, its loss
+    tokens). Each document alone from position 0: depth k at position t predicts the
+    document's token t + k + 2, weighed by that token's loss mask; positions with no such token
+    take no part."""
     from tests.unit import test_mtp
 
-    weights = dict(r["weights"], mtp=[dict(w, shared_head_output=w["shared_head_output"].clone()
-                                           .requires_grad_(), eh_proj=w["eh_proj"].clone()
-                                           .requires_grad_()) for w in r["weights"]["mtp"]])
-    totals = [0.0] * test_mtp.MTP_DEPTHS
-    counts = [0.0] * test_mtp.MTP_DEPTHS
+    sums = []
     for ids, loss in r["docs"]:
         ids, mask = torch.from_numpy(ids), torch.from_numpy(loss).float()
         n = len(ids) - 1  # the document's input tokens
         depths = reference.step35_mtp_logits(ids[None, :-1], weights, r["main_layers"],
                                              r["mtp_layers"], test_mtp.EPS)
+        per_depth = []
         for k, logits in enumerate(depths):
             if n - k - 1 <= 0:
+                per_depth.append((0.0, 0.0))
                 continue
             target = ids[k + 2:]  # position t's token t + k + 2, t < n - k - 1
             per_token = F.cross_entropy(logits[0, :n - k - 1], target, reduction="none")
-            totals[k] = totals[k] + (per_token * mask[k + 2:]).sum()
-            counts[k] += mask[k + 2:].sum().item()
-    means = [total / count for total, count in zip(totals, counts)]
+            per_depth.append(((per_token * mask[k + 2:]).sum(), mask[k + 2:].sum().item()))
+        sums.append(per_depth)
+    return sums
+
+
+def _mtp_reference(r):
+    """Per depth k the MTP loss from the formula: the sum over every document's loss tokens
+    (``_mtp_document_sums``) divided by their number; and the gradients of the scaled sum of
+    the depths' losses."""
+    from tests.unit import test_mtp
+
+    weights = _mtp_leaves(r)
+    sums = _mtp_document_sums(r, weights)
+    means = [sum(doc[k][0] for doc in sums) / sum(doc[k][1] for doc in sums)
+             for k in range(test_mtp.MTP_DEPTHS)]
     (r["scale"] * sum(means)).backward()
     grads = {(k, name): w[name].grad for k, w in enumerate(weights["mtp"])
              for name in ("shared_head_output", "eh_proj")}
@@ -620,3 +690,91 @@ def test_mtp_loss_of_packed_rows_matches_per_document_reference(run_distributed)
         assert want.abs().max() > 1e-3, key  # the gradient check sees something
         got = r["grads"][key] / r["loss_tokens"]
         assert (got - want).abs().max() <= TOL, (key, (got - want).abs().max())
+
+
+def _mtp_micro_batches():
+    """Step-3.5's MTP (2 depths, test_mtp's model) in training through megatron's schedule with
+    the launcher's forward step: 2 THD micro-batches of 2 packed rows of ``LENGTHS``, megatron's
+    DDP and ``finalize_model_grads`` dividing the gradients by the global batch's loss tokens.
+    The step's MTP losses as the launcher logs them (``loop._mean_mtp_losses``), each depth's
+    head and ``eh_proj`` gradients, each micro-batch's documents and loss tokens."""
+    import mcore_ext
+    from mcore_ext import _mcore_compat
+    from mcore_ext._cpu_compat import cuda_to_cpu
+    from mcore_ext.training import loop
+    from tests.unit import test_mtp
+
+    mcore_ext.init_parallel()
+    docs = _conversations(test_mtp.VOCAB, LENGTHS)
+    batches = _micro_batches(docs, 1)
+    _mcore_compat.reset_mtp_losses()  # the tracker of an earlier test's model in this worker
+    with cuda_to_cpu():
+        gpt, weights, main_layers, mtp_layers = test_mtp._build_loaded(
+            1, True, calculate_per_token_loss=True)
+        model, _ = builders.ddp_and_optimizer(gpt.config, gpt, distributed_optimizer=False)
+        _schedule(model, batches, forward_only=False)
+        logged = loop._mean_mtp_losses(test_mtp.MTP_DEPTHS, len(batches))
+    params = dict(model.module.named_parameters())
+    grads = {(k, name): params[f"mtp.layers.{k}.{key}"].main_grad.clone()
+             for k in range(test_mtp.MTP_DEPTHS)
+             for name, key in (("shared_head_output", "output_layer.weight"),
+                               ("eh_proj", "eh_proj.weight"))}
+    keys = [tuple(d.ids[:-1].tolist()) for d in docs]
+    groups = []
+    for batch in batches:
+        found = [tuple(batch["tokens"][0, at:at + length].tolist()) for at, length in
+                 zip(batch["cu_seqlens_padded"][:-1].tolist(), batch["cu_seqlens"].diff().tolist())]
+        groups.append([keys.index(key) for key in found if key in keys])
+    return dict(logged=logged, grads=grads, groups=groups,
+                loss_tokens=[b["loss_mask"].sum().item() for b in batches],
+                scale=gpt.config.mtp_loss_scaling_factor / gpt.config.mtp_num_layers,
+                weights=weights, main_layers=main_layers, mtp_layers=mtp_layers,
+                docs=[(d.ids, d.loss) for d in docs])
+
+
+def test_mtp_loss_over_micro_batches_is_megatrons_weighting(run_distributed):
+    """Several micro-batches: megatron's weighting, not the global mean. Per micro-batch m and
+    depth k, S_mk is the sum of its documents' masked MTP losses (``_mtp_document_sums``), R_mk
+    their rolled loss tokens and N_m the micro-batch's own (main) loss tokens, N the global
+    batch's. megatron (``process_mtp_loss`` with ``calculate_per_token_loss``) scales each
+    micro-batch's summed MTP loss by N_m / R_mk and ``finalize_model_grads`` divides by N, so
+    the gradients are those of
+
+        scale x sum over k, m of (N_m / N) x S_mk / R_mk,     scale = mtp_loss_scaling_factor / D,
+
+    and megatron-LM logs each depth's loss as the mean over the micro-batches of S_mk / R_mk
+    (its tracker's sum x 1 / micro-batches). The launcher's logged loss and each depth's head
+    and ``eh_proj`` gradients within 1e-5 of these (fp32); the control, the global mean
+    sum S_mk / sum R_mk, is off by more than 100 x that in both."""
+    from tests.unit import test_mtp
+
+    from mcore_ext import _mcore_compat
+
+    if _mcore_compat.megatron_core_version().startswith("0.16"):
+        pytest.skip("Step's MTP needs megatron-core >= 0.17 (process_mtp_loss)")
+    (r,) = run_distributed(_mtp_micro_batches, world_size=1)
+    assert sorted(d for group in r["groups"] for d in group) == list(range(len(LENGTHS)))
+    weights = _mtp_leaves(r)
+    sums = _mtp_document_sums(r, weights)
+    depths, total = range(test_mtp.MTP_DEPTHS), sum(r["loss_tokens"])
+    # [m][k]: (S_mk, R_mk)
+    per_batch = [[(sum(sums[d][k][0] for d in group), sum(sums[d][k][1] for d in group))
+                  for k in depths] for group in r["groups"]]
+    logged = [sum(batch[k][0] / batch[k][1] for batch in per_batch).item() / len(per_batch)
+              for k in depths]
+    megatron = r["scale"] * sum(n / total * batch[k][0] / batch[k][1]
+                                for n, batch in zip(r["loss_tokens"], per_batch) for k in depths)
+    means = [sum(batch[k][0] for batch in per_batch) / sum(batch[k][1] for batch in per_batch)
+             for k in depths]
+    leaves = [w[name] for w in weights["mtp"] for name in ("shared_head_output", "eh_proj")]
+    want = torch.autograd.grad(megatron, leaves, retain_graph=True)
+    control = torch.autograd.grad(r["scale"] * sum(means), leaves)
+    for got, expected, mean in zip(r["logged"], logged, means):
+        assert abs(got - expected) <= TOL < abs(mean.item() - expected) / 100, (
+            r["logged"], logged, [m.item() for m in means])
+    keys = [(k, name) for k in depths for name in ("shared_head_output", "eh_proj")]
+    for key, expected, other in zip(keys, want, control):
+        assert expected.abs().max() > 1e-3, key  # the gradient check sees something
+        diff = (r["grads"][key] - expected).abs().max().item()
+        off = (other - expected).abs().max().item()
+        assert diff <= TOL < off / 20, (key, diff, off)
