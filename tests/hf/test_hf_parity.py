@@ -59,12 +59,15 @@ def _full_logits(model, tokens):
     return torch.cat(parts, dim=-1)
 
 
-def _parity(hf_dir, tokens, tp, pp, kernel="sdpa"):
+def _parity(hf_dir, tokens, tp, pp, kernel="sdpa", architecture="gpt"):
     import mcore_ext
     from mcore_ext.hf import load_pretrained
+    from mcore_ext.hf.checkpoint import _as_hybrid
 
     mcore_ext.init_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     model = load_pretrained(hf_dir, backend="sdpa", attention_kernel=kernel).eval()
+    if architecture == "hybrid":  # what `hf import` writes by default from megatron-core 0.19
+        model = _as_hybrid(model, tokens.size(1), "sdpa").eval()
     logits = _full_logits(model, tokens)
     return None if logits is None else logits[..., : models.VOCAB]
 
@@ -82,6 +85,19 @@ def _check_parity(results, expected):
 def test_logits_match_transformers_on_2_ranks(run_distributed, hf_model, tp, pp):
     directory, tokens, expected = hf_model
     _check_parity(run_distributed(_parity, directory, tokens, tp, pp, world_size=2), expected)
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_hybrid_model_logits_match_transformers(run_distributed, hf_model, tp, pp):
+    """The HybridModel ``hf import`` writes (``--architecture hybrid``, the default on
+    megatron-core 0.19): the same bound against transformers as GPTModel's."""
+    from mcore_ext import _mcore_compat
+
+    if not _mcore_compat.has_hybrid_model():
+        pytest.skip(f"megatron-core {_mcore_compat.megatron_core_version()} has no HybridModel")
+    directory, tokens, expected = hf_model
+    _check_parity(run_distributed(_parity, directory, tokens, tp, pp, "sdpa", "hybrid",
+                                  world_size=2), expected)
 
 
 def test_logits_match_transformers_with_the_flex_kernel(run_distributed, hf_model):
