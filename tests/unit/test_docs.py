@@ -505,3 +505,25 @@ def test_test_sh_with_a_path_runs_that_path_alone():
     collected = [line for line in result.stdout.splitlines() if "::" in line]
     assert collected and all(line.startswith("tests/unit/test_docs.py::") for line in collected), \
         result.stdout[-3000:]
+
+
+def _run_readme_snippet(code: str):
+    namespace = {}
+    exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102  (the README's own code)
+    model = namespace["model"]
+    qkv = model.decoder.layers[0].self_attention.linear_qkv.weight
+    return type(model).__mro__[1].__name__, model.hybrid_layer_pattern, tuple(qkv.shape)
+
+
+def test_readme_python_snippet_builds_the_gated_hybrid_model(run_distributed):
+    """The README's Python block, as written, on 2 gloo ranks: a HybridModel (pattern *-*-)
+    whose linear_qkv holds each rank's Q, K, V and gate rows: (8 x 16 + 2 x 2 x 16 + 8) / TP 2."""
+    from mcore_ext import _mcore_compat
+
+    if not _mcore_compat.has_hybrid_model():
+        pytest.skip(f"megatron-core {_mcore_compat.megatron_core_version()} has no HybridModel")
+    readme = (ROOT / "README.md").read_text()
+    code = readme.split("## Using it from Python", 1)[1].split("```python\n", 1)[1]
+    code = code.split("```", 1)[0]
+    for cls, pattern, shape in run_distributed(_run_readme_snippet, code, world_size=2):
+        assert (cls, pattern, shape) == ("HybridModel", "*-*-", (100, 128))
