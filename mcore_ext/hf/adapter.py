@@ -64,8 +64,8 @@ def _refuse_mtp(model) -> None:
 
 
 def _peft_prefixes(model) -> dict:
-    """{PEFT module prefix: LoraLinear} of ``model``'s adapters (a GPTModel), routed experts'
-    left out (``_expert_adapters``)."""
+    """{PEFT module prefix: LoraLinear} of ``model``'s adapters (a GPTModel or HybridModel),
+    routed experts' left out (``_expert_adapters``)."""
     _refuse_mtp(model)
     prefixes = {}
     for name, adapter in lora.lora_adapters(model).items():
@@ -79,11 +79,17 @@ def _peft_prefixes(model) -> dict:
             local = "self_attention." + local
         if local not in _HF_MODULE or not layer_name.startswith("decoder.layers."):
             raise NotImplementedError(f"the PEFT name of the adapter {name}")
-        layer = model.get_submodule(layer_name).layer_number - 1  # global, 0-based
+        layer = _hf_layer(model.get_submodule(layer_name))
         prefix = f"base_model.model.{hf_layer_prefix(layer)}{_HF_MODULE[local]}"
         for target_name in adapter.targets:
             prefixes[f"{prefix}.{target_name}"] = adapter
     return prefixes
+
+
+def _hf_layer(layer) -> int:
+    """The HF (global, 0-based) layer of a model's decoder layer: a GPTModel's layer number, a
+    HybridModel layer's GPT layer (its attention and its MLP / MoE layer are one HF layer)."""
+    return getattr(layer, "gpt_layer_number", layer.layer_number) - 1
 
 
 def _expert_adapters(model) -> dict:
@@ -93,7 +99,7 @@ def _expert_adapters(model) -> dict:
         layer_name, _, local = name.partition(".mlp.experts.local_experts.")
         if not local:
             continue
-        layer = model.get_submodule(layer_name).layer_number - 1
+        layer = _hf_layer(model.get_submodule(layer_name))
         for target_name, target in adapter.targets.items():
             found.setdefault((layer, _EXPERT_PARAMETER[target_name]), []).append(target)
     return found
