@@ -603,15 +603,19 @@ def replace_experts_module(moe_spec, old: type, new: type):
 
 
 def has_hybrid_model() -> bool:
-    """Whether this megatron-core has ``HybridModel`` (``megatron.core.models.hybrid``, 0.19+)."""
+    """Whether this megatron-core has the ``HybridModel`` mcore_ext builds on
+    (``megatron.core.models.hybrid`` of 0.19+; 0.18 ships an earlier one, untested here)."""
     import importlib.util
 
-    return importlib.util.find_spec("megatron.core.models.hybrid") is not None
+    from packaging.version import Version
+
+    return (Version(megatron_core_version()).release >= (0, 19)
+            and importlib.util.find_spec("megatron.core.models.hybrid") is not None)
 
 
 def check_hybrid_model(field: str = "architecture") -> None:
-    """Refuse ``architecture: hybrid`` on a megatron-core without HybridModel (0.16 - 0.18),
-    naming ``field`` and the installed release."""
+    """Refuse ``architecture: hybrid`` on a megatron-core without 0.19's HybridModel
+    (0.16 - 0.18), naming ``field`` and the installed release."""
     if not has_hybrid_model():
         raise ValueError(
             f"{field}=hybrid needs megatron-core's HybridModel (0.19+), megatron-core "

@@ -7,11 +7,12 @@ with its default and a docstring. How a file and command-line overrides become t
 """
 
 import dataclasses
-import importlib.util
+import importlib.metadata
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
 import yaml
+from packaging.version import Version
 
 
 class ConfigError(ValueError):
@@ -19,10 +20,16 @@ class ConfigError(ValueError):
 
 
 def recommended_architecture() -> str:
-    """The model class the installed megatron-core recommends: ``hybrid`` where it has
-    HybridModel (0.19+, which deprecates GPTModel), else ``gpt``. (Found without importing
-    megatron-core: reading a config stays cheap.)"""
-    return "hybrid" if importlib.util.find_spec("megatron.core.models.hybrid") else "gpt"
+    """The model class the installed megatron-core recommends: ``hybrid`` from 0.19, which
+    deprecates GPTModel for HybridModel, else ``gpt`` (0.18 ships an earlier HybridModel and
+    recommends GPTModel). Read from the package's metadata: reading a config stays cheap."""
+    try:
+        version = importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:  # a source tree on PYTHONPATH
+        from megatron.core import package_info
+
+        version = package_info.__version__
+    return "hybrid" if Version(version).release >= (0, 19) else "gpt"
 
 
 @dataclass

@@ -12,6 +12,7 @@ routed experts' momentum in the expert-parallel optimizer, the router and the MT
 the same on megatron's layer-wise distributed optimizer (slow). A config error is one line and exit code 2.
 """
 
+import re
 import shutil
 import types
 
@@ -148,7 +149,9 @@ def test_muon_moe_run_trains_and_resumes_exactly(run_distributed, tmp_path, stdl
     keys = set(dcp.FileSystemReader(str(tmp_path / "full" / "iter_0000003"))
                .read_metadata().state_dict_metadata)
     state = "optimizer.state"
-    mlp = "decoder.layers.1.mlp"  # the MoE layer (layer 0 is dense)
+    # The MoE layer (the first is dense): GPTModel's layer 1, HybridModel's layer 3.
+    (mlp,) = [k.removesuffix(".router.weight") for k in keys
+              if re.fullmatch(r"decoder\.layers\.\d+\.mlp\.router\.weight", k)]
     assert {f"{state}.momentum_buffer.{mlp}.experts.experts.linear_fc1.weight",
             f"{state}.momentum_buffer.{mlp}.experts.experts.linear_fc2.weight",
             f"{state}.momentum_buffer.{mlp}.shared_experts.linear_fc1.weight",

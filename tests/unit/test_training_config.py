@@ -344,6 +344,17 @@ def test_resolved_config_never_goes_over_an_input(tmp_path, capsys):
 # ------------------------------------------------------- model.architecture left out
 
 
+@pytest.mark.smoke  # 0.16 - 0.18 have no HybridModel: gpt there
+def test_architecture_defaults_to_what_the_installed_megatron_core_recommends(tmp_path):
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    recommended = "hybrid" if Version(version("megatron-core")) >= Version("0.19") else "gpt"
+    assert load_config(write(tmp_path, MOCK), world_size=1).model.architecture == recommended
+    assert PretrainConfig().model.architecture == recommended
+
+
 def _save_final_norms(root):
     """Three one-tensor dist checkpoints (2 ranks): a GPTModel's final norm key, a
     HybridModel's, and an adapters-only one (a LoRA key; its config.yaml says what it is)."""
@@ -380,7 +391,6 @@ def test_architecture_left_out_follows_the_loaded_checkpoint_else_megatron(
     run_distributed(_save_final_norms, str(tmp_path), world_size=2)
     recommended = "hybrid" if Version(version("megatron-core")) >= Version("0.19") else "gpt"
     path = write(tmp_path, MOCK)
-    assert load_config(path, world_size=1).model.architecture == recommended
     adapters = tmp_path / "adapters" / "iter_0000004"
 
     def loaded(name, *overrides):
