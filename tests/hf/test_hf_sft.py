@@ -31,8 +31,9 @@ def _hf_config():
 
 def _project_greedy(ckpt_dir, prompt, new_tokens):
     """Greedy decoding with the project's model on the launcher checkpoint (one process, TP 1):
-    the model its config.yaml describes, loaded from the checkpoint; each step the argmax of the
-    last position's logits over the tokenizer's rows is appended. (decoded ids, their logits)."""
+    the model its config.yaml describes (GPTModel or HybridModel), loaded from the checkpoint;
+    each step the argmax of the last position's logits over the tokenizer's rows is appended.
+    (decoded ids, their logits)."""
     from megatron.core import dist_checkpointing
 
     import mcore_ext
@@ -48,9 +49,11 @@ def _project_greedy(ckpt_dir, prompt, new_tokens):
     cfg.parallelism = ParallelismConfig()  # the checkpoint's TP 2 + SP -> this process alone
     config = transformer_config(cfg, use_cpu_initialization=True, perform_initialization=False)
     rows = dist_checkpointing.load_tensors_metadata(directory)["embedding.word_embeddings.weight"]
-    model = mcore_ext.build_gpt_model(config, vocab_size=rows.global_shape[0],
-                                      max_sequence_length=cfg.model.seq_length, backend="sdpa",
-                                      share_embeddings_and_output_weights=False)
+    build = {"gpt": mcore_ext.build_gpt_model,  # hybrid: hf import's default from 0.19
+             "hybrid": mcore_ext.build_hybrid_model}[cfg.model.architecture]
+    model = build(config, vocab_size=rows.global_shape[0],
+                  max_sequence_length=cfg.model.seq_length, backend="sdpa",
+                  share_embeddings_and_output_weights=False)
     loaded = checkpoint.load({"model": model.sharded_state_dict()}, directory)
     model.load_state_dict(loaded["model"], strict=True)
     model.eval()

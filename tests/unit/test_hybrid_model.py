@@ -365,13 +365,14 @@ def test_launcher_says_once_that_gpt_model_is_deprecated(capsys):
     from mcore_ext.training.loop import _announce_deprecated_model
 
     tiny = str(test_layer_kinds.__file__).rsplit("/tests/", 1)[0] + "/configs/tiny_cpu.yaml"
-    _announce_deprecated_model(load_config(tiny, world_size=2))
+    _announce_deprecated_model(load_config(tiny, ["model.architecture=gpt"], world_size=2))
     (line,) = capsys.readouterr().out.splitlines()
     assert line == (
         "[config] model.architecture=gpt: GPTModel is deprecated in megatron-core "
         f"{_mcore_compat.megatron_core_version()} (critical fixes only); "
         "model.architecture: hybrid builds its successor, HybridModel")
     _announce_deprecated_model(load_config(tiny, ["model.architecture=hybrid"], world_size=2))
+    _announce_deprecated_model(load_config(tiny, world_size=2))  # hybrid, the default on 0.19
     assert capsys.readouterr().out == ""
 
 
