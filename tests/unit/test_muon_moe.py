@@ -26,8 +26,10 @@ from tests.unit.test_muon import LR, MOMENTUM, TOL, WEIGHT_DECAY, muon_update
 MOE_TINY = str(Path(__file__).resolve().parents[2] / "configs" / "step35_moe_tiny_cpu.yaml")
 VOCAB, SEQ, HIDDEN, GROUPS, HEAD_DIM, EXPERTS, ADAM_EPS = 64, 16, 32, 2, 16, 4, 1e-8
 # Heads of each layer with attention: layer 1 is full attention (4 heads), layer 2 and the MTP
-# depth sliding (6 heads); 2 query groups in both kinds.
-HEADS = {"decoder.layers.0.": 4, "decoder.layers.1.": 6, "mtp.layers.0.": 6}
+# depth sliding (6 heads); 2 query groups in both kinds. GPTModel's layers 0 and 1 hold them, or
+# HybridModel's layers 0 and 2 (the launcher's default from megatron-core 0.19: 1 and 3 are MLPs).
+HEADS = {"decoder.layers.0.": 4, "decoder.layers.1.": 6, "decoder.layers.2.": 6,
+         "mtp.layers.0.": 6}
 OVERRIDES = [
     "model.num_layers=2", "model.moe_layer_freq=[0,1]", "model.mtp_num_layers=1",
     "model.layer_types=[full_attention,sliding_attention,sliding_attention]",
@@ -150,13 +152,13 @@ def test_muon_step_on_moe_model(run_distributed, ep):
     assert not {n: d for n, d in diff.items() if d > TOL}, {n: d.item() for n, d in diff.items()
                                                              if d > TOL}
 
-    # The router as a Muon matrix is not the step.
-    router = "decoder.layers.1.mlp.router.weight"
+    # The router as a Muon matrix is not the step (the MoE layer: GPTModel's 1, HybridModel's 3).
+    (router,) = [n for n in state if n.endswith("mlp.router.weight")]
+    moe = router.removesuffix("router.weight")
     before, grad, after = state[router]
     assert (_muon(before, grad) - after).abs().max() > 1e-3
     # Nor the routed experts of the layer concatenated into one [E x rows, columns] matrix.
     for linear in ROUTED:
-        names = [f"decoder.layers.1.mlp.experts.local_experts.{e}.{linear}"
-                 for e in range(EXPERTS)]
+        names = [f"{moe}experts.local_experts.{e}.{linear}" for e in range(EXPERTS)]
         before, grad, after = (torch.cat([state[n][i] for n in names]) for i in range(3))
         assert (_muon(before, grad) - after).abs().max() > 1e-3, linear
