@@ -7,12 +7,10 @@ with its default and a docstring. How a file and command-line overrides become t
 """
 
 import dataclasses
-import importlib.metadata
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
 import yaml
-from packaging.version import Version
 
 
 class ConfigError(ValueError):
@@ -21,15 +19,11 @@ class ConfigError(ValueError):
 
 def recommended_architecture() -> str:
     """The model class the installed megatron-core recommends: ``hybrid`` from 0.19, which
-    deprecates GPTModel for HybridModel, else ``gpt`` (0.18 ships an earlier HybridModel and
-    recommends GPTModel). Read from the package's metadata: reading a config stays cheap."""
-    try:
-        version = importlib.metadata.version("megatron-core")
-    except importlib.metadata.PackageNotFoundError:  # a source tree on PYTHONPATH
-        from megatron.core import package_info
+    deprecates GPTModel for the HybridModel mcore_ext builds on (``has_hybrid_model``), else
+    ``gpt`` (0.18 ships an earlier HybridModel and recommends GPTModel)."""
+    from mcore_ext import _mcore_compat
 
-        version = package_info.__version__
-    return "hybrid" if Version(version).release >= (0, 19) else "gpt"
+    return "hybrid" if _mcore_compat.has_hybrid_model() else "gpt"
 
 
 @dataclass
