@@ -426,6 +426,8 @@ def _mtp_model_class():
             return torch.cat([post_norm, *depths], dim=0)
 
         def forward(self, *args, **kwargs):
+            # Set below for this forward only: one that failed before its decoder left its own.
+            self._decoder_packed_seq_params = None
             if not (self.mtp_process and self.post_process) or self._in_inference(kwargs):
                 return super().forward(*args, **kwargs)
             bound = inspect.signature(super().forward).bind(*args, **kwargs).arguments

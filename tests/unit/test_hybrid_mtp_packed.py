@@ -11,8 +11,12 @@ micro-batches (the documents of test_sft_packed_loss, shorter and longer than a 
 the sliding window) at CP 2: the main per-token losses, each MTP depth's loss (megatron's tracker)
 and every gradient must agree within 1e-5 (fp32). The control: the same hybrid forward with the
 decoder's documents for MTP too (the unpadded boundaries) gives other MTP losses, or fails in
-megatron's roll.
+megatron's roll. And a packed forward that fails before its decoder leaves the next forward's
+logits as they were.
 """
+
+import pytest
+import torch
 
 from tests.unit import test_hybrid_model, test_mtp, test_sft_packed_loss
 
@@ -52,6 +56,7 @@ def _hybrid_vs_gpt_packed(cp):
         {test_hybrid_model.hybrid_name(k): v for k, v in gpt.state_dict().items()}, strict=True)
     expected = _losses_and_grads(gpt, batches)
     got = _losses_and_grads(hybrid, batches)
+    stale = _after_a_failed_forward(hybrid, batches[0])
     # The control: MTP handed the decoder's documents (the unpadded cu_seqlens_q).
     padded = mtp_model._padded_documents
     mtp_model._padded_documents = lambda params: params
@@ -67,7 +72,23 @@ def _hybrid_vs_gpt_packed(cp):
         mtp=(got[1] - expected[1]).abs().max().item(), mtp_losses=expected[1].tolist(),
         grads=max((got[2][test_hybrid_model.hybrid_name(k)] - g).abs().max().item()
                   for k, g in expected[2].items()),
-        control=control)
+        control=control, stale=stale)
+
+
+def _after_a_failed_forward(model, batch):
+    """How far a plain forward's logits move after a packed forward failed before its decoder
+    (float token ids: the embedding raises): the padded documents' swap must not outlive it."""
+    from mcore_ext.training.data import cp_shard, packed_seq_params
+
+    local = cp_shard(batch)
+    tokens, positions = local["tokens"], local["position_ids"]
+    with torch.no_grad():
+        before = model(tokens, positions, None)
+        with pytest.raises(RuntimeError):
+            model(tokens.float(), positions, None, labels=local["labels"],
+                  packed_seq_params=packed_seq_params(batch, "cpu"))
+        after = model(tokens, positions, None)
+    return (after - before).abs().max().item()
 
 
 def test_step35_mtp_on_hybrid_matches_gpt_on_packed_documents_at_cp2(run_distributed):
@@ -79,3 +100,4 @@ def test_step35_mtp_on_hybrid_matches_gpt_on_packed_documents_at_cp2(run_distrib
         assert r["mtp"] <= TOL, r
         assert r["grads"] <= TOL * 10, r
         assert isinstance(r["control"], str) or r["control"] > 100 * TOL, r
+        assert r["stale"] == 0.0, r
