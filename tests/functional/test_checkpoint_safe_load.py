@@ -22,12 +22,12 @@ import pytest
 import torch
 
 from tests.functional.inprocess import TINY_MOCK, launch
+from tests.functional.test_pretrain import GATED_QKV
 
 PAYLOAD_TYPE = "builtins.eval"
 # The gated QKV layers' byte objects (GPTModel's stacked layers, a shard per layer, or
 # HybridModel's attention layers, one each): the last layer's is crafted.
-SHARDED_OBJECT = re.compile(
-    r"decoder\.layers\.(\d+\.)?self_attention\.linear_qkv\._extra_state/shard_\d+_\d+")
+SHARDED_OBJECT = re.compile(GATED_QKV + r"\._extra_state/shard_\d+_\d+")
 
 
 class Payload:

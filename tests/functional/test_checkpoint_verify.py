@@ -17,10 +17,10 @@ import shutil
 import pytest
 
 from tests.functional.inprocess import MARK, TINY_MOCK, launch, losses, start_lines
+from tests.functional.test_pretrain import GATED_QKV
 
 TRACKER = "latest_checkpointed_iteration.txt"
-# The gated QKV weight: GPTModel's stacked layers or any of HybridModel's attention layers.
-MODEL_KEY = r"decoder\.layers\.(\d+\.)?self_attention\.linear_qkv\.weight\._qkv"
+MODEL_KEY = GATED_QKV + r"\.weight\._qkv"  # GPTModel's stacked weight or any HybridModel layer's
 OPTIMIZER_KEY = r"optimizer\.state\.exp_avg\." + MODEL_KEY
 LAYOUTS = {
     2: ["parallelism.tensor_model_parallel_size=2"],

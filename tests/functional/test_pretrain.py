@@ -68,13 +68,15 @@ def losses(path) -> dict[int, float]:
     return {r["iteration"]: r["loss"] for r in records if r["kind"] == "train"}
 
 
+# The gated linear_qkv in checkpoint keys: GPTModel's stacked layers
+# (decoder.layers.self_attention.linear_qkv) or one of HybridModel's attention layers
+# (decoder.layers.0.self_attention.linear_qkv), the launcher's default from megatron-core 0.19.
+GATED_QKV = r"decoder\.layers\.(\d+\.)?self_attention\.linear_qkv"
+
+
 def gated_qkv(keys) -> str:
-    """The first gated ``linear_qkv`` of a checkpoint's tensor ``keys``: GPTModel's stacked layers
-    (``decoder.layers.self_attention.linear_qkv``) or HybridModel's first attention layer
-    (``decoder.layers.0.self_attention.linear_qkv``), the launcher's default from megatron-core
-    0.19."""
-    found = sorted(k for k in keys if re.fullmatch(
-        r"decoder\.layers\.(\d+\.)?self_attention\.linear_qkv\.weight\._qkv", k))
+    """The first gated ``linear_qkv`` (``GATED_QKV``) of a checkpoint's tensor ``keys``."""
+    found = sorted(k for k in keys if re.fullmatch(GATED_QKV + r"\.weight\._qkv", k))
     assert found, sorted(keys)
     return found[0].removesuffix(".weight._qkv")
 
