@@ -114,6 +114,7 @@ def gpt_stage_layer_counts(config) -> Optional[list[int]]:
     ``pipeline_model_parallel_layout``, which count GPT layers; None for megatron's even split
     (the same whether it splits GPT layers or their ``*-`` pairs). Not with virtual stages."""
     from megatron.core.transformer.enums import LayerType
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
     first = config.num_layers_in_first_pipeline_stage
     last = config.num_layers_in_last_pipeline_stage
@@ -122,12 +123,9 @@ def gpt_stage_layer_counts(config) -> Optional[list[int]]:
             config.virtual_pipeline_model_parallel_size is not None):
         return None
     pp = config.pipeline_model_parallel_size
-    if layout is not None:
+    if layout is not None:  # megatron's count of a layout is this rank's only
         return [layout.layout[rank][0].count(LayerType.decoder) for rank in range(pp)]
-    ends = {0: first, pp - 1: last}
-    middle = [rank for rank in range(pp) if ends.get(rank) is None]
-    per_middle = (config.num_layers - (first or 0) - (last or 0)) // max(1, len(middle))
-    return [per_middle if ends.get(rank) is None else ends[rank] for rank in range(pp)]
+    return [get_num_layers_to_build(config, pp_rank=rank) for rank in range(pp)]
 
 
 def staged_pattern(pattern: str, config) -> str:
