@@ -51,7 +51,7 @@ class HeadWiseGatedSelfAttention(SelfAttention):
         if self.head_wise_attn_gate:
             submodules = dataclasses.replace(
                 submodules,
-                linear_qkv=_with_extra_output_rows(submodules.linear_qkv, config.num_attention_heads),
+                linear_qkv=_with_gate_rows(submodules.linear_qkv, config.num_attention_heads),
             )
         super().__init__(**self_attention_init_kwargs(
             config=config,
@@ -225,15 +225,33 @@ class HeadWiseGatedSelfAttention(SelfAttention):
         self.linear_qkv.weight.qkv_gate_split = (groups, sizes, self.gate_rows_per_partition)
 
     def _init_gate_rows(self):
-        """Scale this rank's gate weight rows and set its gate bias rows (upstream PR #4848)."""
+        """Draw this rank's gate weight rows and set its gate bias rows.
+
+        The gate rows come from a stream of their own (``_gate_row_generator``): the rows
+        linear_qkv shares with the ungated layer, and every other weight of the model, are what
+        the same seed gives without the gate (``_with_gate_rows``), so a gated and an ungated run
+        start from the same weights. The rows are drawn like any QKV row (linear_qkv's
+        ``init_method``), for every head at once, so a head's row is the same at every TP size,
+        then scaled by ``head_wise_attn_gate_init_weight_scale``; the bias rows are set to
+        ``head_wise_attn_gate_init_bias``. Nothing is drawn when weights are not initialised
+        (``perform_initialization=False``: a checkpoint or HF import writes them).
+        """
         weight = self.linear_qkv.weight
-        if weight.device.type == "meta":
+        if weight.device.type == "meta" or not self.config.perform_initialization:
             return
         gate_rows = slice(self.qkv_rows_per_partition, None)
         bias = getattr(self.linear_qkv, "bias", None)
         init_bias = self.config.effective_head_wise_attn_gate_init_bias
+        every_head = torch.empty(self.config.num_attention_heads, weight.size(1),
+                                 dtype=torch.float32)
+        seed = _gate_row_seed(self.layer_number)
+        with torch.random.fork_rng(devices=[]):  # the CPU generator only: no CUDA stream moves
+            torch.default_generator.manual_seed(seed)
+            self._gate_init_method(every_head)
+        first = get_pg_rank(self.pg_collection.tp) * self.gate_rows_per_partition
+        mine = every_head[first : first + self.gate_rows_per_partition]
         with torch.no_grad():
-            weight[gate_rows].mul_(self.config.head_wise_attn_gate_init_weight_scale)
+            weight[gate_rows].copy_(mine * self.config.head_wise_attn_gate_init_weight_scale)
             if bias is not None and bias.numel():
                 bias[gate_rows].fill_(init_bias)
         if init_bias != self.config.head_wise_attn_gate_init_bias:
@@ -242,6 +260,11 @@ class HeadWiseGatedSelfAttention(SelfAttention):
                 "has no effect without a linear_qkv bias (add_qkv_bias or add_bias_linear): "
                 "gates start near sigmoid(0) = 0.5"
             )
+
+    @property
+    def _gate_init_method(self):
+        # SelfAttention builds linear_qkv with config.init_method (megatron's QKV init).
+        return self.config.init_method
 
 
 class _SplitQKVGate(torch.autograd.Function):
@@ -413,13 +436,59 @@ def _saved_tensor_hooks_active() -> bool:
     return True if top is None else top(False) is not None
 
 
-def _with_extra_output_rows(build_linear, extra_rows: int):
-    """A linear_qkv builder that appends ``extra_rows`` outputs to what it is asked for."""
+def _with_gate_rows(build_linear, gate_rows: int):
+    """A linear_qkv builder that appends ``gate_rows`` output rows to what it is asked for,
+    without moving any random stream that the ungated layer's init would leave elsewhere.
 
-    def build(input_size, output_size, **kwargs):
-        return build_linear(input_size, output_size + extra_rows, **kwargs)
+    Drawing the gate rows in linear_qkv's own init would shift the stream every later weight is
+    drawn from: a gated and an ungated model of the same seed would then differ in every weight
+    after the first linear_qkv (on a CPU's sequential stream) and no run could tell the gate
+    from its init. So the ungated linear is built first, drawing exactly what the ungated layer
+    draws, its rows (and every other parameter it has, such as a fused norm) are copied into the
+    gated linear, which is built without drawing, and the gate rows are drawn from a stream of
+    their own by ``HeadWiseGatedSelfAttention._init_gate_rows``.
+    """
+
+    def build(input_size, output_size, *, config, **kwargs):
+        if not config.perform_initialization:
+            return build_linear(input_size, output_size + gate_rows, config=config, **kwargs)
+        ungated = build_linear(input_size, output_size, config=config, **kwargs)
+        quiet = copy.copy(config)
+        quiet.perform_initialization = False
+        gated = build_linear(input_size, output_size + gate_rows, config=quiet, **kwargs)
+        if getattr(gated, "config", None) is quiet:
+            gated.config = config
+        _copy_shared_rows(ungated, gated)
+        return gated
 
     return build
+
+
+def _copy_shared_rows(ungated: torch.nn.Module, gated: torch.nn.Module) -> None:
+    """Every parameter and buffer of ``ungated`` into ``gated``'s leading rows (its QKV rows;
+    the gate rows after them stay for ``_init_gate_rows``)."""
+    theirs = dict(ungated.named_parameters())
+    theirs.update(ungated.named_buffers())
+    with torch.no_grad():
+        for name, tensor in (*gated.named_parameters(), *gated.named_buffers()):
+            source = theirs.get(name)
+            if source is None or source.dim() != tensor.dim() or source.dim() == 0:
+                continue
+            if source.shape[1:] != tensor.shape[1:] or source.size(0) > tensor.size(0):
+                raise RuntimeError(
+                    f"linear_qkv's {name} {tuple(tensor.shape)} does not extend the ungated "
+                    f"layer's {tuple(source.shape)} by gate rows"
+                )
+            tensor[: source.size(0)].copy_(source)
+            if source.size(0) < tensor.size(0):
+                tensor[source.size(0):].zero_()  # gate rows: set by _init_gate_rows
+
+
+def _gate_row_seed(layer_number: int) -> int:
+    """The seed of a layer's gate rows: the process's torch seed (the run's seed, megatron's
+    per-pipeline-stage offset included) and the layer's number, apart from every stream the
+    ungated model draws from."""
+    return (torch.initial_seed() * 1_000_003 + 7919 * int(layer_number) + 0x6A7E) % (1 << 63)
 
 
 _warned: set[str] = set()

@@ -291,6 +291,82 @@ def test_init_surgery_on_every_rank(run_distributed, use_cpu_initialization):
         assert len(stats["bias_warnings"]) == 1, stats["bias_warnings"]
 
 
+def _model_weights(tp, gate, use_cpu_initialization, **fields):
+    """A tiny GPTModel's global-layout weights, built after seeding as the launcher seeds (the
+    gate rows apart: key ``gate_rows``, gathered over TP)."""
+    from mcore_ext.runtime import set_seed
+
+    set_seed(1234)
+    config = builders.gated_config(
+        hidden_size=64, num_attention_heads=4, num_query_groups=2, add_qkv_bias=True,
+        init_method_std=0.02, tensor_model_parallel_size=tp, head_wise_attn_gate=gate,
+        use_cpu_initialization=use_cpu_initialization, **fields)
+    model = builders.build_gpt(config)
+    weights, gate_rows = {}, []
+    for name, param in model.named_parameters():
+        tensor = param.detach().clone()
+        if gate and "linear_qkv" in name:
+            rows = model.decoder.layers[0].self_attention.qkv_rows_per_partition
+            if name.endswith("weight"):
+                gate_rows.append(tensor[rows:])
+            else:  # the gate's bias rows: the configured value
+                assert torch.equal(tensor[rows:], torch.full_like(tensor[rows:], 2.0)), name
+            tensor = tensor[:rows]
+        weights[name] = tensor
+    return weights, [_gather_tp_rows(g) for g in gate_rows]
+
+
+def _gather_tp_rows(tensor):
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.cat(parts)
+
+
+def _gated_and_ungated_start_equal(tp, use_cpu_initialization):
+    import mcore_ext
+
+    mcore_ext.init_parallel(tensor_model_parallel_size=tp)
+    off, _ = _model_weights(tp, False, use_cpu_initialization)
+    on, gate_rows = _model_weights(tp, True, use_cpu_initialization,
+                                   head_wise_attn_gate_init_weight_scale=1.0)
+    scaled, scaled_rows = _model_weights(tp, True, use_cpu_initialization,
+                                         head_wise_attn_gate_init_weight_scale=0.1)
+    return dict(
+        names_equal=sorted(on) == sorted(off) == sorted(scaled),
+        max_shared_diff=max((w[n] - off[n]).abs().max().item() for w in (on, scaled) for n in off),
+        gate_rows=[g.tolist() for g in gate_rows],
+        scale_exact=all(torch.equal(h, g * 0.1) for h, g in zip(scaled_rows, gate_rows)),
+    )
+
+
+@pytest.mark.parametrize("use_cpu_initialization", [True, False])
+def test_gate_rows_leave_every_shared_weight_as_the_ungated_model_draws_it(
+        run_distributed, use_cpu_initialization):
+    # A gated and an ungated model of one seed start from the same weights (every weight but the
+    # gate rows, exactly), so a run with the gate and one without differ by the gate alone; the
+    # gate rows are drawn like QKV rows (std 0.02) for every head at once, the same at TP 1 and 2.
+    tp1 = run_distributed(_gated_and_ungated_start_equal, 1, use_cpu_initialization,
+                          world_size=1)[0]
+    tp2 = run_distributed(_gated_and_ungated_start_equal, 2, use_cpu_initialization,
+                          world_size=2)
+    for stats in [tp1, *tp2]:
+        assert stats["names_equal"]
+        assert stats["max_shared_diff"] == 0.0, stats["max_shared_diff"]
+        assert stats["scale_exact"]  # the weight scale multiplies the same draw
+    for layer, rows in enumerate(tp1["gate_rows"]):
+        rows = torch.tensor(rows)
+        assert rows.shape == (4, 64)
+        assert 0.015 < rows.std().item() < 0.025, rows.std()  # 256 draws of N(0, 0.02)
+        assert torch.equal(rows, torch.tensor(tp2[0]["gate_rows"][layer]))
+        assert torch.equal(rows, torch.tensor(tp2[1]["gate_rows"][layer]))
+    # Each layer its own rows, independent of the QKV rows.
+    assert not torch.equal(torch.tensor(tp1["gate_rows"][0]), torch.tensor(tp1["gate_rows"][1]))
+
+
 def _meta_device_build():
     import mcore_ext
 

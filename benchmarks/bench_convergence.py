@@ -1,0 +1,492 @@
+"""Does the head-wise gate train as well as no gate? A controlled convergence benchmark.
+
+    python benchmarks/bench_convergence.py --preset cpu --seeds 3 --json out.json [--png out.png]
+
+Each *condition* of a preset (a model shape, precision and schedule) is trained once per *variant*
+of the gate and per seed, through the YAML launcher itself (``mcore_ext.training.main``):
+
+- ``off``: no gate (the control);
+- ``on_default``: the gate with the launcher's default init;
+- ``on_reference``: the gate as every released implementation starts it (weight rows drawn like
+  any QKV row, bias 0: sigmoid ~ 0.5);
+- ``open``: the gate held open (bias 30, weight rows 0: sigmoid(30) = 1 in fp32 and bf16, and its
+  gradient ~ 1e-13): the ungated function, so it must track ``off``;
+- ``on_scale_only`` / ``on_bias_only`` (``--variants``): each half of the old default init
+  (weight rows x 0.1 with bias 0; weight rows x 1 with bias 2).
+
+What is controlled: for one seed every variant starts from the same weights (every weight the
+variants share is compared at step 0, after the launcher builds the model, and the JSON says
+``identical_at_step0``) and sees the same batches in the same order (the launcher's data order
+depends on the seed alone). Seeds vary both. The losses are averaged per window of steps, over
+seeds; the gap of each gated variant to ``off`` is taken per seed (a paired difference), then
+its mean and spread (standard deviation and min / max over seeds) per window.
+
+Output: a table per condition, the JSON (``--json``; its top-level ``variants`` is the preset's
+first condition, every condition under ``conditions``) and a plot (``--png``, matplotlib).
+Runs go two at a time on a CPU (``--workers``), one at a time on a GPU.
+"""
+
+import argparse
+import copy
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny_cpu.yaml"
+
+# Gate fields of each variant (launcher overrides). add_qkv_bias is on in every condition, the
+# ungated control too, so the bias rows exist for the init to use.
+VARIANTS = {
+    "off": ["model.head_wise_attn_gate=false"],
+    "on_default": ["model.head_wise_attn_gate=true"],
+    "on_reference": ["model.head_wise_attn_gate=true",
+                     "model.head_wise_attn_gate_init_weight_scale=1.0",
+                     "model.head_wise_attn_gate_init_bias=0.0"],
+    "open": ["model.head_wise_attn_gate=true",
+             "model.head_wise_attn_gate_init_weight_scale=0.0",
+             "model.head_wise_attn_gate_init_bias=30.0"],
+    "on_scale_only": ["model.head_wise_attn_gate=true",
+                      "model.head_wise_attn_gate_init_weight_scale=0.1",
+                      "model.head_wise_attn_gate_init_bias=0.0"],
+    "on_bias_only": ["model.head_wise_attn_gate=true",
+                     "model.head_wise_attn_gate_init_weight_scale=1.0",
+                     "model.head_wise_attn_gate_init_bias=2.0"],
+}
+DEFAULT_VARIANTS = ["off", "on_default", "on_reference", "open"]
+
+# The 1B recipe's optimizer (configs/gpt_1b.yaml): lr 3e-4 to 3e-5 cosine, wd 0.1, beta2 0.95,
+# clip 1; the short warmup of the H200 runs that showed the gap (2 steps) unless a condition
+# says otherwise.
+RECIPE = ["optimizer.lr=3.0e-4", "optimizer.min_lr=3.0e-5", "optimizer.lr_decay_style=cosine",
+          "optimizer.weight_decay=0.1", "optimizer.adam_beta2=0.95", "optimizer.clip_grad=1.0",
+          "optimizer.lr_warmup_iters=2"]
+
+# A narrow but deep GPT on CPU: 16 layers x 64, 4 heads, SwiGLU, RMSNorm, seq 128, 8 x 128
+# tokens a step: about 0.1 s a step on one core.
+CPU_MODEL = ["model.num_layers=16", "model.hidden_size=64", "model.num_attention_heads=4",
+             "model.ffn_hidden_size=256", "model.seq_length=128", "model.swiglu=true",
+             "model.normalization=RMSNorm", "model.add_qkv_bias=true",
+             "model.attention_backend=sdpa", "model.architecture=gpt",
+             "training.micro_batch_size=8", "training.global_batch_size=8"]
+
+PRESETS = {
+    "cpu": {
+        "what": "16 x 64 GPT, seq 128, 1B recipe (lr 3e-4, warmup 2), 100 steps, fp32 and bf16 "
+                "(distributed optimizer)",
+        "device": "cpu",
+        "window": 10,
+        "conditions": {
+            "fp32": dict(iters=100, extra=CPU_MODEL + ["training.precision=fp32"]),
+            "bf16": dict(iters=100, extra=CPU_MODEL + ["training.precision=bf16",
+                                                        "optimizer.use_distributed_optimizer=true"]),
+        },
+    },
+    # The same model with the warmup of configs/gpt_1b.yaml scaled to the run (20 of 100 steps).
+    "cpu-warmup": {
+        "what": "the cpu preset's model in fp32 with a 20-step warmup",
+        "device": "cpu",
+        "window": 10,
+        "conditions": {
+            "fp32-warmup20": dict(iters=100, extra=CPU_MODEL + ["training.precision=fp32",
+                                                                 "optimizer.lr_warmup_iters=20"]),
+        },
+    },
+    # A few steps, for the benchmark's own test.
+    "smoke": {
+        "what": "4 x 32 GPT, 6 steps (the benchmark's test)",
+        "device": "cpu",
+        "window": 3,
+        "conditions": {
+            "fp32": dict(iters=6, extra=CPU_MODEL + ["model.num_layers=4", "model.hidden_size=32",
+                                                     "model.ffn_hidden_size=64",
+                                                     "model.seq_length=32",
+                                                     "training.precision=fp32"]),
+        },
+    },
+    # GPU (one device, bf16, distributed optimizer, warmup 2 as the H200 runs that showed the
+    # gap): configs/gpt_1b.yaml for 15 steps (every variant) and 100 (gate off and on), and
+    # configs/gpt_125m.yaml for 300. Each condition is also a --conditions choice on its own;
+    # scripts/gpu_check.sh runs them as two steps of stage 4.
+    "gpu": {
+        "what": "1B x 15 steps (every variant), 1B x 100 (off, on_default), 125M x 300 (bf16, "
+                "distributed optimizer, warmup 2)",
+        "device": "cuda",
+        "window": 5,
+        "conditions": {
+            "1b-15": dict(iters=15, config="gpt_1b.yaml", extra=[]),
+            "1b-100": dict(iters=100, config="gpt_1b.yaml", extra=[],
+                           variants=["off", "on_default"]),
+            "125m-300": dict(iters=300, config="gpt_125m.yaml", extra=[
+                "training.global_batch_size=16", "training.micro_batch_size=8"]),
+        },
+    },
+}
+
+
+def run_argv(condition: dict, variant: str, seed: int, workdir: str) -> list[str]:
+    """The launcher's argv for one run (no checkpoints, no evaluation, every step logged)."""
+    config = ROOT / "configs" / condition.get("config", "tiny_cpu.yaml")
+    return [
+        "--config", str(config),
+        "parallelism.tensor_model_parallel_size=1", "parallelism.pipeline_model_parallel_size=1",
+        f"training.train_iters={condition['iters']}", f"training.seed={seed}",
+        "training.eval_interval=null", "checkpoint.save=null", "checkpoint.load=null",
+        "logging.log_interval=1", f"logging.metrics_file={workdir}/{variant}-{seed}.jsonl",
+        "data.source=stdlib", f"data.prefix={workdir}/../data/stdlib_byte",
+        f"data.cache_dir={workdir}/cache", "data.tokenizer=byte", "data.num_workers=0",
+        *RECIPE, *condition["extra"], *VARIANTS[variant],
+    ]
+
+
+# ------------------------------------------------------------------------------------ worker
+
+
+def _shared_fingerprint(model, reference_shapes: dict | None) -> dict:
+    """sha256 of each parameter as the launcher built it; a gated linear_qkv's leading rows only
+    (those the ungated model has: ``reference_shapes``), so the gate rows are left out."""
+    from megatron.core.utils import unwrap_model
+
+    out = {}
+    for name, param in unwrap_model(model).named_parameters():
+        tensor = param.detach().cpu()
+        if reference_shapes is not None and name in reference_shapes:
+            rows = reference_shapes[name][0]
+            tensor = tensor[:rows]
+        out[name] = (list(tensor.shape),
+                     hashlib.sha256(tensor.contiguous().view(-1).view(dtype=_u8()).numpy())
+                     .hexdigest())
+    return out
+
+
+def _u8():
+    import torch
+
+    return torch.uint8
+
+
+def worker(job: dict) -> dict:
+    """Every variant of one (condition, seed), in this process, ``off`` first: losses per step
+    and the step-0 fingerprint of the weights each run starts from."""
+    from mcore_ext.training import loop, main
+
+    build = loop.build_model
+    results, reference = {}, {}
+
+    for variant in job["variants"]:
+        seen = {}
+
+        def capturing(cfg, vocab_size, _seen=seen):
+            model = build(cfg, vocab_size)
+            shapes = reference.get("shapes")
+            _seen["fingerprint"] = _shared_fingerprint(model, shapes)
+            if shapes is None:
+                reference["shapes"] = {n: s for n, (s, _) in _seen["fingerprint"].items()}
+            return model
+
+        loop.build_model = capturing
+        argv = job["argv"][variant]
+        start = time.perf_counter()
+        try:
+            code = main(argv)
+        finally:
+            loop.build_model = build
+        if code != 0:
+            raise SystemExit(f"{variant} seed {job['seed']}: the launcher exited {code}")
+        metrics = argv[argv.index(next(a for a in argv if a.startswith("logging.metrics_file=")))]
+        path = metrics.split("=", 1)[1]
+        losses = {}
+        for line in Path(path).read_text().splitlines():
+            record = json.loads(line)
+            if record["kind"] == "train":
+                losses[record["iteration"]] = record["loss"]
+        results[variant] = dict(losses=[losses[i] for i in sorted(losses)],
+                                fingerprint=seen["fingerprint"],
+                                seconds=time.perf_counter() - start)
+    return results
+
+
+# -------------------------------------------------------------------------------------- main
+
+
+def identical_at_step0(per_variant: dict) -> tuple[bool, list[str]]:
+    """Whether every variant's shared weights equal the control's (``off``, else the first)."""
+    names = list(per_variant)
+    control = per_variant["off" if "off" in per_variant else names[0]]["fingerprint"]
+    differences = []
+    for variant in names:
+        print_ = per_variant[variant]["fingerprint"]
+        for name, value in control.items():
+            if print_.get(name) != value:
+                differences.append(f"{variant}: {name}")
+    return not differences, differences
+
+
+def windows(losses: list[float], size: int) -> list[float]:
+    return [statistics.fmean(losses[i:i + size]) for i in range(0, len(losses), size)]
+
+
+def summarise(per_seed: dict, variants: list[str], window: int) -> dict:
+    """per_seed: {seed: {variant: {"losses": [...]}}} -> windowed means, paired gaps to off."""
+    out = {"variants": {}, "gaps": {}}
+    seeds = sorted(per_seed)
+    for variant in variants:
+        curves = [windows(per_seed[s][variant]["losses"], window) for s in seeds]
+        out["variants"][variant] = {
+            "windows": [statistics.fmean(c[w] for c in curves) for w in range(len(curves[0]))],
+            "per_seed": curves,
+            "final_loss": statistics.fmean(per_seed[s][variant]["losses"][-1] for s in seeds),
+        }
+    if "off" in variants:
+        base = out["variants"]["off"]["per_seed"]
+        for variant in variants:
+            if variant == "off":
+                continue
+            diffs = [[a - b for a, b in zip(curve, control)]
+                     for curve, control in zip(out["variants"][variant]["per_seed"], base)]
+            columns = list(zip(*diffs))
+            out["gaps"][variant] = {
+                "mean": [statistics.fmean(c) for c in columns],
+                "std": [statistics.stdev(c) if len(c) > 1 else 0.0 for c in columns],
+                "min": [min(c) for c in columns],
+                "max": [max(c) for c in columns],
+            }
+    return out
+
+
+def table(name: str, summary: dict, window: int) -> str:
+    variants = list(summary["variants"])
+    n = len(summary["variants"][variants[0]]["windows"])
+    lines = [f"== {name}: mean loss per {window}-step window over seeds; gap = variant - off "
+             "(mean +- std over seeds)"]
+    head = f"{'steps':>9} " + " ".join(f"{v:>13}" for v in variants)
+    head += "".join(f" {'gap ' + v:>22}" for v in summary["gaps"])
+    lines.append(head)
+    for w in range(n):
+        row = f"{w * window + 1:>4}-{(w + 1) * window:<4} "
+        row += " ".join(f"{summary['variants'][v]['windows'][w]:>13.4f}" for v in variants)
+        for v, gap in summary["gaps"].items():
+            row += f" {gap['mean'][w]:>+11.4f} +- {gap['std'][w]:<7.4f}"
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    conditions = result["conditions"]
+    window = result["window"]
+    fig, axes = plt.subplots(2, len(conditions), figsize=(6 * len(conditions), 8), squeeze=False)
+    for col, (name, summary) in enumerate(conditions.items()):
+        top, bottom = axes[0][col], axes[1][col]
+        for variant, data in summary["variants"].items():
+            xs = [(w + 0.5) * window for w in range(len(data["windows"]))]
+            lows = [min(c[w] for c in data["per_seed"]) for w in range(len(xs))]
+            highs = [max(c[w] for c in data["per_seed"]) for w in range(len(xs))]
+            color = _color(variant)
+            top.plot(xs, data["windows"], label=variant, color=color)
+            top.fill_between(xs, lows, highs, color=color, alpha=0.15)
+        top.set_title(f"{name}: loss (mean over {result['seeds']} seeds, band min-max)")
+        top.set_xlabel("step")
+        top.set_ylabel("training loss")
+        top.legend()
+        for variant, gap in summary["gaps"].items():
+            xs = [(w + 0.5) * window for w in range(len(gap["mean"]))]
+            bottom.errorbar(xs, gap["mean"], yerr=gap["std"], label=variant, capsize=2,
+                            color=_color(variant))
+        bottom.axhline(0.0, color="black", linewidth=0.8)
+        bottom.set_title(f"{name}: variant - off per window (+- std over seeds)")
+        bottom.set_xlabel("step")
+        bottom.set_ylabel("loss gap to the ungated run")
+        bottom.legend()
+    fig.suptitle(f"bench_convergence --preset {result['preset']} (identical at step 0: "
+                 f"{result['identical_at_step0']}; {result['environment']['device']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def _color(variant: str) -> str:
+    """One colour per variant in every panel (matplotlib's tab10, in VARIANTS' order)."""
+    return f"C{list(VARIANTS).index(variant) % 10}"
+
+
+def _environment(device: str) -> dict:
+    import platform
+
+    import torch
+
+    env = {"device": f"cpu ({platform.machine()}, {os.cpu_count()} cores)" if device == "cpu"
+           else device,
+           "torch": torch.__version__, "python": platform.python_version()}
+    if device == "cuda" and torch.cuda.is_available():
+        env["device"] = torch.cuda.get_device_name()
+    try:
+        env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                       capture_output=True, text=True).stdout.strip()
+    except OSError:
+        pass
+    return env
+
+
+def _prepare_data(prefix: str) -> None:
+    """The stdlib byte dataset, once, before runs start side by side (each would build it)."""
+    if os.path.isfile(prefix + ".idx"):
+        return
+    from mcore_ext.data.preprocess import preprocess, stdlib_sources
+
+    os.makedirs(os.path.dirname(prefix), exist_ok=True)
+    preprocess(stdlib_sources(), prefix, "byte")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--seed-base", type=int, default=1234)
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                        help=f"comma-separated, from {', '.join(VARIANTS)} (off is always run)")
+    parser.add_argument("--conditions", default=None,
+                        help="comma-separated subset of the preset's conditions")
+    parser.add_argument("--iters", type=int, default=None, help="override every condition's steps")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="runs side by side (default: 2 on a CPU, 1 on a GPU)")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--png", default=None)
+    parser.add_argument("--workdir", default=None, help="metrics and data (default: a temp dir)")
+    parser.add_argument("--plot-from", default=None, metavar="JSON",
+                        help="only draw --png from a JSON this benchmark wrote (e.g. on a GPU "
+                             "machine without matplotlib)")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.plot_from:
+        if not args.png:
+            parser.error("--plot-from needs --png")
+        plot(json.loads(Path(args.plot_from).read_text()), args.png)
+        print(f"wrote {args.png}")
+        return 0
+
+    if args.worker:  # one (condition, seed): every variant, in this process
+        job = json.loads(Path(args.worker).read_text())
+        Path(job["out"]).write_text(json.dumps(worker(job)))
+        return 0
+
+    preset = copy.deepcopy(PRESETS[args.preset])
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        parser.error(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
+    variants = ["off"] + [v for v in variants if v != "off"]
+    conditions = preset["conditions"]
+    if args.conditions:
+        chosen = [c.strip() for c in args.conditions.split(",")]
+        missing = [c for c in chosen if c not in conditions]
+        if missing:
+            parser.error(f"--conditions: {missing} not in preset {args.preset}: {list(conditions)}")
+        conditions = {c: conditions[c] for c in chosen}
+    if args.iters:
+        for condition in conditions.values():
+            condition["iters"] = args.iters
+    if preset["device"] == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("error: --preset gpu needs CUDA", file=sys.stderr)
+            return 2
+    workers = args.workers or (2 if preset["device"] == "cpu" else 1)
+    seeds = [args.seed_base + i for i in range(args.seeds)]
+
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench_convergence-"))
+    _prepare_data(str(workdir / "data" / "stdlib_byte"))
+    jobs = []
+    for name, condition in conditions.items():
+        condition["variants"] = [v for v in variants if v in condition.get("variants", variants)]
+        for seed in seeds:
+            run_dir = workdir / f"{name}-seed{seed}"
+            run_dir.mkdir(parents=True, exist_ok=True)
+            job = dict(condition=name, seed=seed, variants=condition["variants"],
+                       out=str(run_dir / "result.json"),
+                       argv={v: run_argv(condition, v, seed, str(run_dir))
+                             for v in condition["variants"]})
+            job_file = run_dir / "job.json"
+            job_file.write_text(json.dumps(job))
+            jobs.append((job, job_file, run_dir))
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if preset["device"] == "cpu":
+        env["OMP_NUM_THREADS"] = "1"  # runs side by side, one core each
+    started = time.perf_counter()
+    pending, running, failed = list(jobs), [], []
+    while pending or running:
+        while pending and len(running) < workers:
+            job, job_file, run_dir = pending.pop(0)
+            log = open(run_dir / "log.txt", "w")
+            proc = subprocess.Popen([sys.executable, __file__, "--worker", str(job_file)],
+                                    cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+            running.append((proc, job, run_dir, log))
+            print(f"[bench] {job['condition']} seed {job['seed']}: {len(job['variants'])} runs "
+                  f"(log {run_dir / 'log.txt'})", flush=True)
+        for entry in list(running):
+            proc, job, run_dir, log = entry
+            if proc.poll() is None:
+                continue
+            log.close()
+            running.remove(entry)
+            if proc.returncode != 0:
+                failed.append(f"{job['condition']} seed {job['seed']}: exit {proc.returncode}, "
+                              f"see {run_dir / 'log.txt'}")
+        time.sleep(0.5)
+    if failed:
+        print("error: " + "; ".join(failed), file=sys.stderr)
+        return 1
+
+    result = {"preset": args.preset, "what": preset["what"], "seeds": len(seeds),
+              "seed_base": args.seed_base, "window": preset["window"],
+              "environment": _environment(preset["device"]), "conditions": {},
+              "identical_at_step0": True, "step0_differences": [],
+              "wall_seconds": round(time.perf_counter() - started, 1)}
+    for name in conditions:
+        per_seed = {}
+        for job, _, _ in jobs:
+            if job["condition"] == name:
+                per_seed[job["seed"]] = json.loads(Path(job["out"]).read_text())
+                same, differences = identical_at_step0(per_seed[job["seed"]])
+                if not same:
+                    result["identical_at_step0"] = False
+                    result["step0_differences"] += [f"{name} seed {job['seed']}: {d}"
+                                                    for d in differences[:5]]
+        summary = summarise(per_seed, conditions[name]["variants"], preset["window"])
+        summary["iters"] = conditions[name]["iters"]
+        summary["seconds_per_run"] = statistics.fmean(
+            r[v]["seconds"] for r in per_seed.values() for v in conditions[name]["variants"])
+        result["conditions"][name] = summary
+        print(table(name, summary, preset["window"]))
+    first = next(iter(result["conditions"]))
+    result["variants"] = result["conditions"][first]["variants"]
+    print(f"identical at step 0 (every shared weight, every seed): {result['identical_at_step0']}"
+          + (f" ({'; '.join(result['step0_differences'])})" if result["step0_differences"] else ""))
+    print(f"wall {result['wall_seconds']} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {args.json}")
+    if args.png:
+        try:
+            plot(result, args.png)
+            print(f"wrote {args.png}")
+        except ImportError:
+            print("note: no plot: matplotlib is not installed (pip install matplotlib)",
+                  file=sys.stderr)
+    return 0 if result["identical_at_step0"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
