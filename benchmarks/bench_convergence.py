@@ -88,14 +88,20 @@ PRESETS = {
                                                         "optimizer.use_distributed_optimizer=true"]),
         },
     },
-    # The same model with the warmup of configs/gpt_1b.yaml scaled to the run (20 of 100 steps).
-    "cpu-warmup": {
-        "what": "the cpu preset's model in fp32 with a 20-step warmup",
+    # The 1B recipe's step size as the narrow model feels it: Adam moves every weight by about
+    # lr a step, so a unit's output moves by about lr x its fan-in; the 1B's lr 3e-4 at width
+    # 2048 is lr 1e-2 at width 64 (muP's 1 / width scaling of Adam's lr for hidden weights).
+    # With the 1B's warmup of 2 steps and a longer one (20).
+    "cpu-width-scaled": {
+        "what": "the cpu preset's model in fp32 at lr 1e-2 (the 1B's 3e-4 x 2048 / 64), warmup 2 "
+                "and 20, 100 steps",
         "device": "cpu",
         "window": 10,
         "conditions": {
-            "fp32-warmup20": dict(iters=100, extra=CPU_MODEL + ["training.precision=fp32",
-                                                                 "optimizer.lr_warmup_iters=20"]),
+            f"lr1e-2-warmup{warmup}": dict(iters=100, extra=CPU_MODEL + [
+                "training.precision=fp32", "optimizer.lr=1.0e-2", "optimizer.min_lr=1.0e-3",
+                f"optimizer.lr_warmup_iters={warmup}"])
+            for warmup in (2, 20)
         },
     },
     # A few steps, for the benchmark's own test.
@@ -142,6 +148,7 @@ def run_argv(condition: dict, variant: str, seed: int, workdir: str) -> list[str
         "data.source=stdlib", f"data.prefix={workdir}/../data/stdlib_byte",
         f"data.cache_dir={workdir}/cache", "data.tokenizer=byte", "data.num_workers=0",
         *RECIPE, *condition["extra"], *VARIANTS[variant],
+        *(["logging.gate_statistics=true"] if variant != "off" else []),
     ]
 
 
@@ -201,12 +208,16 @@ def worker(job: dict) -> dict:
             raise SystemExit(f"{variant} seed {job['seed']}: the launcher exited {code}")
         metrics = argv[argv.index(next(a for a in argv if a.startswith("logging.metrics_file=")))]
         path = metrics.split("=", 1)[1]
-        losses = {}
+        losses, gates = {}, {}
         for line in Path(path).read_text().splitlines():
             record = json.loads(line)
             if record["kind"] == "train":
                 losses[record["iteration"]] = record["loss"]
+                if "gate_mean" in record:
+                    gates[record["iteration"]] = (record["gate_mean"], record["gate_closed"])
         results[variant] = dict(losses=[losses[i] for i in sorted(losses)],
+                                gate_mean=[gates[i][0] for i in sorted(gates)],
+                                gate_closed=[gates[i][1] for i in sorted(gates)],
                                 fingerprint=seen["fingerprint"],
                                 seconds=time.perf_counter() - start)
     return results
@@ -243,6 +254,11 @@ def summarise(per_seed: dict, variants: list[str], window: int) -> dict:
             "per_seed": curves,
             "final_loss": statistics.fmean(per_seed[s][variant]["losses"][-1] for s in seeds),
         }
+        for key in ("gate_mean", "gate_closed"):  # the launcher's logging.gate_statistics
+            gates = [windows(per_seed[s][variant].get(key, []), window) for s in seeds]
+            if all(gates):
+                out["variants"][variant][key] = [statistics.fmean(g[w] for g in gates)
+                                                 for w in range(len(gates[0]))]
     if "off" in variants:
         base = out["variants"]["off"]["per_seed"]
         for variant in variants:
@@ -274,6 +290,12 @@ def table(name: str, summary: dict, window: int) -> str:
         for v, gap in summary["gaps"].items():
             row += f" {gap['mean'][w]:>+11.4f} +- {gap['std'][w]:<7.4f}"
         lines.append(row)
+    gated = [v for v in variants if "gate_mean" in summary["variants"][v]]
+    if gated:
+        lines.append("gate mean / closed fraction (< 0.1) per window: " + "; ".join(
+            f"{v} " + " ".join(f"{m:.2f}/{c:.2f}" for m, c in zip(
+                summary["variants"][v]["gate_mean"], summary["variants"][v]["gate_closed"]))
+            for v in gated))
     return "\n".join(lines)
 
 

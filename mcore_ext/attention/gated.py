@@ -63,6 +63,9 @@ class HeadWiseGatedSelfAttention(SelfAttention):
             pp_layer_offset=pp_layer_offset,
             name=name,
         ))
+        # Running sums of this layer's gate values while training, when a GateStatistics is
+        # attached (the launcher's logging.gate_statistics); None: nothing is computed.
+        self.gate_statistics: GateStatistics | None = None
         if not self.head_wise_attn_gate:
             return
 
@@ -190,6 +193,8 @@ class HeadWiseGatedSelfAttention(SelfAttention):
             return super()._apply_output_gate(core_attn_out, gate)
         attn = core_attn_out.unflatten(-1, (gate.size(-1), -1))  # [sq, b, np, hn]
         scale = torch.sigmoid(gate.float())  # [sq, b, np]; saved by the sigmoid anyway
+        if self.gate_statistics is not None and self.training:
+            self.gate_statistics.add(scale)
         gated = _ScaleHeads.apply(attn, scale)
         recipes = _gated_outputs.get()
         if recipes is not None and gated.is_contiguous() and gated.storage_offset() == 0:
@@ -265,6 +270,32 @@ class HeadWiseGatedSelfAttention(SelfAttention):
     def _gate_init_method(self):
         # SelfAttention builds linear_qkv with config.init_method (megatron's QKV init).
         return self.config.init_method
+
+
+class GateStatistics:
+    """Sums of one layer's gate values (its sigmoids) over the tokens and heads it gated on this
+    rank: their mean and the fraction of closed gates (below ``CLOSED_BELOW``). Tensors on the
+    gate's device, read (and so synchronised) only by ``take``."""
+
+    CLOSED_BELOW = 0.1
+
+    def __init__(self):
+        self.total = self.closed = None
+        self.count = 0
+
+    def add(self, scale: torch.Tensor) -> None:
+        scale = scale.detach()
+        total, closed = scale.sum(), (scale < self.CLOSED_BELOW).sum()
+        self.total = total if self.total is None else self.total + total
+        self.closed = closed if self.closed is None else self.closed + closed
+        self.count += scale.numel()
+
+    def take(self) -> tuple[float, float, int]:
+        """(sum of gate values, number closed, number of values) since the last take."""
+        out = (0.0, 0.0, 0) if self.total is None else (
+            float(self.total), float(self.closed), self.count)
+        self.__init__()
+        return out
 
 
 class _SplitQKVGate(torch.autograd.Function):

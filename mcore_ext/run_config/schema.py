@@ -469,6 +469,12 @@ class LoggingConfig:
     peak_tflops: Optional[float] = None
     """Per-device dense peak TFLOP/s for MFU; null -> known GPUs' bf16/fp16 peak."""
 
+    gate_statistics: bool = False
+    """Record the head-wise gate's values in training: per log window, the mean gate (sigmoid)
+    over every token, head and layer, the fraction of closed gates (below 0.1), and the mean per
+    layer (metrics file and TensorBoard; the log line shows the first two). Needs
+    model.head_wise_attn_gate."""
+
 
 @dataclass
 class PretrainConfig:

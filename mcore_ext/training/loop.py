@@ -308,6 +308,8 @@ class _Trainer:
             os.makedirs(os.path.dirname(os.path.abspath(cfg.logging.metrics_file)), exist_ok=True)
             self.metrics = open(cfg.logging.metrics_file, "a", buffering=1)
         self.tensorboard = self._tensorboard()
+        self.gate_statistics = _attach_gate_statistics(self.model) \
+            if cfg.logging.gate_statistics else None
         params = sum(p.numel() for p in self.model.parameters())
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         adapters = lora_config(cfg)
@@ -488,6 +490,8 @@ class _Trainer:
         mtp = window.mean_mtp()
         if mtp is not None:
             record["mtp_losses"] = mtp
+        if self.gate_statistics is not None:
+            record.update(_gate_statistics(self.gate_statistics))
         for name in self.balancing_losses[-1] if self.balancing_losses else {}:
             record[name] = sum(step[name] for step in self.balancing_losses) / len(
                 self.balancing_losses)
@@ -508,6 +512,8 @@ class _Trainer:
             f"TFLOP/s/device{mfu} | mem {record['peak_memory_gb']:.2f} GB{eta}"
             + "".join(f" | {name} {record[name]:.4f}" for name in _BALANCING_LOSS_NAMES.values()
                       if name in record)
+            + ("" if "gate_mean" not in record else
+               f" | gate mean {record['gate_mean']:.3f} closed {record['gate_closed']:.3f}")
             + (" | step skipped (fp16 overflow)" if not ok else "")
         )
 
@@ -518,6 +524,10 @@ class _Trainer:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and key != "iteration":
                     self.tensorboard.add_scalar(f"{record['kind']}/{key}", value, self.iteration)
+                elif key == "gate_mean_per_layer":
+                    for layer, mean in value.items():
+                        self.tensorboard.add_scalar(f"{record['kind']}/gate_mean_layer_{layer}",
+                                                    mean, self.iteration)
                 elif key == "mtp_losses":
                     for depth, loss in enumerate(value, start=1):
                         self.tensorboard.add_scalar(f"{record['kind']}/mtp_{depth}_loss", loss,
@@ -607,6 +617,48 @@ class _Eta:
         self.seconds += window_seconds
         self.steps += window_steps
         return (last_iteration - iteration) * self.seconds / self.steps
+
+
+def _attach_gate_statistics(model) -> dict:
+    """A GateStatistics on every gated attention of this rank's model, by its layer: the GPT
+    layer number (a hybrid model's attention layer counted as the GPT layer it stands for),
+    ``mtpN`` for the N-th MTP depth's."""
+    from mcore_ext.attention.gated import GateStatistics, HeadWiseGatedSelfAttention
+
+    modules = dict(unwrap_model(model).named_modules())
+    stats = {}
+    for name, module in modules.items():
+        if isinstance(module, HeadWiseGatedSelfAttention) and module.head_wise_attn_gate:
+            layer = modules.get(name.rpartition(".")[0])
+            key = str(getattr(layer, "gpt_layer_number", module.layer_number))
+            if ".mtp." in f".{name}.":
+                key = f"mtp{name.split('layers.')[-1].split('.')[0]}"
+            module.gate_statistics = stats[key] = GateStatistics()
+    return stats
+
+
+def _gate_statistics(stats: dict) -> dict:
+    """Every rank's gate sums since the last log line, combined (each rank holds its heads (TP),
+    layers (PP) and tokens (DP, CP)): the mean gate, the closed fraction, the mean per layer.
+    Collective over every rank: each calls it at each log line."""
+    mine = {key: s.take() for key, s in stats.items()}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    layers = {}
+    for sums in every:
+        for key, (total, closed, count) in sums.items():
+            t, c, n = layers.get(key, (0.0, 0.0, 0))
+            layers[key] = (t + total, c + closed, n + count)
+    count = sum(n for _, _, n in layers.values())
+    if not count:
+        return {}
+    return {
+        "gate_mean": sum(t for t, _, _ in layers.values()) / count,
+        "gate_closed": sum(c for _, c, _ in layers.values()) / count,
+        "gate_mean_per_layer": {key: t / n for key, (t, _, n) in sorted(
+            layers.items(), key=lambda kv: (kv[0].startswith("mtp"), int(kv[0].lstrip("mtp"))))
+            if n},
+    }
 
 
 def run_complete(iteration: int, train_iters: int, directory: str | None = None) -> str:

@@ -18,6 +18,7 @@ test of each megatron-core release (``-m smoke``) makes two short runs of its ow
 
 import importlib.util
 import json
+import math
 import os
 import re
 import shutil
@@ -30,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.functional.inprocess import completed, launch
+from tests.functional.inprocess import TINY_MOCK, completed, launch
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCHER = str(ROOT / "launch" / "pretrain.py")
@@ -192,6 +193,27 @@ def test_log_reports_config_metrics_and_evaluation(runs):
     assert {"lr", "grad_norm", "tokens_per_s", "tflops_per_device", "peak_memory_gb"} <= set(train[0])
     assert train[0]["lr"] < train[9]["lr"]  # warmup
     assert [r["iteration"] for r in valid] == [10, 20] and valid[1]["loss"] < valid[0]["loss"]
+
+
+@pytest.mark.parametrize("bias", [-3.0, 2.0])
+def test_gate_statistics_are_the_gates_of_every_layer_and_rank(tmp_path, run_distributed_shared,
+                                                               bias):
+    # Weight rows 0: every gate of the first step is sigmoid(bias), on each TP rank's heads and
+    # each layer; closed means below 0.1 (sigmoid(-3) = 0.047, sigmoid(2) = 0.88).
+    metrics = tmp_path / "metrics.jsonl"
+    result = run_distributed_shared(
+        launch, *TINY_MOCK, "parallelism.tensor_model_parallel_size=2", "training.train_iters=2",
+        "model.head_wise_attn_gate_init_weight_scale=0", f"model.head_wise_attn_gate_init_bias={bias}",
+        "logging.gate_statistics=true", f"logging.metrics_file={metrics}", "checkpoint.save=null",
+        "checkpoint.load=null", world_size=2, timeout=300)[0]
+    assert result["code"] == 0, result
+    first = json.loads(metrics.read_text().splitlines()[0])
+    gate = 1 / (1 + math.exp(-bias))
+    assert first["gate_mean"] == pytest.approx(gate, abs=1e-6)
+    assert first["gate_closed"] == (1.0 if gate < 0.1 else 0.0)
+    assert list(first["gate_mean_per_layer"]) == ["1", "2"]
+    assert all(m == pytest.approx(gate, abs=1e-6) for m in first["gate_mean_per_layer"].values())
+    assert f"gate mean {gate:.3f} closed {first['gate_closed']:.3f}" in result["stdout"]
 
 
 # ------------------------------------------------------------------------------- bf16 on CPU

@@ -39,6 +39,9 @@ def validate(cfg: PretrainConfig, world_size: int) -> None:
     ]:
         if value < 1:
             raise ConfigError(f"{key}={value} must be at least 1")
+    if cfg.logging.gate_statistics and not m.head_wise_attn_gate:
+        raise ConfigError("logging.gate_statistics=true records the head-wise gate's values: it "
+                          "needs model.head_wise_attn_gate=true (it is false)")
     for key in ("training.exit_interval", "training.eval_interval", "checkpoint.save_interval"):
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
