@@ -6,13 +6,16 @@ Each *condition* of a preset (a model shape, precision and schedule) is trained 
 of the gate and per seed, through the YAML launcher itself (``mcore_ext.training.main``):
 
 - ``off``: no gate (the control);
-- ``on_default``: the gate with the launcher's default init;
+- ``on_default``: the gate with the launcher's default init (today the reference init: run once
+  and reported under both names, ``same_as`` saying so);
 - ``on_reference``: the gate as every released implementation starts it (weight rows drawn like
   any QKV row, bias 0: sigmoid ~ 0.5);
+- ``on_surgery``: the original head-wise gate's start (weight rows x 0.1, bias 2: sigmoid ~
+  0.88), the default until this benchmark measured it;
 - ``open``: the gate held open (bias 30, weight rows 0: sigmoid(30) = 1 in fp32 and bf16, and its
   gradient ~ 1e-13): the ungated function, so it must track ``off``;
-- ``on_scale_only`` / ``on_bias_only`` (``--variants``): each half of the old default init
-  (weight rows x 0.1 with bias 0; weight rows x 1 with bias 2).
+- ``on_scale_only`` / ``on_bias_only`` (``--variants``): each half of the surgery (weight rows
+  x 0.1 with bias 0; weight rows x 1 with bias 2).
 
 What is controlled: for one seed every variant starts from the same weights (every weight the
 variants share is compared at step 0, after the launcher builds the model, and the JSON says
@@ -49,6 +52,9 @@ VARIANTS = {
     "on_reference": ["model.head_wise_attn_gate=true",
                      "model.head_wise_attn_gate_init_weight_scale=1.0",
                      "model.head_wise_attn_gate_init_bias=0.0"],
+    "on_surgery": ["model.head_wise_attn_gate=true",
+                   "model.head_wise_attn_gate_init_weight_scale=0.1",
+                   "model.head_wise_attn_gate_init_bias=2.0"],
     "open": ["model.head_wise_attn_gate=true",
              "model.head_wise_attn_gate_init_weight_scale=0.0",
              "model.head_wise_attn_gate_init_bias=30.0"],
@@ -59,7 +65,7 @@ VARIANTS = {
                      "model.head_wise_attn_gate_init_weight_scale=1.0",
                      "model.head_wise_attn_gate_init_bias=2.0"],
 }
-DEFAULT_VARIANTS = ["off", "on_default", "on_reference", "open"]
+DEFAULT_VARIANTS = ["off", "on_default", "on_reference", "on_surgery", "open"]
 
 # The 1B recipe's optimizer (configs/gpt_1b.yaml): lr 3e-4 to 3e-5 cosine, wd 0.1, beta2 0.95,
 # clip 1; the short warmup of the H200 runs that showed the gap (2 steps) unless a condition
@@ -93,15 +99,22 @@ PRESETS = {
     # 2048 is lr 1e-2 at width 64 (muP's 1 / width scaling of Adam's lr for hidden weights).
     # With the 1B's warmup of 2 steps and a longer one (20).
     "cpu-width-scaled": {
-        "what": "the cpu preset's model in fp32 at lr 1e-2 (the 1B's 3e-4 x 2048 / 64), warmup 2 "
-                "and 20, 100 steps",
+        "what": "the cpu preset's model in fp32 at lr 1e-2 (the 1B's 3e-4 x 2048 / 64), warmup 2, "
+                "100 steps; and each with one change: warmup 20, bf16, 4 layers, micro-batch 4 x 2",
         "device": "cpu",
         "window": 10,
+        # One factor changed at a time from lr1e-2-warmup2 (--conditions picks some).
         "conditions": {
-            f"lr1e-2-warmup{warmup}": dict(iters=100, extra=CPU_MODEL + [
+            f"lr1e-2-{name}": dict(iters=100, extra=CPU_MODEL + [
                 "training.precision=fp32", "optimizer.lr=1.0e-2", "optimizer.min_lr=1.0e-3",
-                f"optimizer.lr_warmup_iters={warmup}"])
-            for warmup in (2, 20)
+                "optimizer.lr_warmup_iters=2", *change])
+            for name, change in (
+                ("warmup2", []),
+                ("warmup20", ["optimizer.lr_warmup_iters=20"]),
+                ("bf16", ["training.precision=bf16", "optimizer.use_distributed_optimizer=true"]),
+                ("depth4", ["model.num_layers=4"]),
+                ("micro4x2", ["training.micro_batch_size=4"]),
+            )
         },
     },
     # A few steps, for the benchmark's own test.
@@ -128,7 +141,7 @@ PRESETS = {
         "conditions": {
             "1b-15": dict(iters=15, config="gpt_1b.yaml", extra=[]),
             "1b-100": dict(iters=100, config="gpt_1b.yaml", extra=[],
-                           variants=["off", "on_default"]),
+                           variants=["off", "on_default", "on_surgery"]),
             "125m-300": dict(iters=300, config="gpt_125m.yaml", extra=[
                 "training.global_batch_size=16", "training.micro_batch_size=8"]),
         },
@@ -277,17 +290,20 @@ def summarise(per_seed: dict, variants: list[str], window: int) -> dict:
 
 
 def table(name: str, summary: dict, window: int) -> str:
-    variants = list(summary["variants"])
+    variants = [v for v in summary["variants"] if "same_as" not in summary["variants"][v]]
     n = len(summary["variants"][variants[0]]["windows"])
     lines = [f"== {name}: mean loss per {window}-step window over seeds; gap = variant - off "
-             "(mean +- std over seeds)"]
+             "(mean +- std over seeds)" + "".join(
+                 f"; {v} is {d['same_as']}" for v, d in summary["variants"].items()
+                 if "same_as" in d)]
     head = f"{'steps':>9} " + " ".join(f"{v:>13}" for v in variants)
-    head += "".join(f" {'gap ' + v:>22}" for v in summary["gaps"])
+    gaps = {v: g for v, g in summary["gaps"].items() if "same_as" not in g}
+    head += "".join(f" {'gap ' + v:>22}" for v in gaps)
     lines.append(head)
     for w in range(n):
         row = f"{w * window + 1:>4}-{(w + 1) * window:<4} "
         row += " ".join(f"{summary['variants'][v]['windows'][w]:>13.4f}" for v in variants)
-        for v, gap in summary["gaps"].items():
+        for v, gap in gaps.items():
             row += f" {gap['mean'][w]:>+11.4f} +- {gap['std'][w]:<7.4f}"
         lines.append(row)
     gated = [v for v in variants if "gate_mean" in summary["variants"][v]]
@@ -311,6 +327,8 @@ def plot(result: dict, path: str) -> None:
     for col, (name, summary) in enumerate(conditions.items()):
         top, bottom = axes[0][col], axes[1][col]
         for variant, data in summary["variants"].items():
+            if "same_as" in data:
+                continue
             xs = [(w + 0.5) * window for w in range(len(data["windows"]))]
             lows = [min(c[w] for c in data["per_seed"]) for w in range(len(xs))]
             highs = [max(c[w] for c in data["per_seed"]) for w in range(len(xs))]
@@ -320,8 +338,11 @@ def plot(result: dict, path: str) -> None:
         top.set_title(f"{name}: loss (mean over {result['seeds']} seeds, band min-max)")
         top.set_xlabel("step")
         top.set_ylabel("training loss")
-        top.legend()
+        top.legend(title=" ".join(f"{v} = {d['same_as']}" for v, d in summary["variants"].items()
+                                  if "same_as" in d) or None)
         for variant, gap in summary["gaps"].items():
+            if "same_as" in gap:
+                continue
             xs = [(w + 0.5) * window for w in range(len(gap["mean"]))]
             bottom.errorbar(xs, gap["mean"], yerr=gap["std"], label=variant, capsize=2,
                             color=_color(variant))
@@ -334,6 +355,18 @@ def plot(result: dict, path: str) -> None:
                  f"{result['identical_at_step0']}; {result['environment']['device']})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def _default_alias() -> str | None:
+    """The variant whose init fields are the launcher's defaults (its runs are on_default's)."""
+    from mcore_ext.run_config.schema import ModelConfig
+
+    defaults = ModelConfig()
+    for name in ("on_reference", "on_surgery"):
+        fields = dict(o.split("=", 1) for o in VARIANTS[name][1:])
+        if all(float(getattr(defaults, k.split(".", 1)[1])) == float(v) for k, v in fields.items()):
+            return name
+    return None
 
 
 def _color(variant: str) -> str:
@@ -408,6 +441,11 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
     variants = ["off"] + [v for v in variants if v != "off"]
+    alias = _default_alias()
+    if alias in variants and "on_default" in variants:
+        variants.remove("on_default")  # the same runs: reported under both names below
+    else:
+        alias = None
     conditions = preset["conditions"]
     if args.conditions:
         chosen = [c.strip() for c in args.conditions.split(",")]
@@ -431,7 +469,9 @@ def main(argv=None) -> int:
     _prepare_data(str(workdir / "data" / "stdlib_byte"))
     jobs = []
     for name, condition in conditions.items():
-        condition["variants"] = [v for v in variants if v in condition.get("variants", variants)]
+        wanted = [alias if alias and v == "on_default" else v
+                  for v in condition.get("variants", variants)]
+        condition["variants"] = [v for v in variants if v in wanted]
         for seed in seeds:
             run_dir = workdir / f"{name}-seed{seed}"
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -487,6 +527,10 @@ def main(argv=None) -> int:
                     result["step0_differences"] += [f"{name} seed {job['seed']}: {d}"
                                                     for d in differences[:5]]
         summary = summarise(per_seed, conditions[name]["variants"], preset["window"])
+        if alias:
+            summary["variants"]["on_default"] = dict(summary["variants"][alias], same_as=alias)
+            if alias in summary["gaps"]:
+                summary["gaps"]["on_default"] = dict(summary["gaps"][alias], same_as=alias)
         summary["iters"] = conditions[name]["iters"]
         summary["seconds_per_run"] = statistics.fmean(
             r[v]["seconds"] for r in per_seed.values() for v in conditions[name]["variants"])

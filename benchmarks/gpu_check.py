@@ -160,18 +160,18 @@ STEPS = [
     # -------------------------------------------- stage 4: does the gate train as well as none?
     # bench_convergence.py's gpu preset (issue 45): every variant from the same weights and data,
     # loss per window and the paired gap to the ungated run; its PNG comes back beside the JSON.
-    *[Step(f"convergence-{name}", 4, f"bench_convergence.py --preset gpu: {what}; gate off / on "
-           "(default init) / on (reference init) / held open from identical weights, windowed "
-           "losses and the gap to the ungated run",
+    *[Step(f"convergence-{name}", stage, f"bench_convergence.py --preset gpu: {what}; gate off / on "
+           "(default = reference init) / on (the surgery init) / held open from identical "
+           "weights, windowed losses and the gap to the ungated run",
            ["{py}", "benchmarks/bench_convergence.py", "--preset", "gpu", "--conditions",
             conditions, "--seeds", str(seeds), "--workdir", f"{{work}}/convergence-{name}",
             "--json", f"{{work}}/convergence-{name}.json",
             "--png", f"{{out}}/convergence-{name}.png"],
            timeout_s=timeout_s, script="benchmarks/bench_convergence.py", figures="bench_json",
            json_name=f"convergence-{name}.json")
-      for name, conditions, seeds, timeout_s, what in (
-          ("1b", "1b-15,1b-100", 1, 330, "1B x 15 steps and x 100 (off / on)"),
-          ("125m", "125m-300", 2, 200, "125M x 300 steps, 2 seeds"))],
+      for name, stage, conditions, seeds, timeout_s, what in (
+          ("1b", 4, "1b-15,1b-100", 1, 500, "1B x 15 steps and x 100 (off / default / surgery)"),
+          ("125m", 5, "125m-300", 2, 300, "125M x 300 steps, 2 seeds"))],
 ]
 STAGES = sorted({s.stage for s in STEPS})
 

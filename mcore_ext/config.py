@@ -25,9 +25,10 @@ class GatedTransformerConfig(TransformerConfig):
     before ``linear_proj``. With it off, this config behaves exactly like ``TransformerConfig``.
 
     ``head_wise_attn_gate`` has the name and meaning of upstream Megatron-LM dev's field. The two
-    init fields exist only here (upstream's init surgery, PR #4848, was not merged); dev's gates
-    start near sigmoid(0) = 0.5: ``head_wise_attn_gate_init_weight_scale=1.0`` and
-    ``head_wise_attn_gate_init_bias=0.0`` give the same init distribution.
+    init fields exist only here (upstream's init surgery, PR #4848, was not merged); by default
+    the gates start as dev's and every released implementation's do, drawn like any QKV row with
+    bias 0 (near sigmoid(0) = 0.5): measured to train as well as no gate or better, where the
+    surgery's start (weight rows x 0.1, bias 2) trailed (docs/gate-training.md).
 
     The Step-3.5 fields (``layer_types`` and the ``sliding_*`` values, per-kind RoPE,
     ``swiglu_limits``, ``attention_kernel``) give layers of two kinds in one model, with Hugging
@@ -37,13 +38,14 @@ class GatedTransformerConfig(TransformerConfig):
     head_wise_attn_gate: bool = False
     """Gate each attention head's output with one learned sigmoid scalar (fused into linear_qkv)."""
 
-    head_wise_attn_gate_init_weight_scale: float = 0.1
-    """Gate weight rows are scaled by this after init, so gate logits start small (not in
-    upstream dev, which keeps the init of linear_qkv: 1.0 here)."""
+    head_wise_attn_gate_init_weight_scale: float = 1.0
+    """Gate weight rows, drawn like linear_qkv's other rows, are scaled by this (1.0: as upstream
+    dev and every released gate start; the original surgery's 0.1 trailed the ungated run at
+    the 1B's step size in bench_convergence, docs/gate-training.md)."""
 
-    head_wise_attn_gate_init_bias: float = 2.0
-    """Gate bias rows start at this value (sigmoid(2.0) ~ 0.88; not in upstream dev, whose gate
-    biases start at 0: 0.0 here). Needs a linear_qkv bias (add_qkv_bias or add_bias_linear):
+    head_wise_attn_gate_init_bias: float = 0.0
+    """Gate bias rows start at this value (0.0: sigmoid ~ 0.5, as upstream dev; the original
+    surgery's 2.0, sigmoid ~ 0.88, trailed: docs/gate-training.md). Needs a linear_qkv bias (add_qkv_bias or add_bias_linear):
     without one there are no bias rows, the value is kept but has no effect
     (``effective_head_wise_attn_gate_init_bias`` is then 0.0, gates start near sigmoid(0) = 0.5)
     and building the attention warns once."""

@@ -52,13 +52,14 @@ class ModelConfig:
     head_wise_attn_gate: bool = False
     """Gate each attention head's output with a learned sigmoid scalar (Step-3.5 g_proj)."""
 
-    head_wise_attn_gate_init_weight_scale: float = 0.1
-    """Gate weight rows are scaled by this after init."""
+    head_wise_attn_gate_init_weight_scale: float = 1.0
+    """Gate weight rows (drawn like the QKV rows) are scaled by this: 1.0 starts the gate as every
+    released implementation does (docs/gate-training.md: why, measured)."""
 
-    head_wise_attn_gate_init_bias: float = 2.0
-    """Initial gate bias, sigmoid(2) ~ 0.88. Needs add_qkv_bias: without it the value has no
-    effect (gates start near sigmoid(0) = 0.5) and the model build warns, as GatedTransformerConfig
-    defines (effective_head_wise_attn_gate_init_bias)."""
+    head_wise_attn_gate_init_bias: float = 0.0
+    """Initial gate bias (0: sigmoid ~ 0.5). Needs add_qkv_bias: without it a value other than 0
+    has no effect and the model build warns, as GatedTransformerConfig defines
+    (effective_head_wise_attn_gate_init_bias)."""
 
     add_qkv_bias: bool = False
     """Bias on linear_qkv (and so on the gate rows)."""

@@ -239,10 +239,13 @@ def _init_statistics(tp, use_cpu_initialization):
     from mcore_ext.attention import gated
 
     mcore_ext.init_parallel(tensor_model_parallel_size=tp)
+    # The surgery knobs (the original head-wise gate's start; the default is the released
+    # gates' start, weight scale 1 and bias 0: test_gate_rows_leave_every_shared_weight...).
+    surgery = dict(head_wise_attn_gate_init_weight_scale=0.1, head_wise_attn_gate_init_bias=2.0)
     config = builders.gated_config(hidden_size=256, num_attention_heads=8, num_query_groups=4,
                                    add_qkv_bias=True, init_method_std=0.02,
                                    tensor_model_parallel_size=tp,
-                                   use_cpu_initialization=use_cpu_initialization)
+                                   use_cpu_initialization=use_cpu_initialization, **surgery)
     attn = builders.build_self_attention(config)
     weight, bias = attn.linear_qkv.weight.detach(), attn.linear_qkv.bias.detach()
     qkv_rows = attn.qkv_rows_per_partition
@@ -264,7 +267,8 @@ def _init_statistics(tp, use_cpu_initialization):
         warnings.simplefilter("always")
         for _ in range(2):
             builders.build_self_attention(builders.gated_config(
-                hidden_size=256, num_attention_heads=8, tensor_model_parallel_size=tp))
+                hidden_size=256, num_attention_heads=8, tensor_model_parallel_size=tp,
+                **surgery))
     bias_warnings = [str(w.message) for w in caught if "gates start near sigmoid(0)" in str(w.message)]
     return dict(
         rows=weight.shape[0], qkv_rows=qkv_rows, cols=weight.shape[1],
@@ -310,7 +314,8 @@ def _model_weights(tp, gate, use_cpu_initialization, **fields):
             if name.endswith("weight"):
                 gate_rows.append(tensor[rows:])
             else:  # the gate's bias rows: the configured value
-                assert torch.equal(tensor[rows:], torch.full_like(tensor[rows:], 2.0)), name
+                assert torch.equal(tensor[rows:], torch.full_like(
+                    tensor[rows:], config.head_wise_attn_gate_init_bias)), name
             tensor = tensor[:rows]
         weights[name] = tensor
     return weights, [_gather_tp_rows(g) for g in gate_rows]

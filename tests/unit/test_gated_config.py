@@ -15,7 +15,8 @@ def test_flag_off_by_default_and_adds_no_rows():
     config = GatedTransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=8)
     assert config.head_wise_attn_gate is False
     assert config.head_wise_gate_rows == 0
-    assert (config.head_wise_attn_gate_init_weight_scale, config.head_wise_attn_gate_init_bias) == (0.1, 2.0)
+    # The released gates' start (docs/gate-training.md): rows drawn like QKV rows, bias 0.
+    assert (config.head_wise_attn_gate_init_weight_scale, config.head_wise_attn_gate_init_bias) == (1.0, 0.0)
 
 
 def test_flag_off_accepts_what_the_gate_rejects():
@@ -37,17 +38,19 @@ def test_linear_qkv_row_counts():
 @pytest.mark.parametrize(
     "fields, effective",
     [
-        (dict(add_qkv_bias=True), 2.0),
-        (dict(add_bias_linear=True), 2.0),
+        (dict(add_qkv_bias=True, head_wise_attn_gate_init_bias=2.0), 2.0),
+        (dict(add_bias_linear=True, head_wise_attn_gate_init_bias=2.0), 2.0),
         (dict(add_qkv_bias=True, head_wise_attn_gate_init_bias=-1.5), -1.5),
-        (dict(add_qkv_bias=False, add_bias_linear=False), 0.0),  # no bias rows to fill
-        (dict(add_qkv_bias=True, head_wise_attn_gate=False), 0.0),  # no gate rows
+        (dict(add_qkv_bias=False, add_bias_linear=False, head_wise_attn_gate_init_bias=2.0),
+         0.0),  # no bias rows to fill
+        (dict(add_qkv_bias=True, head_wise_attn_gate=False, head_wise_attn_gate_init_bias=2.0),
+         0.0),  # no gate rows
     ],
 )
 def test_effective_init_bias_needs_a_linear_qkv_bias(fields, effective):
     config = make(**fields)
     assert config.effective_head_wise_attn_gate_init_bias == effective
-    assert config.head_wise_attn_gate_init_bias == fields.get("head_wise_attn_gate_init_bias", 2.0)
+    assert config.head_wise_attn_gate_init_bias == fields["head_wise_attn_gate_init_bias"]
 
 
 def test_output_gate_is_mutually_exclusive():

@@ -258,7 +258,8 @@ def test_gate_init_bias_without_qkv_bias_is_kept_not_rewritten(tmp_path):
     from mcore_ext.run_config.megatron_configs import transformer_config
 
     cfg = load_config(write(tmp_path, MOCK),
-                      ["model.head_wise_attn_gate=true", "model.add_qkv_bias=false"], world_size=1)
+                      ["model.head_wise_attn_gate=true", "model.add_qkv_bias=false",
+                       "model.head_wise_attn_gate_init_bias=2.0"], world_size=1)
     assert cfg.model.head_wise_attn_gate_init_bias == 2.0
     assert "head_wise_attn_gate_init_bias: 2.0" in cfg.to_yaml()
     config = transformer_config(cfg)
