@@ -70,6 +70,9 @@ BENCHMARK = ("a benchmark (minutes of CPU, or a GPU's shapes): its method and me
              "in benchmarks/README.md")
 
 DECISIONS = {
+    "python benchmarks/bench_convergence.py --preset cpu --seeds 3 --json out.json --png out.png":
+        Covered("tests/functional/test_convergence_bench.py::"
+                "test_convergence_benchmark_runs_variants_from_identical_weights"),
     # README: the two commands and the venv
     "bash scripts/pretrain.sh": Run(
         tiny="RUN_DIR={tmp}/run bash scripts/pretrain.sh training.train_iters=2 "
