@@ -16,8 +16,14 @@ A distributed checkpoint holds two kinds of pickle besides its tensors (which to
   ``torch.serialization.add_safe_globals`` (``megatron.core.safe_globals``: ``argparse.Namespace``,
   numpy's arrays and dtypes, its enums), registered here too where the release does not.
 
-``install()`` (run when ``mcore_ext.checkpoint`` is imported, so by every entry point) puts both
-in place. Anything else is refused, naming the file and the type, before any of the pickle runs
+- a legacy ``common.pt``, which megatron's ``load_common_state_dict`` prefers whenever one is in
+  the folder (its ``load_common``: ``torch.load`` with torch's defaults, plain pickle under
+  ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1``): read by ``load_file``, the byte objects' read
+  (``_mcore_compat.guard_checkpoint_loads`` puts it in megatron's place).
+
+``weights_only=True`` is passed explicitly, which torch's environment does not override.
+``install()`` (run when ``mcore_ext.checkpoint`` is imported, so by every entry point) puts the
+first two in place. Anything else is refused, naming the file and the type, before any of the pickle runs
 (the unpickler refuses the type before it would call it): ``PickleRefused`` inside torch's and
 megatron's code, ``CheckpointUnsafeError`` where an entry point wraps its loads in ``refusals()``.
 
