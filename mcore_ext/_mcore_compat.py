@@ -788,3 +788,45 @@ def has_muon() -> bool:
         return False
     return emerging_optimizers.HAVE_EMERGING_OPTIMIZERS and "muon" in getattr(
         emerging_optimizers, "_EMERGING_OPTIMIZERS", {})
+
+
+# ------------------------------------------- 15. what megatron's dist_checkpointing loads read
+#
+# Every load of dist_checkpointing (load, load_common_state_dict, load_tensors_metadata,
+# load_sharded_metadata, ...) starts with its module's verify_checkpoint(dir); a checkpoint with a
+# legacy common.pt has its common state read by strategies.common.load_common, torch.load with
+# torch's defaults (plain pickle under TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1). Both are looked up as
+# globals of serialization.py at call time, on every release that has them (0.16 - 0.19).
+
+
+def guard_checkpoint_loads(check, read_common) -> None:
+    """Make every dist_checkpointing load call ``check(directory)`` after megatron's own check
+    of the directory, and read a ``common.pt`` with ``read_common(path)`` instead of
+    ``torch.load``, whoever loads (the launcher, hf export, megatron.training, Megatron-Bridge).
+    Idempotent."""
+    import os
+
+    from megatron.core.dist_checkpointing import serialization
+    from megatron.core.dist_checkpointing.strategies import common
+
+    megatron_check = getattr(serialization, "verify_checkpoint", None)
+    if megatron_check is None or getattr(megatron_check, "_mcore_ext", False):
+        return
+
+    def verify_checkpoint(checkpoint_dir):
+        megatron_check(checkpoint_dir)
+        check(str(checkpoint_dir))
+
+    megatron_load_common = common.load_common
+
+    def load_common(checkpoint_dir):
+        path = os.path.join(str(checkpoint_dir), common.COMMON_STATE_FNAME)
+        if not os.path.isfile(path):
+            return megatron_load_common(checkpoint_dir)  # its error, naming what is there
+        return read_common(path)
+
+    verify_checkpoint._mcore_ext = load_common._mcore_ext = True
+    serialization.verify_checkpoint = verify_checkpoint
+    common.load_common = load_common
+    if hasattr(serialization, "load_common"):
+        serialization.load_common = load_common

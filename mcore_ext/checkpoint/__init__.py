@@ -33,8 +33,13 @@ from mcore_ext.checkpoint.errors import (
 from mcore_ext.checkpoint import safe_pickle
 from mcore_ext.checkpoint.sharding import GATE_SUFFIX, QKV_SUFFIX, QkvGateFactory, qkv_gate_factory
 
-# Every pickle a checkpoint load reads is restricted (safe_pickle), whichever entry point loads.
+from mcore_ext.checkpoint import manifest
+
+# Every pickle a checkpoint load reads is restricted (safe_pickle), and every megatron load of a
+# directory is checked against its manifest first (with a key: signed, nothing unlisted),
+# whichever entry point loads.
 safe_pickle.install()
+_mcore_compat.guard_checkpoint_loads(manifest.check_before_read, safe_pickle.load_file)
 
 __all__ = [
     "CheckpointCorruptError",

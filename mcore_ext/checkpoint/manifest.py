@@ -8,11 +8,20 @@ them (they are still in the page cache): megatron's torch_dist writer names a ra
 ``__<global rank>_<n>.distcp``; rank 0 takes the shared ones (``.metadata``, ``metadata.json``).
 Rank 0 gathers the entries and writes the manifest inside the ``.saving.`` directory before that
 is renamed into place (``saving.publish``), so no published checkpoint lacks it and no rank reads
-another rank's files. What megatron wrote is covered; the launcher's ``config.yaml`` and
-``hf_config.json`` beside it are not: they are for people to read, and edit. Verification splits
-the files over the ranks (round robin) and gathers the findings, so every file is read once
-whatever the world size; a rank's data file in the folder that the manifest does not list fails
-it too (a save published without that rank's entries).
+another rank's files. Every file of the folder is listed: what megatron wrote, and what rank 0
+adds (``EDITABLE``: the launcher's ``config.yaml``, ``hf import``'s ``hf_config.json``, from which
+a load or an export builds its model; ``hf import``'s ``tokenizer/``). Verification splits the
+files over the ranks (round robin) and gathers the findings, so every file is read once whatever
+the world size; a rank's data file in the folder that the manifest does not list fails it too (a
+save published without that rank's entries).
+
+Without a key the ``EDITABLE`` files are for people to read and edit: recorded, never checked.
+With a key (``signing``) they are signed like the rest, and every file in the folder must be
+listed: anything added (a ``common.pt``, which megatron's ``load_common_state_dict`` reads in
+preference to the common state the save wrote) refuses the load, naming it. Every megatron load
+of a directory passes ``check_before_read`` first (``_mcore_compat.guard_checkpoint_loads``), so
+no load path (the launcher's, ``hf export``'s, the Megatron-LM entry's, a Megatron-Bridge
+process's) reads a checkpoint that does not verify with the key.
 
 CRC32 (zlib, about 3 GB/s per core) catches every single-bit flip and every burst of up to 32
 bits, other random damage but for a 2^-32 chance; sizes catch truncation first. It is no defence
@@ -21,25 +30,38 @@ manifest) is. Checkpoints without a manifest (saved before it existed, or by
 Megatron-LM) load unverified.
 """
 
+import contextlib
+import contextvars
 import hashlib
 import json
 import os
 import re
+import sys
 import zlib
 
 import torch.distributed as dist
 
 from mcore_ext.checkpoint import signing
 from mcore_ext.checkpoint.directory import Checkpoint, iteration_dir, iterations_in
+from mcore_ext.checkpoint.errors import CheckpointCorruptError
 
 MANIFEST = "mcore_ext_manifest.json"
+# What rank 0 writes beside megatron's files for people to read, and edit where no key is set.
+EDITABLE = ("config.yaml", "hf_config.json")
+# megatron's legacy common state, which its load_common_state_dict prefers when present.
+COMMON_PT = "common.pt"
 _RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp")
 _CHUNK = 16 * 2**20
+# (real path, key, manifest's stat) of the directories that verified in full in this process:
+# megatron's loads of them after an entry point's (collective) verification read nothing twice.
+_verified: set = set()
+_warned: set = set()
+_deferred = contextvars.ContextVar("mcore_ext_manifest_deferred", default=False)
 
 
-def files_of_rank(directory: str, rank: int) -> list[str]:
+def files_of_rank(directory: str, rank: int | None) -> list[str]:
     """The files of ``directory`` (relative paths) that ``rank`` wrote: its ``__<rank>_*.distcp``,
-    and on rank 0 every file no rank's name claims."""
+    and on rank 0 every file no rank's name claims; ``rank=None``: every file."""
     mine = []
     for parent, _, names in os.walk(directory):
         for name in names:
@@ -47,7 +69,7 @@ def files_of_rank(directory: str, rank: int) -> list[str]:
             if relative == MANIFEST:
                 continue
             owner = _RANK_FILE.search(name)
-            if (int(owner.group(1)) if owner else 0) == rank:
+            if rank is None or (int(owner.group(1)) if owner else 0) == rank:
                 mine.append(relative)
     return sorted(mine)
 
@@ -85,13 +107,22 @@ def _read_document(directory: str) -> dict | None:
     if not os.path.exists(path):
         return None
     with open(path) as f:
-        return json.load(f)
+        document = json.load(f)
+    for name, entry in document["files"].items():  # what verify reads of each entry
+        if not (isinstance(entry, dict) and isinstance(entry.get("size"), int)
+                and isinstance(entry.get("crc32"), str)):
+            raise ValueError(f"the entry of {name!r} is not a size and a CRC32")
+    return document
 
 
 def verify(directory: str, entries: dict) -> list[tuple[str, str]]:
-    """What differs from ``entries`` ({name: entry}): (name, problem) pairs."""
+    """What differs from ``entries`` ({name: entry}): (name, problem) pairs. Without a key the
+    ``EDITABLE`` files are not compared (people edit them)."""
     problems = []
+    signed = signing.key() is not None
     for name, entry in sorted(entries.items()):
+        if name in EDITABLE and not signed:
+            continue
         path = os.path.join(directory, name)
         if not os.path.isfile(path):
             problems.append((name, "missing"))
@@ -105,7 +136,7 @@ def verify(directory: str, entries: dict) -> list[tuple[str, str]]:
             _, crc, sha = _checksum(path, "sha256" in entry)
             if f"{crc:08x}" != entry["crc32"]:
                 problems.append((name, "checksum mismatch (its CRC32 is not the one recorded)"))
-            elif sha is not None and sha != entry["sha256"]:
+            elif sha is not None and sha != entry.get("sha256"):
                 problems.append((name, "digest mismatch (its SHA-256 is not the one signed)"))
     return problems
 
@@ -131,22 +162,114 @@ def verify_checkpoint(directory: str, collective: bool = True) -> list[tuple[str
         return [(MANIFEST, unsigned)]
     if entries is None:
         return None
-    unlisted = unlisted_rank_files(directory, entries)
+    stamp = _stamp(directory)
+    unlisted = unlisted_files(directory, entries)
     if not (collective and dist.is_initialized()):
-        return sorted(verify(directory, entries) + unlisted)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    names = sorted(entries)[rank::world]
-    found = [None] * world
-    dist.all_gather_object(found, verify(directory, {n: entries[n] for n in names}))
-    return sorted([problem for problems in found for problem in problems] + unlisted)
+        problems = sorted(verify(directory, entries) + unlisted)
+    else:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        names = sorted(entries)[rank::world]
+        found = [None] * world
+        dist.all_gather_object(found, verify(directory, {n: entries[n] for n in names}))
+        problems = sorted([problem for problems in found for problem in problems] + unlisted)
+    if not problems:
+        _verified.add(stamp)
+    return problems
 
 
-def unlisted_rank_files(directory: str, entries: dict) -> list[tuple[str, str]]:
-    """The ranks' data files (``__<rank>_<n>.distcp``) in ``directory`` that ``entries`` does
-    not list, as problems: a save published without a rank's entries is not intact."""
+def unlisted_files(directory: str, entries: dict) -> list[tuple[str, str]]:
+    """The files in ``directory`` that ``entries`` does not list, as problems: with a signing
+    key every one (nothing the signed save did not write is read), without one the ranks' data
+    files (``__<rank>_<n>.distcp``: a save published without a rank's entries is not intact)."""
+    signed = signing.key() is not None
     return [(name, "not in the manifest (the save did not record it)")
-            for name in sorted(os.listdir(directory))
-            if _RANK_FILE.fullmatch(name) and name not in entries]
+            for name in files_of_rank(directory, None)
+            if name not in entries and (signed or _RANK_FILE.fullmatch(name))]
+
+
+def read_file(directory: str, name: str) -> bytes:
+    """The file ``name`` of the checkpoint ``directory``, for building a model from it
+    (config.yaml, hf_config.json). With a signing key only as signed: the manifest's signature
+    verifies and lists the file with this SHA-256, else CheckpointCorruptError naming it (a
+    checkpoint up a ``checkpoint.load`` chain is checked so without hashing all its files)."""
+    path = os.path.join(directory, name)
+    with open(path, "rb") as f:
+        data = f.read()
+    if signing.key() is None:
+        return data
+    try:
+        document = _read_document(directory)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        document, why = None, f"{MANIFEST} unreadable ({type(err).__name__}: {err})"
+    else:
+        unsigned = signing.problem(document)
+        entry = None if unsigned else document["files"].get(name)
+        why = (f"{MANIFEST} {unsigned}" if unsigned else
+               f"{name} not in the manifest (the save did not record it)" if entry is None else
+               f"{name} digest mismatch (its SHA-256 is not the one signed)"
+               if hashlib.sha256(data).hexdigest() != entry["sha256"] else None)
+    if why is not None:
+        raise CheckpointCorruptError(f"checkpoint {directory} is corrupt: {why}")
+    return data
+
+
+@contextlib.contextmanager
+def deferred():
+    """megatron's reads in the block skip ``check_before_read``: for a look at a checkpoint that
+    decides nothing the load after it does not verify first (the launcher's choice of model
+    class from the checkpoint it is about to verify, on every rank, before any process group)."""
+    token = _deferred.set(True)
+    try:
+        yield
+    finally:
+        _deferred.reset(token)
+
+
+def check_before_read(directory: str) -> None:
+    """What every megatron load of ``directory`` passes first (``_mcore_compat``): with a signing
+    key, the checkpoint verifies in full (once per process: an entry point's collective
+    verification counts), else CheckpointCorruptError naming the file; without one, a
+    ``common.pt`` that its manifest does not list (which megatron would read instead of the
+    common state the save wrote) is named once, on stderr, by the first rank."""
+    if _deferred.get():
+        return
+    if signing.key() is None:
+        _warn_unlisted_common(directory)
+        return
+    if _stamp(directory) in _verified:
+        return
+    problems = verify_checkpoint(directory, collective=False)
+    if problems:
+        raise CheckpointCorruptError(f"checkpoint {directory} is corrupt: {summary(problems)}")
+
+
+def _warn_unlisted_common(directory: str) -> None:
+    real = os.path.realpath(directory)
+    if real in _warned or not os.path.isfile(os.path.join(directory, COMMON_PT)):
+        return
+    try:
+        entries = read(directory)
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # verification says what is wrong with the manifest
+    if entries is None or COMMON_PT in entries:
+        return  # Megatron-LM's own, or one a save wrote (older megatron-core releases)
+    _warned.add(real)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"warning: checkpoint {directory} holds a {COMMON_PT} that is not in its manifest "
+              "(its save did not write it): megatron reads the common state (iteration, "
+              "schedule, data position) from it instead of the one saved; set "
+              f"{signing.KEY_ENV} to refuse such a checkpoint", file=sys.stderr, flush=True)
+
+
+def _stamp(directory: str) -> tuple:
+    """What identifies one verification of ``directory``: its real path, the key, and its
+    manifest's inode and modification time (a directory replaced by a new save verifies anew)."""
+    try:
+        stat = os.stat(os.path.join(directory, MANIFEST))
+        manifest_id = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
+    except OSError:
+        manifest_id = None
+    return os.path.realpath(directory), signing.key(), manifest_id
 
 
 def newest_verified(root: str, before: int):

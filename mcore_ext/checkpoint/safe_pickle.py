@@ -16,8 +16,14 @@ A distributed checkpoint holds two kinds of pickle besides its tensors (which to
   ``torch.serialization.add_safe_globals`` (``megatron.core.safe_globals``: ``argparse.Namespace``,
   numpy's arrays and dtypes, its enums), registered here too where the release does not.
 
-``install()`` (run when ``mcore_ext.checkpoint`` is imported, so by every entry point) puts both
-in place. Anything else is refused, naming the file and the type, before any of the pickle runs
+- a legacy ``common.pt``, which megatron's ``load_common_state_dict`` prefers whenever one is in
+  the folder (its ``load_common``: ``torch.load`` with torch's defaults, plain pickle under
+  ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1``): read by ``load_file``, the byte objects' read
+  (``_mcore_compat.guard_checkpoint_loads`` puts it in megatron's place).
+
+``weights_only=True`` is passed explicitly, which torch's environment does not override.
+``install()`` (run when ``mcore_ext.checkpoint`` is imported, so by every entry point) puts the
+first two in place. Anything else is refused, naming the file and the type, before any of the pickle runs
 (the unpickler refuses the type before it would call it): ``PickleRefused`` inside torch's and
 megatron's code, ``CheckpointUnsafeError`` where an entry point wraps its loads in ``refusals()``.
 
@@ -96,13 +102,14 @@ def unpickle_metadata(stream, path: str):
             f"{' '.join(str(err).split())})") from None
 
 
-def load_object(value: io.BytesIO, path: str):
+def load_object(value: io.BytesIO, path: str, map_location=None):
     """A byte object of a checkpoint (``torch.save`` d), read from the file ``path``:
-    ``torch.load(weights_only=True)`` with megatron's safe globals, unless trusted."""
+    ``torch.load(weights_only=True)`` with megatron's safe globals, unless trusted. Said
+    explicitly, which torch's ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` does not override."""
     if _trusted(path):
-        return torch.load(value, weights_only=False)
+        return torch.load(value, weights_only=False, map_location=map_location)
     try:
-        return torch.load(value, weights_only=True)
+        return torch.load(value, weights_only=True, map_location=map_location)
     except pickle.UnpicklingError as err:
         # torch names the global it refused: "Unsupported global: GLOBAL posix.system was not ..."
         # (builtins without their module).
@@ -110,6 +117,13 @@ def load_object(value: io.BytesIO, path: str):
         what = found.group(1) if found else f"object torch refuses ({str(err).splitlines()[0]})"
         what = what if not found or "." in what else f"builtins.{what}"
         raise PickleRefused(_refusal(path, what)) from None
+
+
+def load_file(path: str):
+    """A pickle file of a checkpoint (megatron's legacy ``common.pt``), read as ``load_object``
+    reads a byte object, onto the CPU as megatron's ``load_common`` reads it."""
+    with open(path, "rb") as f:
+        return load_object(io.BytesIO(f.read()), path, map_location="cpu")
 
 
 def _refusal(path: str, what: str) -> str:
@@ -220,14 +234,18 @@ def _register_megatron_safe_globals() -> None:
 
 
 def check_objects(directory: str) -> int:
-    """Read every pickle of the checkpoint ``directory`` (its ``.metadata`` and every byte
-    object) the restricted way, as a load would, and drop them: the number of objects read.
+    """Read every pickle of the checkpoint ``directory`` (its ``.metadata``, a legacy
+    ``common.pt`` and every byte object) the restricted way, as a load would, and drop them: the number of objects read.
     ``PickleRefused`` on the first that holds another type (nothing of it runs)."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     metadata = FileSystemReader(directory).read_metadata()
     count = 0
+    legacy = os.path.join(directory, "common.pt")  # megatron reads it before the common state
+    if os.path.isfile(legacy):
+        load_file(legacy)
+        count += 1
     for index, info in sorted(metadata.storage_data.items(),
                               key=lambda item: (item[1].relative_path, item[1].offset)):
         if not isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):

@@ -46,19 +46,20 @@ def begin(directory: str) -> str:
 
 def publish(partial: str, directory: str, *, files: dict | None = None, root: str | None = None,
             iteration=None) -> None:
-    """Collective, once every rank has written into ``partial``: every rank checksums its own
-    files; rank 0 writes the manifest and ``files`` ({name: text}: config.yaml and the like,
-    meant to be read and edited by people, so not in the manifest), renames ``partial`` to
-    ``directory`` and, with ``root``, writes ``iteration`` to its tracker.
+    """Collective, once every rank has written into ``partial``: rank 0 writes ``files``
+    ({name: text}: config.yaml and the like, from which a load builds its model; in the
+    manifest, signed with a key, edited freely without one: ``manifest.EDITABLE``), every rank
+    checksums its own files, rank 0 writes the manifest, renames ``partial`` to ``directory``
+    and, with ``root``, writes ``iteration`` to its tracker.
     CheckpointSaveError on every rank if any step fails on any rank: the ranks agree on it
     before anything is renamed, so a manifest never lacks a rank's files."""
     failure, entries = None, {}
     try:
-        entries = manifest.describe(partial, manifest.files_of_rank(partial, _rank()))
-        if _rank() == 0:
+        if _rank() == 0:  # first: rank 0's entries cover them
             for name, text in (files or {}).items():
                 with open(os.path.join(partial, name), "w") as f:
                     f.write(text)
+        entries = manifest.describe(partial, manifest.files_of_rank(partial, _rank()))
     except OSError as err:
         failure = err
     raise_unless_saved(failure, partial, f"publishing {directory} failed")

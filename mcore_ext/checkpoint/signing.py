@@ -65,7 +65,10 @@ def problem(document: dict | None) -> str | None:
     if recorded is None:
         return f"not signed ({KEY_ENV} is set and only a signed checkpoint loads)"
     entries = document.get("files", {})
-    if not hmac.compare_digest(recorded, signature(entries, secret)):
+    # compare_digest takes ASCII strings only: anything else in the field (a number, a
+    # non-ASCII string) is simply a signature that does not verify.
+    if not (isinstance(recorded, str) and recorded.isascii()
+            and hmac.compare_digest(recorded, signature(entries, secret))):
         return f"signature does not verify with {KEY_ENV}: tampered with, or signed with another key"
     if any("sha256" not in entry for entry in entries.values()):
         return "signed without SHA-256 digests"

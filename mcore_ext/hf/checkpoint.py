@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from mcore_ext import lora
 from mcore_ext._cpu_compat import cuda_to_cpu
 from mcore_ext.checkpoint import adapters as adapter_checkpoint
-from mcore_ext.checkpoint import manifest, safe_pickle, saving
+from mcore_ext.checkpoint import manifest, safe_pickle, saving, signing
 from mcore_ext.checkpoint.architecture import HYBRID, saved_architecture
 from mcore_ext.checkpoint.directory import (
     TRACKER,
@@ -218,15 +218,22 @@ def resolve_iteration_dir(ckpt_dir: str) -> str:
 
 def find_provenance(directory: str, cfg) -> dict | None:
     """The HF config an imported checkpoint came from: beside it, or up its ``checkpoint.load``
-    chain (a run fine-tuned from an import points there)."""
+    chain (a run fine-tuned from an import points there). With a signing key, only as signed
+    (``manifest.read_file``): one in a save directory, outside every checkpoint, is refused."""
     seen = set()
     while directory and directory not in seen:
         seen.add(directory)
-        for place in (directory, os.path.dirname(os.path.abspath(directory))):
-            path = os.path.join(place, PROVENANCE_NAME)
-            if os.path.exists(path):
-                with open(path) as f:
-                    return json.load(f)
+        if os.path.exists(os.path.join(directory, PROVENANCE_NAME)):
+            return json.loads(manifest.read_file(directory, PROVENANCE_NAME))
+        outside = os.path.join(os.path.dirname(os.path.abspath(directory)), PROVENANCE_NAME)
+        if os.path.exists(outside):
+            if signing.key() is not None:
+                raise CheckpointCorruptError(
+                    f"{outside} is outside the signed checkpoint {directory} (no signature "
+                    f"covers it, and the export would build its model from it): move it into "
+                    f"the checkpoint and sign that again, or export without {signing.KEY_ENV}")
+            with open(outside) as f:
+                return json.load(f)
         try:
             directory = resolve_iteration_dir(cfg.checkpoint.load) if cfg.checkpoint.load else None
         except FileNotFoundError:
@@ -239,8 +246,8 @@ def find_provenance(directory: str, cfg) -> dict | None:
 def _read_launcher_config(directory: str):
     from mcore_ext.run_config import PretrainConfig, build
 
-    with open(os.path.join(directory, "config.yaml")) as f:
-        return build(PretrainConfig, yaml.safe_load(f))
+    # config.yaml: the model to build, LoRA's rank and alpha (the merge's scale); signed with a key
+    return build(PretrainConfig, yaml.safe_load(manifest.read_file(directory, "config.yaml")))
 
 
 @safe_pickle.refusals()  # a pickle that would run code: CheckpointUnsafeError, one line

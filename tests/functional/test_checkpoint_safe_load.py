@@ -86,11 +86,30 @@ def _in_args(value, marker):  # the common state (a one-item list): its Megatron
     return value
 
 
+def write_common_pt(directory, change=None):
+    """Write the checkpoint's own common state back as a legacy ``common.pt`` beside it (which
+    megatron's ``load_common_state_dict`` prefers), ``change``d; the manifest is left alone."""
+    from megatron.core import dist_checkpointing
+
+    common = dist_checkpointing.load_common_state_dict(str(directory))
+    torch.save(change(common) if change else common, os.path.join(directory, "common.pt"))
+
+
+def _payload_in_args(common, marker):
+    common["args"] = Payload(marker, common["args"])
+    return common
+
+
 CRAFTS = {
     "metadata": lambda d, m: craft_metadata(d, m),
     "common_args": lambda d, m: craft_object(d, "common_state/shard_0_1", m, _in_args),
     "sharded_object": lambda d, m: craft_object(d, SHARDED_OBJECT, m, Payload),
+    # A legacy common.pt added (megatron's load_common: torch.load with torch's defaults).
+    "common_pt": lambda d, m: write_common_pt(d, lambda c: _payload_in_args(c, m)),
 }
+# torch's documented switch back to plain pickle for torch.load calls that do not say
+# weights_only: set for every crafted load below, which must be refused all the same.
+NO_WEIGHTS_ONLY = "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"
 
 
 def _train(base, *overrides):
@@ -144,10 +163,12 @@ def _check_refused(results, directory, marker, name):
 
 
 @pytest.mark.parametrize("name", list(CRAFTS))
-def test_inspect_verify_refuses_a_crafted_checkpoint(crafted, name):
+def test_inspect_verify_refuses_a_crafted_checkpoint(crafted, name, monkeypatch):
     save, marker = crafted[name]
+    monkeypatch.setenv(NO_WEIGHTS_ONLY, "1")
     code, out, err = _inspect(save)
-    (line,) = err.splitlines()
+    *warnings, line = err.splitlines()
+    assert all(w.startswith("warning: checkpoint ") for w in warnings), err  # common.pt named
     assert code == 2 and line.startswith(f"error: checkpoint file {save}/iter_0000002/"), err
     assert f"holds a pickled {PAYLOAD_TYPE}" in line, line
     assert "verified: all" in out  # the CRC32 manifest matches: it is no defence against this
@@ -185,10 +206,18 @@ def _launch_crafted(world_dirs, ft_root):
     """Per crafted save directory: the fine-tune and the resume launch, on this rank."""
     import torch.distributed as dist
 
+    os.environ[NO_WEIGHTS_ONLY] = "1"
+    try:
+        return _launch_each(world_dirs, ft_root, dist.get_world_size())
+    finally:
+        del os.environ[NO_WEIGHTS_ONLY]
+
+
+def _launch_each(world_dirs, ft_root, world):
     out = {}
     for name, save in world_dirs.items():  # saved at TP 2: at 1 rank the load reshards
         common = [*TINY_MOCK, "training.train_iters=3",
-                  f"parallelism.tensor_model_parallel_size={dist.get_world_size()}"]
+                  f"parallelism.tensor_model_parallel_size={world}"]
         if name == "previous":
             common.append("checkpoint.on_corrupt=previous")
         out[name, "finetune"] = launch(*common, f"checkpoint.load={save}",
@@ -301,9 +330,12 @@ def _with_key(key, fn, *args):
             os.environ[KEY] = previous
 
 
-def _resume(save, iters):
+def _resume(save, iters, *overrides):
     return launch(*TINY_MOCK, f"training.train_iters={iters}", "checkpoint.save_interval=1",
-                  f"checkpoint.save={save}", f"checkpoint.load={save}")
+                  f"checkpoint.save={save}", f"checkpoint.load={save}", *overrides)
+
+
+ONE_RANK = "parallelism.tensor_model_parallel_size=1"  # the checkpoints are TP 2: resharded
 
 
 def _flip(path):
@@ -312,16 +344,28 @@ def _flip(path):
     open(path, "wb").write(data)
 
 
+SIGNATURES = {"signature_number": 12345, "signature_not_ascii": "\u00e9" * 64}
+
+
 def _tamper(directory, how):
     """``flip``: a byte flipped; ``recrc``: and the manifest's CRC32 re-computed, the old
-    signature kept; ``unsigned``: re-computed and written without a signature (no key)."""
+    signature kept; ``unsigned``: re-computed and written without a signature (no key);
+    ``common_pt``: a ``common.pt`` added (``write_common_pt``: iteration 1, 123456 samples);
+    ``signature_*``: the manifest's signature replaced by one of ``SIGNATURES``."""
     import json
 
     from mcore_ext.checkpoint import manifest
 
-    _flip(directory / "__1_0.distcp")
     path = directory / manifest.MANIFEST
     document = json.loads(path.read_text())
+    if how in SIGNATURES:  # a signature that is not a hex string
+        document["hmac_sha256"] = SIGNATURES[how]
+        path.write_text(json.dumps(document))
+        return
+    if how == "common_pt":  # the issue's: its own common state, another iteration and position
+        write_common_pt(directory, lambda c: dict(c, iteration=1, consumed_samples=123456))
+        return
+    _flip(directory / "__1_0.distcp")
     if how == "recrc":
         size, crc, _ = manifest._checksum(str(directory / "__1_0.distcp"))
         document["files"]["__1_0.distcp"]["crc32"] = f"{crc:08x}"
@@ -337,7 +381,7 @@ def signed(crafted, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("signed")
     shutil.copytree(crafted["base"][0], tmp / "base")
     out = {"base": tmp / "base"}
-    for how in ("flip", "recrc", "unsigned"):
+    for how in ("flip", "recrc", "unsigned", "common_pt", *SIGNATURES):
         shutil.copytree(tmp / "base", tmp / how)
         _tamper(tmp / how / "iter_0000002", how)
         out[how] = tmp / how
@@ -373,6 +417,53 @@ def test_signed_checkpoint_tampered_is_refused_with_the_key(signed, monkeypatch,
         monkeypatch.delenv(KEY)
         code, out, _ = _inspect(signed[how])
         assert code == 0, out
+
+
+def _resume_with_and_without_key(save):
+    """The resume of ``save`` with the key, then without (stdout, stderr, code)."""
+    keyed = _with_key("k3y", _resume, save, 3, ONE_RANK)
+    keyed["saved"] = os.path.exists(os.path.join(save, "iter_0000003"))
+    return {"key": keyed, "no_key": _with_key(None, _resume, save, 3, ONE_RANK)}
+
+
+def test_a_file_the_signed_manifest_does_not_list_refuses_every_load(run_distributed, signed,
+                                                                     tmp_path, monkeypatch):
+    """Issue 44.1: a ``common.pt`` added to a signed checkpoint (megatron prefers it to the common
+    state the save wrote) is refused with the key by ``inspect --verify`` and the launcher's
+    resume, naming it, before anything is read; without the key the resume is told about it."""
+    directory = signed["common_pt"] / "iter_0000002"
+    monkeypatch.setenv(KEY, "k3y")
+    code, out, _ = _inspect(signed["common_pt"])
+    assert code == 1 and f"CORRUPT: {directory}/common.pt: not in the manifest" in out, out
+    monkeypatch.delenv(KEY)
+    shutil.copytree(signed["common_pt"], tmp_path / "copy")
+    (result,) = run_distributed(_resume_with_and_without_key, tmp_path / "copy", world_size=1)
+    keyed = result["key"]
+    assert keyed["code"] == 2, keyed
+    (line,) = keyed["stderr"].splitlines()
+    assert line.startswith(f"error: checkpoint {tmp_path / 'copy' / 'iter_0000002'} is corrupt: "
+                           "common.pt not in the manifest"), line
+    assert not keyed["saved"]
+    plain = result["no_key"]  # a legacy common.pt, read restricted; named, as megatron reads it
+    warned = [w for w in plain["stderr"].splitlines() if "common.pt" in w]
+    assert len(warned) == 1 and warned[0].startswith("warning: checkpoint ") and (
+        "not in its manifest" in warned[0]), plain["stderr"]
+
+
+@pytest.mark.parametrize("how", list(SIGNATURES))
+def test_a_signature_that_is_not_a_string_of_hex_digits_does_not_verify(run_distributed, signed,
+                                                                        monkeypatch, how):
+    """Issue 44.3: ``"hmac_sha256": 12345`` or a non-ASCII string raised TypeError (a traceback)."""
+    monkeypatch.setenv(KEY, "k3y")
+    code, out, _ = _inspect(signed[how])
+    assert code == 1 and "mcore_ext_manifest.json: signature does not verify" in out, out
+    monkeypatch.delenv(KEY)
+    (result,) = run_distributed(_with_key, "k3y", _resume, signed[how], 3, ONE_RANK,
+                                world_size=1)
+    assert result["code"] == 2, result
+    (line,) = result["stderr"].splitlines()
+    assert line.startswith(f"error: checkpoint {signed[how] / 'iter_0000002'} is corrupt: "
+                           "mcore_ext_manifest.json signature does not verify"), line
 
 
 def test_launcher_with_the_key_resumes_a_signed_checkpoint_and_refuses_a_re_crc_ed_one(
@@ -427,3 +518,83 @@ def test_a_key_file_that_cannot_be_read_is_one_config_error(tmp_path):
         assert result.stderr.strip().splitlines()[-1].startswith(
             f"error: checkpoint.key_file={path}"), result.stderr
         assert what in result.stderr
+
+
+def _import_signed(hf, ckpt):
+    return _with_key("k3y", _import_hf, hf, ckpt)
+
+
+def _edit(path, key, value):
+    import json
+
+    import yaml
+
+    if path.suffix == ".json":
+        document = json.loads(path.read_text())
+        old = document[key]  # the released config: one rope_theta per layer
+        document[key] = [value] * len(old) if isinstance(old, list) else value
+        path.write_text(json.dumps(document))
+    else:
+        document = yaml.safe_load(path.read_text())
+        document["model"][key] = value
+        path.write_text(yaml.safe_dump(document))
+
+
+@pytest.fixture(scope="module")
+def signed_import(run_distributed_shared, tmp_path_factory):
+    """A signed ``hf import`` of the tiny Step-3.5 model and copies of it, each with one file
+    changed after the save: {name: (save directory, the file)}."""
+    from tests.hf import models
+
+    tmp = tmp_path_factory.mktemp("signed_import")
+    hf = models.write_released(str(tmp / "hf"))
+    run_distributed_shared(_import_signed, hf, str(tmp / "base"), world_size=1)
+    out = {"base": (tmp / "base", None)}
+    for name, file, key in (("hf_config", "hf_config.json", "rope_theta"),
+                            ("config_yaml", "config.yaml", "rotary_base"),
+                            ("added", "common.pt", None)):
+        shutil.copytree(tmp / "base", tmp / name)
+        path = tmp / name / "iter_0000000" / file
+        if key is None:
+            write_common_pt(path.parent)
+        else:
+            _edit(path, key, 777)
+        out[name] = (tmp / name, file)
+    return out
+
+
+def _export_with_key(ckpt, out):
+    return _with_key("k3y", _hf_export, ckpt, out)
+
+
+@pytest.mark.parametrize("name", ["hf_config", "config_yaml", "added"])
+def test_export_of_a_signed_checkpoint_refuses_a_changed_or_added_sidecar(
+        run_distributed, signed_import, tmp_path, monkeypatch, name):
+    """Issue 44.4 (and 44.1 for ``hf export``): what an export builds its model from (the HF
+    config, config.yaml's model section, LoRA's rank and alpha there) is signed; rope_theta or
+    rotary_base changed to 777 after the save, or a file added, is refused with the key by
+    ``inspect --verify`` and by the export, naming the file; nothing is written."""
+    ckpt, file = signed_import[name]
+    directory = ckpt / "iter_0000000"
+    problem = "not in the manifest" if name == "added" else ""  # its size or checksum
+    monkeypatch.setenv(KEY, "k3y")
+    code, out, _ = _inspect(ckpt)
+    assert code == 1 and f"CORRUPT: {directory}/{file}: {problem}" in out, out
+    monkeypatch.delenv(KEY)
+    (result,) = run_distributed(_export_with_key, ckpt, tmp_path / "out", world_size=1)
+    assert result["code"] == 2, result
+    errors = [line for line in result["stderr"].splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith(
+        f"error: checkpoint {directory} is corrupt: {file} {problem}"), result["stderr"]
+    assert "Traceback" not in result["stderr"]
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_of_a_signed_checkpoint_with_the_key_writes_the_signed_config(
+        run_distributed, signed_import, tmp_path):
+    """The unchanged signed import exports with the key (its config.yaml and hf_config.json
+    verify as signed)."""
+    (result,) = run_distributed(_export_with_key, signed_import["base"][0], tmp_path / "out",
+                                world_size=1)
+    assert result["code"] == 0, result
+    assert "777" not in (tmp_path / "out" / "config.json").read_text()

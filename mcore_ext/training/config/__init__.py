@@ -42,6 +42,7 @@ def _loaded_architecture(cfg: PretrainConfig) -> str | None:
     hybrid checkpoints beside its GPT ones). None from scratch: the schema's default, the model
     the installed megatron-core recommends, also where no checkpoint can be read (the launcher
     refuses a missing or unreadable one when it starts)."""
+    from mcore_ext.checkpoint import manifest
     from mcore_ext.checkpoint.architecture import checkpoint_architecture
     from mcore_ext.checkpoint.directory import find_start, replaced_dir
     from mcore_ext.checkpoint.errors import PickleRefused
@@ -53,6 +54,7 @@ def _loaded_architecture(cfg: PretrainConfig) -> str | None:
         directory = start.checkpoint.directory
         if not os.path.isdir(directory):  # a killed save's, put back before loading
             directory = replaced_dir(directory)
-        return checkpoint_architecture(directory)
+        with manifest.deferred():  # every rank, no process group yet: the load verifies it
+            return checkpoint_architecture(directory)
     except (Exception, PickleRefused):  # noqa: BLE001  (no, an unreadable or an unsafe
         return None  # checkpoint: the launcher's load refuses it in its own words)
