@@ -43,6 +43,7 @@ import hashlib
 import json
 import os
 import socket
+import sys
 import zipfile
 from dataclasses import dataclass
 from typing import Optional
@@ -92,6 +93,26 @@ class ChatFile:
             line += (f"; longer than seq_length {seq_length}: {self.truncated} truncated, "
                      f"{self.dropped} dropped")
         return line
+
+
+def parse_json_line(raw: bytes, where: str):
+    """The JSON value of one line of a JSONL file (None for a blank line); ``ChatDataError``
+    naming ``where`` (file:line) for a line that is not UTF-8 or not JSON, including one nested
+    deeper than Python's recursion limit (json raises RecursionError there, not ValueError)."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ChatDataError(f"{where}: not UTF-8 (byte 0x{raw[err.start]:02x} at column "
+                            f"{err.start + 1})") from None
+    if not line.strip():
+        return None
+    try:
+        return json.loads(line)
+    except ValueError as err:
+        raise ChatDataError(f"{where}: not JSON ({err})") from None
+    except RecursionError:
+        raise ChatDataError(f"{where}: not JSON that can be read (nested more deeply than "
+                            f"Python's recursion limit, {sys.getrecursionlimit()})") from None
 
 
 def messages_of(record, where: str) -> list:
@@ -164,18 +185,15 @@ def read_chat_file(path: str, hf_tokenizer, seq_length: int, loss_on: str = "ass
     first line that cannot be trained on."""
     conversations, truncated, dropped, number = [], 0, 0, 0
     try:
-        f = open(path, encoding="utf-8")
+        f = open(path, "rb")  # bytes: a line that is not UTF-8 is named by its number
     except OSError as err:
         raise ChatDataError(f"{path}: cannot be read ({err.strerror})") from None
     with f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
+        for number, raw in enumerate(f, start=1):
             where = f"{path}:{number}"
-            try:
-                record = json.loads(line)
-            except ValueError as err:
-                raise ChatDataError(f"{where}: not JSON ({err})") from None
+            record = parse_json_line(raw, where)
+            if record is None:
+                continue
             conversation = tokenize_conversation(messages_of(record, where), hf_tokenizer,
                                                  loss_on, where)
             if len(conversation.ids) - 1 > seq_length:
