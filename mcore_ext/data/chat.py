@@ -43,7 +43,6 @@ import hashlib
 import json
 import os
 import socket
-import sys
 import zipfile
 from dataclasses import dataclass
 from typing import Optional
@@ -52,6 +51,8 @@ import numpy
 
 from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig
 from megatron.core.datasets.megatron_dataset import MegatronDataset
+
+from mcore_ext.userfiles import parse_json_line
 
 ROLES = ("system", "user", "assistant", "tool")
 LOSS_ON = ("assistant", "last_turn", "all")
@@ -93,26 +94,6 @@ class ChatFile:
             line += (f"; longer than seq_length {seq_length}: {self.truncated} truncated, "
                      f"{self.dropped} dropped")
         return line
-
-
-def parse_json_line(raw: bytes, where: str):
-    """The JSON value of one line of a JSONL file (None for a blank line); ``ChatDataError``
-    naming ``where`` (file:line) for a line that is not UTF-8 or not JSON, including one nested
-    deeper than Python's recursion limit (json raises RecursionError there, not ValueError)."""
-    try:
-        line = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise ChatDataError(f"{where}: not UTF-8 (byte 0x{raw[err.start]:02x} at column "
-                            f"{err.start + 1})") from None
-    if not line.strip():
-        return None
-    try:
-        return json.loads(line)
-    except ValueError as err:
-        raise ChatDataError(f"{where}: not JSON ({err})") from None
-    except RecursionError:
-        raise ChatDataError(f"{where}: not JSON that can be read (nested more deeply than "
-                            f"Python's recursion limit, {sys.getrecursionlimit()})") from None
 
 
 def messages_of(record, where: str) -> list:
@@ -191,7 +172,7 @@ def read_chat_file(path: str, hf_tokenizer, seq_length: int, loss_on: str = "ass
     with f:
         for number, raw in enumerate(f, start=1):
             where = f"{path}:{number}"
-            record = parse_json_line(raw, where)
+            record = parse_json_line(raw, where, ChatDataError)
             if record is None:
                 continue
             conversation = tokenize_conversation(messages_of(record, where), hf_tokenizer,
