@@ -52,6 +52,8 @@ import numpy
 from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig
 from megatron.core.datasets.megatron_dataset import MegatronDataset
 
+from mcore_ext.userfiles import parse_json_line
+
 ROLES = ("system", "user", "assistant", "tool")
 LOSS_ON = ("assistant", "last_turn", "all")
 
@@ -164,18 +166,15 @@ def read_chat_file(path: str, hf_tokenizer, seq_length: int, loss_on: str = "ass
     first line that cannot be trained on."""
     conversations, truncated, dropped, number = [], 0, 0, 0
     try:
-        f = open(path, encoding="utf-8")
+        f = open(path, "rb")  # bytes: a line that is not UTF-8 is named by its number
     except OSError as err:
         raise ChatDataError(f"{path}: cannot be read ({err.strerror})") from None
     with f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
+        for number, raw in enumerate(f, start=1):
             where = f"{path}:{number}"
-            try:
-                record = json.loads(line)
-            except ValueError as err:
-                raise ChatDataError(f"{where}: not JSON ({err})") from None
+            record = parse_json_line(raw, where, ChatDataError)
+            if record is None:
+                continue
             conversation = tokenize_conversation(messages_of(record, where), hf_tokenizer,
                                                  loss_on, where)
             if len(conversation.ids) - 1 > seq_length:

@@ -22,6 +22,7 @@ import torch
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
 from mcore_ext.data.tokenizers import load_tokenizer
+from mcore_ext.userfiles import parse_json_line
 
 
 def preprocess(inputs, output_prefix: str, tokenizer: str = "byte", json_key: str = "text") -> dict:
@@ -69,16 +70,16 @@ def stdlib_sources() -> list[Path]:
 def _documents(inputs, json_key: str):
     for path in inputs:
         if str(path).endswith((".jsonl", ".json")):
-            with open(path, encoding="utf-8") as f:
-                for number, line in enumerate(f, 1):
-                    if not line.strip():
+            with open(path, "rb") as f:  # bytes: a line that is not UTF-8 is named by number
+                for number, raw in enumerate(f, 1):
+                    # ValueError naming path:number if not UTF-8, not JSON or nested too deeply
+                    record = parse_json_line(raw, f"{path}:{number}", ValueError)
+                    if record is None:
                         continue
-                    try:
-                        yield json.loads(line)[json_key]
-                    except (ValueError, KeyError, TypeError):
+                    if not isinstance(record, dict) or not isinstance(record.get(json_key), str):
                         raise ValueError(
-                            f"{path}:{number}: not a JSON object with a {json_key!r} field"
-                        ) from None
+                            f"{path}:{number}: not a JSON object with a {json_key!r} field")
+                    yield record[json_key]
         else:
             with open(path, encoding="utf-8", errors="replace") as f:
                 yield f.read()
@@ -106,7 +107,10 @@ def main(argv=None) -> int:
         return 2
     try:
         meta = preprocess(args.input, args.output_prefix, args.tokenizer, args.json_key)
-    except (ValueError, ImportError, OSError) as err:
+    except ValueError as err:  # the input (a bad line names its file:line) or the tokenizer
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except (ImportError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     print(

@@ -33,7 +33,13 @@ class HFTokenizer:
                 f"tokenizer {path!r} is a Hugging Face tokenizer directory, which needs "
                 "`pip install transformers`; or use the built-in 'byte' tokenizer"
             ) from None
-        self._tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        try:
+            self._tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except (OSError, ImportError):
+            raise
+        except Exception as err:  # a broken file fails in transformers in many ways
+            raise ValueError(_broken_file(path) or f"tokenizer {path!r} cannot be loaded "
+                             f"({type(err).__name__}: {err})") from None
         self.vocab_size = len(self._tokenizer)
         self.eod = self._tokenizer.eos_token_id
         if self.eod is None:
@@ -50,6 +56,27 @@ class HFTokenizer:
 
     def detokenize(self, ids) -> str:
         return self._tokenizer.decode(ids)
+
+
+# The JSON files of a Hugging Face tokenizer directory that transformers parses.
+TOKENIZER_JSON = ("tokenizer_config.json", "tokenizer.json", "special_tokens_map.json",
+                  "added_tokens.json", "vocab.json", "config.json")
+
+
+def _broken_file(path: str) -> str | None:
+    """What is wrong with the first of the tokenizer's JSON files that is not a readable JSON
+    object (not UTF-8, invalid, nested too deeply, another top-level type), naming the file:
+    transformers' own error names neither file nor line (AttributeError: 'list' object has no
+    attribute 'get', RecursionError, UnicodeDecodeError). None when they all read."""
+    from mcore_ext.userfiles import UserFileError, read_json
+
+    for name in TOKENIZER_JSON:
+        if os.path.isfile(os.path.join(path, name)):
+            try:
+                read_json(os.path.join(path, name))
+            except UserFileError as err:
+                return f"tokenizer {path!r}: {err}"
+    return None
 
 
 def load_tokenizer(name: str):

@@ -173,17 +173,15 @@ def _user_errors() -> tuple:
 
 
 def _plan(args) -> int:
-    import json
-
     from mcore_ext.hf import plan
     from mcore_ext.hf.config import HFConfigError, Step35Config
+    from mcore_ext.userfiles import read_json
 
     path = args.hf_dir
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     try:
-        with open(path) as f:
-            spec = Step35Config.from_hf_dict(json.load(f))
+        spec = Step35Config.from_hf_dict(read_json(path, HFConfigError))
         if args.seq or args.search:  # activations too: mcore_ext.plan's table
             from mcore_ext.plan.cli import print_plan
 

@@ -37,6 +37,7 @@ from megatron.core import parallel_state as ps
 
 from mcore_ext import lora
 from mcore_ext.hf.layout import hf_layer_prefix
+from mcore_ext.userfiles import read_json
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -205,11 +206,7 @@ def read_adapter_config(directory: str) -> dict:
     if not os.path.isfile(path) or not os.path.isfile(os.path.join(directory, ADAPTER_WEIGHTS)):
         raise AdapterError(f"{directory} is not a PEFT adapter (no {ADAPTER_CONFIG} and "
                            f"{ADAPTER_WEIGHTS} in it)")
-    try:
-        with open(path) as f:
-            config = json.load(f)
-    except (OSError, ValueError) as err:
-        raise AdapterError(f"{path}: unreadable ({type(err).__name__}: {err})") from None
+    config = read_json(path, AdapterError)  # an object, or one line naming the file
     if config.get("peft_type") != "LORA":
         raise AdapterError(f"{path}: peft_type={config.get('peft_type')!r}, only LORA loads")
     for field, default in _UNSUPPORTED.items():

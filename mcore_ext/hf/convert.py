@@ -24,6 +24,7 @@ from mcore_ext.hf.config import HFConfigError, Step35Config
 from mcore_ext.hf.safetensors_io import SafetensorsReader, ShardedSafetensorsWriter
 from mcore_ext.runtime import cpu_group, raise_unless_all_ok
 from mcore_ext.runtime import device as runtime_device
+from mcore_ext.userfiles import read_json
 
 CONFIG_NAME = "config.json"
 # The HF config an import started from; export reads it back for what megatron does not keep
@@ -33,14 +34,9 @@ PROVENANCE_NAME = "hf_config.json"
 
 def read_hf_config(hf_dir: str) -> tuple[dict, Step35Config]:
     path = os.path.join(hf_dir, CONFIG_NAME)
-    try:
-        with open(path) as f:
-            raw = json.load(f)
-    except FileNotFoundError:
-        raise HFConfigError(f"{path}: missing (a Hugging Face model directory has config.json)"
-                            ) from None
-    except ValueError as err:
-        raise HFConfigError(f"{path}: not valid JSON ({err})") from None
+    if not os.path.exists(path):
+        raise HFConfigError(f"{path}: missing (a Hugging Face model directory has config.json)")
+    raw = read_json(path, HFConfigError)  # an object, or one line naming the file
     return raw, Step35Config.from_hf_dict(raw)
 
 

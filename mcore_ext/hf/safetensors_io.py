@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 
 from mcore_ext.checkpoint.directory import partial_dir, recover_dir, replace_dir
+from mcore_ext.userfiles import read_json, too_deep
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -53,11 +54,11 @@ class SafetensorsReader:
         index = os.path.join(directory, INDEX_NAME)
         single = os.path.join(directory, SINGLE_NAME)
         if os.path.exists(index):
-            try:
-                with open(index) as f:
-                    weight_map = json.load(f)["weight_map"]
-            except (OSError, ValueError, KeyError) as err:
-                raise SafetensorsError(f"{index}: not a safetensors index ({err})") from None
+            weight_map = read_json(index, SafetensorsError).get("weight_map")
+            if not isinstance(weight_map, dict) or not all(
+                    isinstance(v, str) for v in weight_map.values()):
+                raise SafetensorsError(f"{index}: not a safetensors index (no 'weight_map' of "
+                                       "tensor names to file names)")
             files = sorted(set(weight_map.values()))
         elif os.path.exists(single):
             weight_map, files = None, [SINGLE_NAME]
@@ -124,16 +125,25 @@ def _read_header(path: str) -> dict:
             header = json.loads(f.read(length))
     except FileNotFoundError:
         raise SafetensorsError(f"{path}: missing (listed in the index)") from None
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, RecursionError) as err:
         if isinstance(err, SafetensorsError):
             raise
-        raise SafetensorsError(f"{path}: not a safetensors file ({err})") from None
+        what = too_deep() if isinstance(err, RecursionError) else err
+        raise SafetensorsError(f"{path}: not a safetensors file ({what})") from None
+    if not isinstance(header, dict):
+        raise SafetensorsError(f"{path}: not a safetensors file (its header is not an object)")
     header.pop("__metadata__", None)
     entries, end = {}, 0
     for name, meta in header.items():
-        dtype = dtype_from_name(meta["dtype"])
-        shape = tuple(meta["shape"])
-        begin, stop = meta["data_offsets"]
+        try:
+            dtype = dtype_from_name(meta["dtype"])
+            shape = tuple(int(d) for d in meta["shape"])
+            begin, stop = (int(o) for o in meta["data_offsets"])
+        except (TypeError, KeyError, ValueError) as err:
+            if isinstance(err, SafetensorsError):
+                raise
+            raise SafetensorsError(f"{path}: {name}'s header entry is not a tensor's "
+                                   f"(dtype, shape, data_offsets): {meta!r:.200}") from None
         numel = 1
         for d in shape:
             numel *= d

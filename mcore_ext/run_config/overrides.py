@@ -16,15 +16,23 @@ from typing import Literal
 import yaml
 
 from mcore_ext.run_config.schema import ConfigError, section_fields
+from mcore_ext.userfiles import decode_utf8, too_deep
 
 
 def read_yaml(path: str) -> dict:
     """The mapping of sections in the YAML file at ``path`` (empty file -> {})."""
     try:
-        with open(path) as f:
-            raw = yaml.safe_load(f)
+        with open(path, "rb") as f:
+            data = f.read()
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
+    except OSError as err:  # a directory, no permission
+        raise ConfigError(f"config file {path} cannot be read ({err.strerror})") from None
+    text = decode_utf8(data, path, ConfigError)  # PATH:LINE of a byte that is not UTF-8
+    try:
+        raw = yaml.safe_load(text)
+    except RecursionError:  # PyYAML's composer recurses once per level of nesting
+        raise ConfigError(f"config file {path} is not valid YAML: {too_deep()}") from None
     except yaml.YAMLError as err:
         where = ""
         mark = getattr(err, "problem_mark", None)
@@ -62,7 +70,7 @@ def _parse_override(item: str) -> tuple[str, str, object]:
         )
     try:
         value = yaml.safe_load(text)
-    except yaml.YAMLError:
+    except (yaml.YAMLError, RecursionError):
         value = text  # e.g. a path with a colon: keep the text as it is
     return section.strip(), name.strip(), value
 

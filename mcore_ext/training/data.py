@@ -33,15 +33,20 @@ from mcore_ext.attention.context_parallel import (
 from mcore_ext.data.chat import ChatDataset, ChatDatasetConfig
 from mcore_ext.data.preprocess import preprocess, stdlib_sources
 from mcore_ext.data.tokenizers import load_tokenizer
-from mcore_ext.runtime import raise_unless_all_ok
+from mcore_ext.runtime import device, raise_unless_all_ok
 from mcore_ext.training.config.validation import chat_cache_dir
 from mcore_ext.training.faults import fault_point
 
 
 def prepare_tokenizer_and_data(cfg):
-    """The tokenizer; for data.source=stdlib, first builds the dataset if missing (on rank 0)."""
+    """The tokenizer; for data.source=stdlib, first builds the dataset if missing (on rank 0).
+
+    Rank 0 decides whether to build and every rank takes its decision: a rank that looked for
+    itself and started after rank 0 had written the index would skip the build's collective and
+    wait in the next one while the others waited in this one, for ever."""
     d = cfg.data
-    if d.source == "stdlib" and not os.path.isfile(d.prefix + ".idx"):
+    fault_point("start")  # a rank that starts late (MCORE_EXT_DELAY_AT=start,SECONDS,RANK)
+    if d.source == "stdlib" and _rank_0_says(not os.path.isfile(d.prefix + ".idx")):
         failure = None
         fault_point("data")
         if dist.get_rank() == 0:  # assumes one node or a shared filesystem
@@ -54,6 +59,13 @@ def prepare_tokenizer_and_data(cfg):
                 failure = err
         raise_unless_all_ok(failure, f"building the stdlib dataset at {d.prefix} failed")
     return load_tokenizer(d.tokenizer)
+
+
+def _rank_0_says(decision: bool) -> bool:
+    """Collective: rank 0's ``decision``, on every rank."""
+    shared = torch.tensor([int(decision)], dtype=torch.int32, device=device())
+    dist.broadcast(shared, src=0)
+    return bool(shared.item())
 
 
 def build_datasets(cfg, tokenizer):

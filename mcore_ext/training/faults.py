@@ -18,7 +18,9 @@ resume, save errors are clear.
 - Save errors: every rank checks that it can write ``checkpoint.save`` before training, and a
   failed save reports the failing ranks and their errors on every rank (``CheckpointSaveError``).
 - Fault injection for tests and drills: ``MCORE_EXT_KILL_AT=<point>,<iteration>,<rank>`` makes
-  that rank SIGKILL itself at ``fault_point(point, iteration)`` (first torchrun attempt only).
+  that rank SIGKILL itself at ``fault_point(point, iteration)`` (first torchrun attempt only);
+  ``MCORE_EXT_DELAY_AT=<point>,<seconds>,<rank>`` makes it sleep there instead (a rank that
+  starts late, as on a loaded node: what the ranks decide must not depend on when each looks).
 """
 
 import ctypes
@@ -177,11 +179,19 @@ def check_writable(directory: str) -> None:
 
 
 def fault_point(point: str, iteration: int | None = None) -> None:
-    """SIGKILL this rank here if MCORE_EXT_KILL_AT names this point, iteration and rank.
+    """SIGKILL this rank here if MCORE_EXT_KILL_AT names this point, iteration and rank; sleep
+    first if MCORE_EXT_DELAY_AT names this point and rank (any iteration, every attempt).
 
     ``MCORE_EXT_KILL_AT=save,8,1``: rank 1 dies in the save at iteration 8 (``*``: any
     iteration). Only on torchrun's first attempt, so a restarted worker runs through.
     """
+    delay = os.environ.get("MCORE_EXT_DELAY_AT")
+    if delay:
+        name, seconds, rank = delay.split(",")
+        if name == point and rank == os.environ.get("RANK", "0"):
+            print(f"[fault] rank {rank}: {seconds} s late at {point}", file=sys.stderr,
+                  flush=True)
+            time.sleep(float(seconds))
     spec = os.environ.get("MCORE_EXT_KILL_AT")
     if not spec or restart_count():
         return

@@ -623,7 +623,7 @@ def test_preprocess_errors(tmp_path, capsys):
     assert main(["--input", str(tmp_path / "missing.txt"), "--output-prefix", str(tmp_path / "x")]) == 2
     assert "not found" in capsys.readouterr().err
     (tmp_path / "bad.jsonl").write_text('{"body": "no text field"}\n')
-    assert main(["--input", str(tmp_path / "bad.jsonl"), "--output-prefix", str(tmp_path / "x")]) == 1
+    assert main(["--input", str(tmp_path / "bad.jsonl"), "--output-prefix", str(tmp_path / "x")]) == 2
     assert "bad.jsonl:1: not a JSON object with a 'text' field" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]  # no partial output
 

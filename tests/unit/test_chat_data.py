@@ -126,7 +126,8 @@ def _check_error(tmp_path, capsys, lines, expected, tokenizer_dir=TOKENIZER):
     from mcore_ext.training import main
 
     path = tmp_path / "chat.jsonl"
-    path.write_text("".join(line + "\n" for line in lines))
+    path.write_bytes(b"".join((line if isinstance(line, bytes) else line.encode()) + b"\n"
+                              for line in lines))
     code = main(["--config", str(RECIPE), "--check", "--world-size", "2", f"data.path={path}",
                  f"data.tokenizer={tokenizer_dir}", f"checkpoint.save={tmp_path / 'ckpt'}",
                  f"checkpoint.load={tmp_path / 'ckpt'}", f"data.cache_dir={tmp_path / 'cache'}"])
@@ -147,6 +148,11 @@ GOOD = json.dumps({"prompt": "Q", "completion": "A"})
                               {"role": "assistant", "content": "A"}]}),
      "message 1 has unknown role 'narrator'"),
     (json.dumps({"text": "Q"}), "no 'messages' (nor 'prompt' and 'completion')"),
+    # One Latin-1 byte (e acute) in an otherwise valid line.
+    pytest.param(b'{"prompt": "caf\xe9", "completion": "A"}',
+                 "not UTF-8 (byte 0xe9 at column 16)", id="latin-1"),
+    pytest.param("[" * 100_000, "nested more deeply than Python's recursion limit",
+                 id="nested"),
 ])
 def test_bad_lines_are_one_error_naming_file_and_line(tmp_path, capsys, line, expected):
     _check_error(tmp_path, capsys, [GOOD, GOOD, line], expected)

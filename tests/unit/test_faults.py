@@ -79,6 +79,47 @@ def test_a_repeated_signal_within_the_window_is_one_request():
     assert result.returncode == -2, result.stderr[-2000:]  # SIGINT's default action
 
 
+def _ready():
+    return True
+
+
+def _prepare_stdlib_data_with_rank_1_late(prefix, late_s):
+    """Every rank: ``prepare_tokenizer_and_data`` on a fresh data.prefix while rank 1 starts
+    ``late_s`` late (the ``start`` fault point), from three small stdlib files (rank 0's build
+    then ends well before rank 1 looks); then the optimizer's first collective
+    (``all_gather_object``). Returns what each rank sees on disk after it."""
+    import torch.distributed as dist
+
+    from mcore_ext.training import data
+    from mcore_ext.training.config import load_config
+
+    cfg = load_config(str(ROOT / "configs" / "tiny_cpu.yaml"), [f"data.prefix={prefix}"],
+                      world_size=2)
+    sources = data.stdlib_sources
+    data.stdlib_sources = lambda: sources()[:3]
+    os.environ["MCORE_EXT_DELAY_AT"] = f"start,{late_s},1"
+    try:
+        tokenizer = data.prepare_tokenizer_and_data(cfg)
+    finally:
+        del os.environ["MCORE_EXT_DELAY_AT"]
+        data.stdlib_sources = sources
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, (os.path.isfile(f"{prefix}.idx"), tokenizer.vocab_size))
+    return seen
+
+
+def test_a_rank_that_starts_after_the_stdlib_build_still_enters_its_collective(run_distributed,
+                                                                               tmp_path):
+    """Rank 0 decides whether the stdlib dataset is built and every rank follows: a rank that
+    looked for itself, after rank 0 had written the index, skipped the build's collective and
+    waited in the optimizer's while the others waited in the build's (a start-up that never
+    ended). The late rank's 5 s is the timeout's margin: the old code hung until it."""
+    run_distributed(_ready, world_size=2)  # the workers started (the timeout below is the run's)
+    seen = run_distributed(_prepare_stdlib_data_with_rank_1_late, str(tmp_path / "stdlib"), 5,
+                           world_size=2, timeout=40)
+    assert seen == [[(True, 257), (True, 257)]] * 2
+
+
 def _tree(root) -> dict[str, str]:
     return {
         str(p.relative_to(root)): p.read_text() if p.is_file() else "/"

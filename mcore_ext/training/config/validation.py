@@ -455,7 +455,7 @@ def _sidecar_tokenizer(prefix: str) -> str | None:
     try:
         with open(prefix + ".json") as f:
             return json.load(f).get("tokenizer")
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         return None
 
 
