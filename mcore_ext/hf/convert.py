@@ -152,7 +152,7 @@ class HFSource:
 class HFFolder:
     """An HF directory read once and checked: ``raw`` config.json, its ``spec``, the tensors
     (``source``, an ``HFSource`` over the safetensors headers) and their ``dtype``. ``close()``
-    releases the open shard."""
+    releases the open shard (its mapped pages); a later read opens it again."""
 
     def __init__(self, hf_dir: str):
         self.directory = hf_dir
@@ -238,8 +238,8 @@ def load_pretrained(
 ):
     """A megatron ``GPTModel`` (``architecture`` ``hybrid``: megatron's ``HybridModel`` of
     ``build_hybrid_model``, the pattern derived from the GPT layers) with this rank's shards of
-    the HF Step-3.5 model in ``hf_dir`` (a directory, or an ``HFFolder`` already read, which the
-    caller closes). One model is built and filled, whichever the class.
+    the HF Step-3.5 model in ``hf_dir`` (a directory, or an ``HFFolder`` already read). One model
+    is built and filled, whichever the class.
 
     Call after ``mcore_ext.init_parallel`` (any TP / PP). The vocabulary is padded to a multiple
     of lcm(``make_vocab_size_divisible_by``, TP) with zero rows: logits ``[..., :vocab_size]``
@@ -277,8 +277,9 @@ def load_pretrained(
         model.to(dtype)  # torch norms are built in fp32; the launcher's Float16Module casts too
         load_into(model, reader, spec, vocab)
     finally:
-        if folder is not hf_dir:  # ours to close
-            folder.close()
+        # The open shard's mapped pages go now, not after the caller's save (an HFFolder keeps
+        # its headers and reopens a shard if read again).
+        folder.close()
     model.to(device if device is not None else runtime_device())
     model.hf_config = spec  # what save_pretrained writes back (vocab size, token ids)
     return model
