@@ -7,7 +7,7 @@ plus at most one layer's full tensors. Everything is checked before a model is b
 that TP divides the head counts, and every tensor's presence and shape. A HybridModel is built and
 filled directly (its parameters named as the GPTModel's of the same layers,
 ``models.hybrid.gpt_parameter_name``): one model per rank, the folder's config and safetensors
-headers read once (``open_hf_folder``).
+headers read once (``HFFolder``).
 
 Saving: for each unit (embedding, each layer, final norm, lm_head) in order, the TP ranks of the
 pipeline stage that holds it gather their local tensors; its TP rank 0 (data-parallel rank 0)
