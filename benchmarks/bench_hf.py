@@ -17,6 +17,13 @@ experts, one MTP layer with its own head, fp32 router bias) goes HF -> megatron 
 torchrun, each reading only its experts' slices (export gathers the experts to rank 0 one at a
 time); reports both steps' time and each rank's peak RSS over its interpreter, and checks the
 round trip bit for bit.
+
+    python benchmarks/bench_hf.py --import-architectures [--layers 4]
+
+Issue 44 (item 10): the same generated dense model imported as GPTModel and as HybridModel
+(``--architecture gpt`` / ``hybrid``), each in a fresh process; reports each import's peak RSS over
+the interpreter, the model's bytes, and the hybrid / GPT ratio. Target: the HybridModel import
+within 1.1 x the GPT import's peak (one model per rank, not two).
 """
 
 import argparse
@@ -139,8 +146,9 @@ def main_moe(args) -> int:
     return 0 if ok else 1
 
 
-def measure(command: str, source: str, target: str) -> None:
-    """Run in this (fresh) process: import or export, then print one JSON line of figures."""
+def measure(command: str, source: str, target: str, architecture: str | None = None) -> None:
+    """Run in this (fresh) process: import (as ``architecture``, default the recommended one) or
+    export, then print one JSON line of figures."""
     import mcore_ext  # noqa: F401  (the interpreter's baseline includes megatron-core)
     import mcore_ext.hf.checkpoint as hf_checkpoint
     import mcore_ext.models  # noqa: F401
@@ -151,13 +159,14 @@ def measure(command: str, source: str, target: str) -> None:
     mcore_ext.init_parallel(tensor_model_parallel_size=1)
     with mcore_ext.cuda_to_cpu():
         if command == "import":
-            hf_checkpoint.import_checkpoint(source, target)
+            hf_checkpoint.import_checkpoint(source, target, architecture=architecture)
         else:
             hf_checkpoint.export_checkpoint(source, target, max_shard_bytes=400 * 2**20)
     seconds = time.perf_counter() - start
     mcore_ext.destroy_parallel()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"command": command, "seconds": round(seconds, 1),
+    print(json.dumps({"command": command, "architecture": architecture,
+                      "seconds": round(seconds, 1),
                       "baseline_rss_mb": round(baseline), "peak_rss_mb": round(peak),
                       "peak_over_interpreter_mb": round(peak - baseline)}))
 
@@ -182,6 +191,9 @@ def main() -> int:
     parser.add_argument("--measure", nargs=3, metavar=("COMMAND", "SOURCE", "TARGET"),
                         help=argparse.SUPPRESS)
     parser.add_argument("--moe", action="store_true", help="the MoE + MTP model (issue 18)")
+    parser.add_argument("--import-architectures", action="store_true",
+                        help="import the same model as GPTModel and as HybridModel (issue 44)")
+    parser.add_argument("--architecture", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--ep", type=int, default=1,
                         help="--moe: expert-parallel ranks (gloo processes under torchrun)")
     args = parser.parse_args()
@@ -189,10 +201,12 @@ def main() -> int:
         if args.measure[0] == "moe":
             measure_moe(*args.measure[1:], ep=args.ep)
         else:
-            measure(*args.measure)
+            measure(*args.measure, architecture=args.architecture)
         return 0
     if args.moe:
         return main_moe(args)
+    if args.import_architectures:
+        return main_architectures(args)
 
     work = Path(args.workdir)
     shutil.rmtree(work, ignore_errors=True)
@@ -217,6 +231,34 @@ def main() -> int:
     print("round trip: every tensor bit-identical" if not bad else f"round trip differs: {bad[:5]}")
     ok = not bad and all(f["seconds"] < 60 and f["peak_over_interpreter_mb"] < 1536 for f in figures)
     print("targets (< 60 s, < 1.5 GB over the interpreter):", "met" if ok else "NOT met")
+    shutil.rmtree(work, ignore_errors=True)
+    return 0 if ok else 1
+
+
+def main_architectures(args) -> int:
+    """Issue 44: the import's peak as GPTModel and as HybridModel, side by side."""
+    work = Path(args.workdir)
+    shutil.rmtree(work, ignore_errors=True)
+    hf = str(work / "hf")
+    size = generate(hf, args.layers)
+    print(f"generated {size / 2**30:.2f} GiB ({args.layers} layers, bf16)", flush=True)
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    peaks = {}
+    for architecture in ("gpt", "hybrid"):
+        result = subprocess.run(
+            [sys.executable, __file__, "--measure", "import", hf, str(work / architecture),
+             "--architecture", architecture], capture_output=True, text=True, env=env, cwd=ROOT)
+        if result.returncode:
+            print(result.stdout[-2000:], result.stderr[-4000:])
+            return 1
+        figures = json.loads(result.stdout.strip().splitlines()[-1])
+        peaks[architecture] = figures["peak_over_interpreter_mb"]
+        print(figures, flush=True)
+    ratio = peaks["hybrid"] / peaks["gpt"]
+    print(f"model {size / 2**20:.0f} MB; import peak over the interpreter: GPTModel "
+          f"{peaks['gpt']} MB, HybridModel {peaks['hybrid']} MB, ratio {ratio:.3f}")
+    ok = ratio <= 1.1
+    print("target (HybridModel import within 1.1 x GPTModel's):", "met" if ok else "NOT met")
     shutil.rmtree(work, ignore_errors=True)
     return 0 if ok else 1
 

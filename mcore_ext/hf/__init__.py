@@ -1,6 +1,7 @@
 """Hugging Face Step-3.5 (``Step3p5ForCausalLM``, model_type ``step3p5``) <-> megatron, exactly.
 
-    load_pretrained(HF_DIR)          -> this rank's GPTModel (after init_parallel, any TP/PP/EP)
+    load_pretrained(HF_DIR)          -> this rank's GPTModel (after init_parallel, any TP/PP/EP;
+                                        architecture="hybrid": its HybridModel, built alone)
     save_pretrained(model, HF_DIR)   <- any TP / PP / EP; written by global rank 0
     python -m mcore_ext.hf import HF_DIR CKPT_DIR   /   export CKPT_DIR HF_DIR
     python -m mcore_ext.hf plan HF_DIR --tp --pp --ep --dp   (parameters and memory per rank)

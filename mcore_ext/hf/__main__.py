@@ -94,6 +94,13 @@ def main(argv=None) -> int:
     finally:
         mcore_ext.destroy_parallel()
     print(f"[hf] {args.command}: wrote {out} in {time.perf_counter() - start:.1f}s")
+    if args.command == "export" and args.adapter and is_first_rank():
+        from mcore_ext.hf.adapter import MTP_ADAPTER_WEIGHTS
+
+        if os.path.isfile(os.path.join(out, MTP_ADAPTER_WEIGHTS)):
+            print(f"[hf] export --adapter: the MTP layers' adapters are in "
+                  f"{os.path.join(out, MTP_ADAPTER_WEIGHTS)}, beside the PEFT adapter (peft and "
+                  "vLLM load the decoder's; lora.init_from reads both)", flush=True)
     if args.command == "import" and args.architecture == "gpt" and is_first_rank():
         notice = gpt_deprecation_notice(
             "--architecture hybrid writes a HybridModel checkpoint (model.architecture: hybrid)")

@@ -18,18 +18,28 @@ h], ``down_proj`` [E, h, f]); PEFT adapts them through ``target_parameters`` (it
 one's tensors are ``mlp.experts.lora_A``, the one before it's ``mlp.experts.base_layer.lora_A``.
 The experts' A and B are gathered over EP. PEFT refuses ``lora_dropout`` with
 ``target_parameters``, so an export with routed experts writes ``lora_dropout`` 0 (dropout is
-training-only; what the adapter computes is the same). The MTP layers' adapters have no module
-in transformers' model (it drops MTP layers): their export is refused.
+training-only; what the adapter computes is the same).
+
+The MTP layers are adapted as the decoder's (``lora.apply_lora``) and have no module in
+transformers' model (it drops MTP layers), so PEFT cannot hold their adapters: they are written
+beside the PEFT files in ``mtp_adapter_model.safetensors`` (``MTP_ADAPTER_WEIGHTS``), under the
+same PEFT key scheme with the released checkpoint's layer numbers (MTP depth k is
+``model.layers.<num_layers + k>``). ``peft`` and vLLM read the folder's two PEFT files and
+ignore it; ``load_adapter`` (``lora.init_from``) reads it back. A folder without it (one ``peft``
+made) leaves a model's MTP adapters as new ones (B = 0).
 
 ``load_adapter`` reads such a directory, written by ``save_adapter`` or by ``peft`` itself
 (``PeftModel.save_pretrained``), into a model's adapters at any TP: each rank takes its slice of
-the HF tensors, each pipeline stage its layers'. What the project cannot place (other modules: embeddings, lm_head, experts, MTP
-layers; PEFT options that change the formula: DoRA, rsLoRA, per-module ranks, biases, a
-``modules_to_save``) is refused, named, before anything is loaded.
+the HF tensors, each pipeline stage its layers'. What the project cannot place (other modules:
+embeddings, lm_head, layers the model lacks; PEFT options that change the formula: DoRA,
+rsLoRA, per-module ranks, biases, a ``modules_to_save``) is refused, named, before anything is
+loaded.
 """
 
+import contextlib
 import json
 import os
+import re
 
 import torch
 import torch.distributed as dist
@@ -41,6 +51,8 @@ from mcore_ext.userfiles import read_json
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# The MTP layers' adapters, beside the PEFT files (no module of transformers' model holds them).
+MTP_ADAPTER_WEIGHTS = "mtp_adapter_model.safetensors"
 # Where each adapted megatron linear sits in transformers' layer.
 _HF_MODULE = {"self_attention.linear_qkv_lora": "self_attn",
               "self_attention.linear_proj_lora": "self_attn",
@@ -51,23 +63,16 @@ _HF_MODULE = {"self_attention.linear_qkv_lora": "self_attn",
 _EXPERT_PARAMETER = {"gate_up_proj": "experts.gate_up_proj", "down_proj": "experts.down_proj"}
 
 
-def _refuse_mtp(model) -> None:
-    # Every stage's: the MTP layers are on the last, and every rank must refuse alike.
-    mtp = sorted(_union_over_stages({n for n in lora.lora_adapters(model)
-                                     if n.startswith("mtp.")}))
-    if mtp:
-        err = AdapterError(f"the MTP layers' adapters ({mtp[0]}, ...) have no module in "
-                           "transformers' Step-3.5 model (it drops MTP layers), so PEFT cannot "
-                           "load them: export the merged model (without --adapter), or train "
-                           "the adapters with model.mtp_num_layers=null")
-        err.on_every_rank = True  # the first rank says it
-        raise err
+# An MTP depth's layer: GPTModel's (megatron's mtp_model_layer, or transformer_layer) or
+# HybridModel's two layers of the depth (mtp_model_layer.layers.0 / .1).
+_MTP_LAYER = re.compile(
+    r"mtp\.layers\.(\d+)\.(?:mtp_model_layer|transformer_layer)(?:\.layers\.[01])?")
 
 
 def _peft_prefixes(model) -> dict:
     """{PEFT module prefix: LoraLinear} of ``model``'s adapters (a GPTModel or HybridModel),
-    routed experts' left out (``_expert_adapters``)."""
-    _refuse_mtp(model)
+    the MTP layers' under their released layer numbers (``num_layers + k``), routed experts'
+    left out (``_expert_adapters``)."""
     prefixes = {}
     for name, adapter in lora.lora_adapters(model).items():
         if ".experts.local_experts." in name:
@@ -78,13 +83,21 @@ def _peft_prefixes(model) -> dict:
             local = "mlp." + local
         else:
             local = "self_attention." + local
-        if local not in _HF_MODULE or not layer_name.startswith("decoder.layers."):
+        depth = _MTP_LAYER.fullmatch(layer_name)
+        if local not in _HF_MODULE or not (layer_name.startswith("decoder.layers.") or depth):
             raise NotImplementedError(f"the PEFT name of the adapter {name}")
-        layer = _hf_layer(model.get_submodule(layer_name))
+        layer = (model.config.num_layers + int(depth[1]) if depth
+                 else _hf_layer(model.get_submodule(layer_name)))
         prefix = f"base_model.model.{hf_layer_prefix(layer)}{_HF_MODULE[local]}"
         for target_name in adapter.targets:
             prefixes[f"{prefix}.{target_name}"] = adapter
     return prefixes
+
+
+def _is_mtp_key(key: str, num_layers: int) -> bool:
+    """Whether a PEFT key (``base_model.model.model.layers.<L>....``) is an MTP layer's."""
+    match = re.match(r"base_model\.model\.model\.layers\.(\d+)\.", key)
+    return match is not None and int(match[1]) >= num_layers
 
 
 def _hf_layer(layer) -> int:
@@ -165,8 +178,8 @@ def _gather(tensor, dim, group):
 
 
 def save_adapter(model, directory: str, cfg: "lora.LoraConfig") -> None:
-    """Write ``model``'s adapters to ``directory`` in PEFT's format (global rank 0 writes; every
-    rank must call it)."""
+    """Write ``model``'s adapters to ``directory`` in PEFT's format, the MTP layers' (if any)
+    beside them in ``MTP_ADAPTER_WEIGHTS`` (global rank 0 writes; every rank must call it)."""
     from safetensors.torch import save_file
 
     tensors = adapter_tensors(model, cfg)
@@ -174,8 +187,12 @@ def save_adapter(model, directory: str, cfg: "lora.LoraConfig") -> None:
         dist.barrier()
         return
     os.makedirs(directory, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()},
+    num_layers = model.config.num_layers
+    mtp = {k: v.contiguous() for k, v in tensors.items() if _is_mtp_key(k, num_layers)}
+    save_file({k: v.contiguous() for k, v in tensors.items() if k not in mtp},
               os.path.join(directory, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    if mtp:  # beside the PEFT files: peft loads the decoder's, load_adapter both
+        save_file(mtp, os.path.join(directory, MTP_ADAPTER_WEIGHTS), metadata={"format": "pt"})
     parameters = _expert_parameters(cfg)
     config = dict(peft_type="LORA", r=cfg.rank, lora_alpha=cfg.alpha,
                   lora_dropout=0.0 if parameters else cfg.dropout,
@@ -216,10 +233,12 @@ def read_adapter_config(directory: str) -> dict:
     return config
 
 
-def load_adapter(model, directory: str, cfg: "lora.LoraConfig") -> None:
+def load_adapter(model, directory: str, cfg: "lora.LoraConfig") -> int:
     """Set ``model``'s adapters (``apply_lora(model, cfg)`` done) from the PEFT adapter in
-    ``directory``, each rank its slice. Its r, lora_alpha and target modules must be ``cfg``'s;
-    AdapterError names what differs, and the modules the model has no adapter for."""
+    ``directory``, each rank its slice, the MTP layers' from ``MTP_ADAPTER_WEIGHTS`` beside it.
+    Its r, lora_alpha and target modules must be ``cfg``'s; AdapterError names what differs, and
+    the modules the model has no adapter for. Returns how many MTP adapter targets were left new
+    (B = 0) because the folder has no MTP file (one ``peft`` made); 0 otherwise."""
     from safetensors import safe_open
 
     config = read_adapter_config(directory)
@@ -249,31 +268,56 @@ def load_adapter(model, directory: str, cfg: "lora.LoraConfig") -> None:
     experts = {_expert_prefix(layer, parameter, list(parameters)): targets
                for (layer, parameter), targets in _expert_adapters(model).items()}
     weights = os.path.join(directory, ADAPTER_WEIGHTS)
-    with safe_open(weights, framework="pt") as f:
-        keys = set(f.keys())
-        # Every stage's adapters: a key another stage places is not this file's stray.
-        wanted = _union_over_stages(
-            {f"{p}.lora_{m}.weight" for p in [*prefixes, *experts] for m in "AB"})
-        # PEFT's keys of a named adapter carry its name (lora_A.<name>.weight) only in memory.
-        unplaced = sorted({k.rpartition(".lora_")[0] for k in keys - wanted})
-        if unplaced:
-            more = f" (and {len(unplaced) - 3} more)" if len(unplaced) > 3 else ""
-            raise AdapterError(f"{weights}: no adapter of this model takes "
-                               f"{', '.join(unplaced[:3])}{more}: the project places q/k/v/g/o_proj, "
-                               "the dense MLPs' and shared experts' gate/up/down_proj and the "
-                               "routed experts' gate_up_proj / down_proj of the main layers")
-        missing = sorted(wanted - keys)
+    mtp_weights = os.path.join(directory, MTP_ADAPTER_WEIGHTS)
+    files = [weights] + ([mtp_weights] if os.path.isfile(mtp_weights) else [])
+    num_layers = model.config.num_layers
+    # Every stage's adapters: a key another stage places is not this file's stray.
+    wanted = _union_over_stages(
+        {f"{p}.lora_{m}.weight" for p in [*prefixes, *experts] for m in "AB"})
+    mtp_wanted = {k for k in wanted if _is_mtp_key(k, num_layers)}
+    left_new = 0
+    if len(files) == 1 and mtp_wanted:  # no MTP file (a peft-made adapter): theirs start new
+        wanted -= mtp_wanted
+        left_new = len(mtp_wanted) // 2
+        prefixes = {p: a for p, a in prefixes.items()
+                    if not _is_mtp_key(f"{p}.lora_A.weight", num_layers)}
+    with contextlib.ExitStack() as stack:
+        handles, where = [], {}
+        for file in files:
+            f = stack.enter_context(safe_open(file, framework="pt"))
+            handles.append(f)
+            for key in f.keys():
+                where.setdefault(key, (file, f))
+            # PEFT's keys of a named adapter carry its name (lora_A.<name>.weight) only in memory.
+            # The MTP file holds MTP layers' keys alone, the PEFT file none of them.
+            mtp_file = file == mtp_weights
+            unplaced = sorted({k.rpartition(".lora_")[0] for k in f.keys()
+                               if k not in wanted or (_is_mtp_key(k, num_layers) != mtp_file)})
+            if unplaced:
+                more = f" (and {len(unplaced) - 3} more)" if len(unplaced) > 3 else ""
+                raise AdapterError(
+                    f"{file}: no adapter of this model takes "
+                    f"{', '.join(unplaced[:3])}{more}: the project places q/k/v/g/o_proj, the "
+                    "dense MLPs' and shared experts' gate/up/down_proj and the routed experts' "
+                    "gate_up_proj / down_proj of the main layers (in "
+                    f"{ADAPTER_WEIGHTS}), the MTP layers' in {MTP_ADAPTER_WEIGHTS}")
+        missing = sorted(wanted - set(where))
         if missing:
-            raise AdapterError(f"{weights}: {missing[0]} is missing (and {len(missing) - 1} more)"
-                               if len(missing) > 1 else f"{weights}: {missing[0]} is missing")
+            home = mtp_weights if _is_mtp_key(missing[0], num_layers) else weights
+            raise AdapterError(f"{home}: {missing[0]} is missing (and {len(missing) - 1} more)"
+                               if len(missing) > 1 else f"{home}: {missing[0]} is missing")
+
+        def get(key):
+            return where[key][1].get_tensor(key)
+
         with torch.no_grad():
             for prefix, local in experts.items():
-                _load_experts(f, weights, prefix, local, cfg.rank)
+                _load_experts(get, weights, prefix, local, cfg.rank)
         with torch.no_grad():
             for prefix, adapter in prefixes.items():
                 target = adapter.targets[prefix.rpartition(".")[2]]
-                a = f.get_tensor(f"{prefix}.lora_A.weight")
-                b = f.get_tensor(f"{prefix}.lora_B.weight")
+                a = get(f"{prefix}.lora_A.weight")
+                b = get(f"{prefix}.lora_B.weight")
                 tp, rank = adapter.tp_group.size(), adapter.tp_group.rank()
                 if adapter.parallel == "row":
                     a = a.chunk(tp, dim=1)[rank]
@@ -282,16 +326,19 @@ def load_adapter(model, directory: str, cfg: "lora.LoraConfig") -> None:
                 for name, ours, theirs in (("lora_A", target.lora_A, a),
                                            ("lora_B", target.lora_B, b)):
                     if ours.shape != theirs.shape:
-                        raise AdapterError(f"{weights}: {prefix}.{name}.weight has the shape "
+                        raise AdapterError(f"{where[f'{prefix}.{name}.weight'][0]}: {prefix}."
+                                           f"{name}.weight has the shape "
                                            f"{tuple(theirs.shape)}, this model's rank slice "
                                            f"{tuple(ours.shape)} (another model?)")
                     ours.copy_(theirs.to(ours.dtype))
+    return left_new
 
 
-def _load_experts(f, weights, prefix, local, rank):
-    """This EP rank's experts' A and B from PEFT's [E r, in] / [out, r E] tensors."""
-    a = f.get_tensor(f"{prefix}.lora_A.weight")
-    b = f.get_tensor(f"{prefix}.lora_B.weight")
+def _load_experts(get, weights, prefix, local, rank):
+    """This EP rank's experts' A and B from PEFT's [E r, in] / [out, r E] tensors (``get``: a
+    key's tensor)."""
+    a = get(f"{prefix}.lora_A.weight")
+    b = get(f"{prefix}.lora_B.weight")
     experts = a.shape[0] // rank
     if a.shape[0] != experts * rank or b.shape[1] != experts * rank or \
             experts != len(local) * ps.get_expert_model_parallel_world_size():

@@ -45,14 +45,11 @@ from mcore_ext.checkpoint.errors import CheckpointCorruptError, CheckpointNotFou
 from mcore_ext.hf.config import HFConfigError, Step35Config
 from mcore_ext.hf.convert import (
     PROVENANCE_NAME,
+    HFFolder,
     check_parallel,
-    check_weights,
     load_pretrained,
-    read_hf_config,
-    resolve_mtp,
     save_pretrained,
 )
-from mcore_ext.hf.safetensors_io import SafetensorsReader
 from mcore_ext.precision import precision_of
 from mcore_ext.runtime import device
 
@@ -131,17 +128,24 @@ def import_checkpoint(hf_dir: str, ckpt_dir: str, *, dtype: torch.dtype | None =
     problem ``load_pretrained`` finds. The HF folder's tokenizer, if it has one, is copied into
     the iteration directory's ``tokenizer/`` (checksummed in its manifest) and becomes the
     config's ``data.tokenizer``. ``architecture`` ``hybrid`` writes megatron's HybridModel
-    (``model.architecture: hybrid`` in the config; the GPTModel that read the HF weights is
-    copied into it, so both are held for a moment; MTP layers become the pattern's ``/*-``
+    (``model.architecture: hybrid`` in the config; MTP layers become the pattern's ``/*-``
     depths), ``gpt`` its GPTModel; None: the one the installed megatron-core recommends
-    (``run_config.schema.recommended_architecture``).
+    (``run_config.schema.recommended_architecture``). Either class is built once and filled from
+    the HF folder, whose config and safetensors headers are read once (``HFFolder``): a rank
+    holds one model.
     Returns the iteration directory.
     """
-    raw, spec = read_hf_config(hf_dir)
-    reader = SafetensorsReader(hf_dir)
-    spec = resolve_mtp(reader, spec)
-    file_dtype = check_weights(reader, spec)
-    reader.close()
+    folder = HFFolder(hf_dir)
+    try:
+        return _import(folder, ckpt_dir, dtype, seq_length, make_vocab_size_divisible_by,
+                       backend, architecture)
+    finally:
+        folder.close()
+
+
+def _import(folder, ckpt_dir, dtype, seq_length, make_vocab_size_divisible_by, backend,
+            architecture) -> str:
+    hf_dir, raw, spec, file_dtype = folder.directory, folder.raw, folder.spec, folder.dtype
     check_parallel(spec, parallel_state.get_tensor_model_parallel_world_size())
     from mcore_ext.run_config import PretrainConfig, build
     from mcore_ext.run_config.schema import recommended_architecture
@@ -166,11 +170,9 @@ def import_checkpoint(hf_dir: str, ckpt_dir: str, *, dtype: torch.dtype | None =
         "data": data,
         "checkpoint": {"load": os.path.abspath(ckpt_dir), "finetune": True},
     })
-    model = load_pretrained(hf_dir, backend=backend, dtype=dtype,
+    model = load_pretrained(folder, architecture=architecture, backend=backend, dtype=dtype,
                             make_vocab_size_divisible_by=make_vocab_size_divisible_by,
                             max_sequence_length=seq_length)
-    if architecture == "hybrid":
-        model = _as_hybrid(model, seq_length, backend)
     partial = saving.begin(directory)
     state = {
         "model": model.sharded_state_dict(),
@@ -189,22 +191,6 @@ def import_checkpoint(hf_dir: str, ckpt_dir: str, *, dtype: torch.dtype | None =
     saving.publish(partial, directory, root=ckpt_dir, iteration=0, files={
         "config.yaml": cfg.to_yaml(), PROVENANCE_NAME: json.dumps(raw, indent=2)})
     return directory
-
-
-def _as_hybrid(gpt, seq_length: int, backend: str):
-    """The HybridModel of ``gpt``'s config and layout holding its weights (``gpt`` is left
-    behind for the caller to drop)."""
-    from mcore_ext.models import build_hybrid_model
-    from mcore_ext.models.hybrid import copy_weights
-
-    with cuda_to_cpu():
-        hybrid = build_hybrid_model(
-            gpt.config, vocab_size=gpt.vocab_size, max_sequence_length=seq_length,
-            backend=backend,
-            share_embeddings_and_output_weights=gpt.share_embeddings_and_output_weights)
-    hybrid.to(next(gpt.parameters()).device)
-    copy_weights(gpt, hybrid, to_hybrid=True)
-    return hybrid
 
 
 def resolve_iteration_dir(ckpt_dir: str) -> str:

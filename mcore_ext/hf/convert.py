@@ -1,9 +1,13 @@
-"""``load_pretrained`` / ``save_pretrained``: HF Step-3.5 weights <-> a megatron GPTModel at any TP/PP.
+"""``load_pretrained`` / ``save_pretrained``: HF Step-3.5 weights <-> a megatron GPTModel (or
+HybridModel) at any TP/PP.
 
 Loading: every rank reads, one megatron parameter at a time, the full HF tensors that parameter is
 made of (``layout``), keeps its own TP slice and drops the rest, so a rank holds its model shard
 plus at most one layer's full tensors. Everything is checked before a model is built: the config,
-that TP divides the head counts, and every tensor's presence and shape.
+that TP divides the head counts, and every tensor's presence and shape. A HybridModel is built and
+filled directly (its parameters named as the GPTModel's of the same layers,
+``models.hybrid.gpt_parameter_name``): one model per rank, the folder's config and safetensors
+headers read once (``HFFolder``).
 
 Saving: for each unit (embedding, each layer, final norm, lm_head) in order, the TP ranks of the
 pipeline stage that holds it gather their local tensors; its TP rank 0 (data-parallel rank 0)
@@ -141,6 +145,27 @@ class HFSource:
         self.reader.close()
 
 
+class HFFolder:
+    """An HF directory read once and checked: ``raw`` config.json, its ``spec``, the tensors
+    (``source``, an ``HFSource`` over the safetensors headers) and their ``dtype``. ``close()``
+    releases the open shard (its mapped pages); a later read opens it again."""
+
+    def __init__(self, hf_dir: str):
+        self.directory = hf_dir
+        self.raw, spec = read_hf_config(hf_dir)
+        reader = SafetensorsReader(hf_dir)
+        try:
+            self.spec = resolve_mtp(reader, spec)
+            self.source = HFSource(reader, self.spec)
+            self.dtype = check_weights(self.source, self.spec)
+        except BaseException:
+            reader.close()
+            raise
+
+    def close(self):
+        self.source.close()
+
+
 def check_parallel(spec: Step35Config, tp: int) -> None:
     """TP must divide both layer kinds' query heads (HFConfigError naming the key)."""
     for key, value in (("num_attention_heads", spec.num_heads),
@@ -197,8 +222,9 @@ def build_config(spec: Step35Config, dtype: torch.dtype, **overrides):
 
 
 def load_pretrained(
-    hf_dir: str,
+    hf_dir: "str | HFFolder",
     *,
+    architecture: str = "gpt",
     backend: str = "auto",
     dtype: torch.dtype | None = None,
     make_vocab_size_divisible_by: int = 1,
@@ -206,7 +232,10 @@ def load_pretrained(
     device: torch.device | str | None = None,
     **config_overrides,
 ):
-    """A megatron ``GPTModel`` with this rank's shards of the HF Step-3.5 model in ``hf_dir``.
+    """A megatron ``GPTModel`` (``architecture`` ``hybrid``: megatron's ``HybridModel`` of
+    ``build_hybrid_model``, the pattern derived from the GPT layers) with this rank's shards of
+    the HF Step-3.5 model in ``hf_dir`` (a directory, or an ``HFFolder`` already read). One model
+    is built and filled, whichever the class.
 
     Call after ``mcore_ext.init_parallel`` (any TP / PP). The vocabulary is padded to a multiple
     of lcm(``make_vocab_size_divisible_by``, TP) with zero rows: logits ``[..., :vocab_size]``
@@ -217,14 +246,14 @@ def load_pretrained(
     Raises ``HFConfigError`` / ``SafetensorsError`` before building anything when the directory
     is incomplete or does not match its config.
     """
-    from mcore_ext.models import build_gpt_model, padded_vocab_size
+    from mcore_ext.models import build_gpt_model, build_hybrid_model, padded_vocab_size
 
-    _, spec = read_hf_config(hf_dir)
-    reader = SafetensorsReader(hf_dir)
+    builders = {"gpt": build_gpt_model, "hybrid": build_hybrid_model}
+    if architecture not in builders:
+        raise HFConfigError(f"architecture={architecture!r}: expected gpt or hybrid")
+    folder = hf_dir if isinstance(hf_dir, HFFolder) else HFFolder(hf_dir)
+    spec, reader, file_dtype = folder.spec, folder.source, folder.dtype
     try:
-        spec = resolve_mtp(reader, spec)
-        reader = HFSource(reader, spec)
-        file_dtype = check_weights(reader, spec)
         tp = parallel_state.get_tensor_model_parallel_world_size()
         check_parallel(spec, tp)
         check_expert_parallel(spec, parallel_state.get_expert_model_parallel_world_size(),
@@ -234,7 +263,7 @@ def load_pretrained(
         vocab = padded_vocab_size(spec.vocab_size, make_vocab_size_divisible_by, tp)
         # cuda_to_cpu: megatron moves tied output weights with .cuda() (a no-op context on GPUs).
         with cuda_to_cpu():
-            model = build_gpt_model(
+            model = builders[architecture](
                 config,
                 vocab_size=vocab,
                 max_sequence_length=max_sequence_length or spec.max_position_embeddings,
@@ -244,7 +273,9 @@ def load_pretrained(
         model.to(dtype)  # torch norms are built in fp32; the launcher's Float16Module casts too
         load_into(model, reader, spec, vocab)
     finally:
-        reader.close()
+        # The open shard's mapped pages go now, not after the caller's save (an HFFolder keeps
+        # its headers and reopens a shard if read again).
+        folder.close()
     model.to(device if device is not None else runtime_device())
     model.hf_config = spec  # what save_pretrained writes back (vocab size, token ids)
     return model
@@ -281,11 +312,44 @@ def load_into(model, reader, spec: Step35Config, vocab: int) -> None:
             del local
 
 
+def _is_hybrid(model) -> bool:
+    return getattr(model, "hybrid_layer_pattern", None) is not None
+
+
 def _named_params(model) -> dict:
+    """{name: tensor} of ``model``'s parameters and expert-bias buffers, under GPTModel's names
+    (a HybridModel's translated: the layout tables name GPT layers)."""
     params = dict(model.named_parameters())
     params.update((n, b) for n, b in model.named_buffers()
                   if n.endswith(layout.MEGATRON_FP32_NAMES))  # the router's expert bias
-    return params
+    if not _is_hybrid(model):
+        return params
+    from mcore_ext.models.hybrid import gpt_parameter_name, hybrid_parameter_name
+
+    renamed = {}
+    for name, tensor in params.items():
+        gpt = gpt_parameter_name(name)
+        if hybrid_parameter_name(gpt) != name or gpt in renamed:
+            raise HFConfigError(f"{name}: the HybridModel's layer is not half of a GPT layer "
+                                f"(pattern {model.hybrid_layer_pattern!r}; the Step-3.5 layout "
+                                "needs the pattern build_hybrid_model derives)")
+        renamed[gpt] = tensor
+    return renamed
+
+
+def _gpt_layers(model) -> list:
+    """(local GPT index, global 0-based GPT layer) of this stage's decoder: a GPTModel's layers,
+    a HybridModel's (attention, MLP / MoE) pairs as the GPT layer each stands for."""
+    layers = model.decoder.layers
+    if not _is_hybrid(model):
+        return [(i, layer.layer_number - 1) for i, layer in enumerate(layers)]
+    pairs = {}
+    for i, layer in enumerate(layers):
+        if pairs.setdefault(i // 2, layer.gpt_layer_number - 1) != layer.gpt_layer_number - 1:
+            raise HFConfigError(f"decoder.layers.{i}: hybrid layers {i - 1} and {i} stand for "
+                                "different GPT layers (not the pattern build_hybrid_model "
+                                "derives)")
+    return sorted(pairs.items())
 
 
 def _expert_tp_rank() -> tuple[int, int]:
@@ -350,8 +414,7 @@ def _units(model, spec: Step35Config, vocab: int):
     if "embedding.word_embeddings.weight" in params:
         yield (layout.EMBEDDING.megatron, layout.EMBEDDING, layout.vocab_mapping(spec, vocab),
                layout.EMBEDDING.hf)
-    for index, layer in enumerate(model.decoder.layers):
-        g = layer.layer_number - 1  # global layer index
+    for index, g in _gpt_layers(model):  # g: the global layer index
         yield from _layer_units(params, f"decoder.layers.{index}.", spec, g,
                                 layout.hf_layer_prefix(g), vocab)
     mtp = getattr(model, "mtp", None)

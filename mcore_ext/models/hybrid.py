@@ -518,6 +518,24 @@ def hybrid_parameter_name(gpt_name: str) -> str:
     return f"decoder.layers.{2 * int(match[1]) + half}.{rest}"
 
 
+_HYBRID_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.*)")
+_HYBRID_MTP_LAYER = re.compile(r"(mtp\.layers\.\d+\.mtp_model_layer\.)layers\.[01]\.(.*)")
+
+
+def gpt_parameter_name(hybrid_name: str) -> str:
+    """The GPTModel name of a HybridModel state-dict entry of the derived pattern (one stage's
+    local names): ``hybrid_parameter_name``'s inverse. Hybrid layer j of a stage (which starts at
+    an attention layer, ``staged_pattern``) is half of the stage's GPT layer j // 2; the caller
+    checks ``hybrid_parameter_name`` gives the name back (a layer on the wrong half does not)."""
+    depth = _HYBRID_MTP_LAYER.fullmatch(hybrid_name)
+    if depth is not None:
+        return f"{depth[1]}{depth[2]}"
+    match = _HYBRID_LAYER.fullmatch(hybrid_name)
+    if match is not None:
+        return f"decoder.layers.{int(match[1]) // 2}.{match[2]}"
+    return hybrid_name.replace("decoder.final_norm.", "decoder.final_layernorm.")
+
+
 @torch.no_grad()
 def copy_weights(source, target, *, to_hybrid: bool) -> None:
     """Copy every weight of ``source`` into ``target``, a GPTModel and the HybridModel of the

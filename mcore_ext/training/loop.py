@@ -288,8 +288,12 @@ class _Trainer:
         if cfg.lora.init_from and not own:  # a new run's adapters start from a PEFT adapter
             from mcore_ext.hf.adapter import load_adapter
 
-            load_adapter(unwrap_model(self.model), cfg.lora.init_from, lora_config(cfg))
+            left_new = load_adapter(unwrap_model(self.model), cfg.lora.init_from,
+                                    lora_config(cfg))
             self.start_line += f"; LoRA adapters from {cfg.lora.init_from}"
+            if left_new:  # a peft-made folder has no MTP layers' file (mcore_ext.hf.adapter)
+                self.start_line += (f" (the MTP layers' {left_new} start new: no "
+                                    "mtp_adapter_model.safetensors there)")
         self.train_data, self.valid_data = build_datasets(cfg, tokenizer)
         self.train_iterator = batch_iterator(self.train_data, cfg, start_sample=consumed)
 

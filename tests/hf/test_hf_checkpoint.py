@@ -563,6 +563,56 @@ def _import_as(hf, ckpt, tp, architecture):
     return import_checkpoint(hf, ckpt, architecture=architecture)
 
 
+def _import_counting(hf, ckpt, tp):
+    """import_checkpoint into HybridModel at ``tp``, counting on this rank the models built
+    (megatron's GPTModel / HybridModel constructors), the safetensors headers read and the
+    config.json reads."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+    import mcore_ext
+    from mcore_ext.hf import convert, import_checkpoint, safetensors_io
+
+    counts = {"GPTModel": 0, "HybridModel": 0, "header": 0, "config.json": 0}
+    originals = [(GPTModel, "__init__"), (HybridModel, "__init__"),
+                 (safetensors_io, "_read_header"), (convert, "read_hf_config")]
+    saved = [getattr(owner, name) for owner, name in originals]
+
+    def counting(key, fn):
+        def wrapped(*args, **kwargs):
+            counts[key] += 1
+            return fn(*args, **kwargs)
+        return wrapped
+
+    for (owner, name), fn, key in zip(originals, saved, counts):
+        setattr(owner, name, counting(key, fn))
+    try:
+        mcore_ext.init_parallel(tensor_model_parallel_size=tp)
+        import_checkpoint(hf, ckpt, architecture="hybrid")
+    finally:
+        for (owner, name), fn in zip(originals, saved):
+            setattr(owner, name, fn)
+    return counts
+
+
+def test_hybrid_import_builds_one_model_and_reads_the_folder_once(run_distributed, hf_dir,
+                                                                  tmp_path):
+    """``hf import`` into HybridModel (the default from megatron-core 0.19) builds the HybridModel
+    alone, filled from the HF folder, whose config.json and safetensors headers it reads once:
+    no GPTModel held beside it (issue 44, item 10). The import's exactness is
+    test_hybrid_import_and_its_export_write_what_the_gpt_path_writes' and test_hf_parity's."""
+    from mcore_ext import _mcore_compat
+
+    if not _mcore_compat.has_hybrid_model():
+        pytest.skip(f"megatron-core {_mcore_compat.megatron_core_version()} has no HybridModel")
+    files = [n for n in os.listdir(hf_dir) if n.endswith(".safetensors")]
+    for counts in run_distributed(_import_counting, hf_dir, str(tmp_path / "ckpt"), 2,
+                                  world_size=2):
+        assert counts == {"GPTModel": 0, "HybridModel": 1, "header": len(files),
+                          "config.json": 1}, counts
+    assert "decoder.final_norm.weight" in _hybrid_keys(str(tmp_path / "ckpt"))
+
+
 def _hybrid_keys(ckpt):
     from megatron.core import dist_checkpointing
 

@@ -8,8 +8,9 @@ layout, the megatron logits are taken and the adapter exported (``mcore_ext.hf.a
 fp32 within 2e-5 max abs (the HF parity bound of 1e-5, doubled for the adapters' two extra
 GEMMs per target), and the TP 1 and TP 2 exports must be the same tensors bit for bit.
 
-Through the command line (``slow``): a launcher LoRA checkpoint's merged export and its
-``--adapter`` export, loaded by transformers and by ``peft``, agree.
+Through the command line: test_hf_lora_moe.py's released-layout test (a launcher LoRA
+checkpoint's merged export and its ``--adapter`` export, loaded by transformers and by ``peft``,
+agree).
 """
 
 import json
@@ -107,49 +108,6 @@ def test_peft_loads_the_adapter_over_transformers_with_megatrons_logits(exported
     diff = (hf_logits - megatron_logits).abs().max().item()
     assert diff <= TOL, diff
     assert (hf_logits - base_logits).abs().max().item() > 100 * TOL  # the adapter acts
-
-
-@pytest.mark.slow
-def test_launcher_lora_run_exports_merged_and_peft_adapter_that_agree(tmp_path):
-    """hf import, a LoRA run of the launcher at TP 2 + SP (4 steps, every target), then
-    ``hf export`` (merged, the default) and ``hf export --adapter``: transformers' model of the
-    merged export and ``peft`` over the original model with the adapter give the same logits
-    (fp32, within 2e-5), different from the base model's; ``--adapter`` on a checkpoint without
-    adapters is one line, exit 2. About 2.5 minutes on 2 busy cores."""
-    pytest.importorskip("peft")
-    from peft import PeftModel
-
-    from tests.hf.test_hf_checkpoint import _cli, import_train_export
-
-    hf_dir = models.save_released(models.build(), str(tmp_path / "hf"))
-    result, _, merged_dir = import_train_export(
-        hf_dir, tmp_path, 4, "optimizer.lr_warmup_iters=1", "optimizer.lr=1e-2",
-        "parallelism.tensor_model_parallel_size=2", "parallelism.sequence_parallel=true",
-        "lora.rank=4", "lora.alpha=8")
-    assert "LoRA adapter parameters trained, r 4" in result.stdout
-    adapter_dir = tmp_path / "adapter"
-    exported = _cli("export", str(tmp_path / "run"), str(adapter_dir), "--adapter", timeout=600)
-    assert exported.returncode == 0, exported.stderr[-3000:]
-    assert sorted(p.name for p in adapter_dir.iterdir()) == ["adapter_config.json",
-                                                             "adapter_model.safetensors"]
-
-    merged, info = models.load_released(str(merged_dir))
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
-    tokens = models.tokens()
-    peft_model = PeftModel.from_pretrained(models.build(), str(adapter_dir)).eval()
-    with torch.no_grad():
-        merged_logits, peft_logits = merged(tokens), peft_model(tokens)
-        base_logits = models.build()(tokens)
-    assert (merged_logits - peft_logits).abs().max().item() <= TOL
-    assert (peft_logits - base_logits).abs().max().item() > 100 * TOL
-
-    # The imported checkpoint has no adapters: one line, exit 2, nothing written.
-    refused = _cli("export", str(tmp_path / "imported"), str(tmp_path / "none"), "--adapter")
-    assert refused.returncode == 2, refused.stderr[-3000:]
-    last = refused.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: ") and "--adapter: the checkpoint holds no LoRA" in last
-    assert "Traceback" not in refused.stderr and not (tmp_path / "none").exists()
-
 
 
 # ----------------------------------------------------------------- a PEFT adapter, imported

@@ -118,3 +118,100 @@ def test_a_peft_made_expert_adapter_imports_with_peft_logits(run_distributed_sha
                                     world_size=2)[0]
     assert (logits - peft_logits).abs().max().item() <= TOL
     assert (peft_logits - base_logits).abs().max().item() > 100 * TOL
+
+
+# ------------------------------------- the released layout (MoE + MTP): import, LoRA, --adapter
+
+ATTENTION = ["q_proj", "k_proj", "v_proj", "g_proj", "o_proj"]
+
+
+def _released_lora_path(hf_dir, tmp):
+    """On 2 ranks, in process: ``hf import`` (HybridModel, the default on megatron-core 0.19), a
+    LoRA run of the launcher at TP 2 + SP on the attention targets for 3 steps, ``hf export``
+    merged and ``--adapter``, then a new run started from that adapter (``lora.init_from``, lr 0,
+    1 step) that saves what it read."""
+    from tests.functional.inprocess import launch
+    from tests.functional.test_lora import _hf
+
+    out = {"import": _hf("import", hf_dir, tmp / "imported", "--seq-length", 16)}
+    common = ["--config", tmp / "imported" / "iter_0000000" / "config.yaml", "data.source=mock",
+              "training.micro_batch_size=2", "training.global_batch_size=2",
+              "training.eval_interval=null", "model.attention_backend=sdpa",
+              "parallelism.tensor_model_parallel_size=2", "parallelism.sequence_parallel=true",
+              "model.moe_router_bias_update_rate=0", "lora.rank=4", "lora.alpha=8",
+              f"lora.targets=[{','.join(ATTENTION)}]", "logging.metrics_file=null"]
+    steps = [
+        ("lora", lambda: launch(*common, "training.train_iters=3", "optimizer.lr=1e-2",
+                                "optimizer.lr_warmup_iters=0", f"checkpoint.save={tmp / 'run'}",
+                                "checkpoint.save_interval=3")),
+        ("merged", lambda: _hf("export", tmp / "run", tmp / "merged")),
+        ("adapter", lambda: _hf("export", tmp / "run", tmp / "adapter", "--adapter")),
+        ("from_peft", lambda: launch(*common, "training.train_iters=1", "optimizer.lr=0",
+                                     "optimizer.min_lr=0", "optimizer.lr_warmup_iters=0",
+                                     f"lora.init_from={tmp / 'adapter'}",
+                                     f"checkpoint.save={tmp / 'from_peft'}",
+                                     "checkpoint.save_interval=1")),
+    ]
+    for name, step in steps:
+        if any(r["code"] for r in out.values()):
+            break
+        out[name] = step()
+    return out
+
+
+def test_released_layout_lora_exports_a_peft_adapter_and_its_mtp_adapters(run_distributed,
+                                                                          tmp_path):
+    """Issue 44, item 9: LoRA on q/k/v/g/o_proj adapts the MTP layer too (it has the same
+    linears); ``hf export --adapter`` writes the decoder's adapters in PEFT's format and the MTP
+    layer's beside them (``mtp_adapter_model.safetensors``, said once in one line). ``peft``
+    over transformers' model gives the merged export's logits (fp32, within 2e-5), not the base
+    model's; ``lora.init_from`` reads both files back: the new run's adapters, MTP layer's
+    included, are the trained run's bit for bit (lr 0)."""
+    pytest.importorskip("peft")
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    from tests.functional.test_lora import ADAPTER
+    from tests.functional.test_megatron_lm_pretrain import checkpoint_tensors
+
+    hf_dir, _ = models.save_moe(models.build_moe(), str(tmp_path / "hf"), mtp=True)
+    results = run_distributed(_released_lora_path, hf_dir, tmp_path, world_size=2, timeout=900)
+    for rank in results:
+        assert all(r["code"] == 0 for r in rank.values()), {
+            k: (r["code"], r["stderr"][-1500:]) for k, r in rank.items() if r["code"]}
+    lines = [line for rank in results for line in rank["adapter"]["stdout"].splitlines()
+             if "MTP layers' adapters" in line]
+    assert len(lines) == 1 and "mtp_adapter_model.safetensors" in lines[0], lines
+    assert "LoRA adapters from" in results[0]["from_peft"]["stdout"]
+    assert "start new" not in results[0]["from_peft"]["stdout"]
+    adapter = tmp_path / "adapter"
+    assert sorted(p.name for p in adapter.iterdir()) == [
+        "adapter_config.json", "adapter_model.safetensors", "mtp_adapter_model.safetensors"]
+    n = len(models.MOE_TYPES)
+    mtp, decoder = (load_file(adapter / f"{name}.safetensors")
+                    for name in ("mtp_adapter_model", "adapter_model"))
+    assert all(k.startswith(f"base_model.model.model.layers.{n}.self_attn.") for k in mtp)
+    assert len(mtp) == len(ATTENTION) * 2, sorted(mtp)
+    assert len(decoder) == n * len(ATTENTION) * 2, sorted(decoder)
+
+    # peft over transformers' model (MTP layers dropped) = the merged export, in transformers.
+    merged = models.build_moe()
+    merged.load_state_dict(models.transformers_tensors(models.read_tensors(
+        str(tmp_path / "merged")), n), strict=True)
+    peft_model = PeftModel.from_pretrained(models.build_moe(), str(adapter)).eval()
+    tokens = models.tokens()
+    with torch.no_grad():
+        merged_logits, peft_logits = merged.eval()(tokens), peft_model(tokens)
+        base_logits = models.build_moe()(tokens)
+    assert (merged_logits - peft_logits).abs().max().item() <= TOL
+    assert (peft_logits - base_logits).abs().max().item() > 100 * TOL  # the adapters act
+
+    # lora.init_from read the MTP file back: every adapter as trained (lr 0 keeps them).
+    trained, started = ({k: v for k, v in checkpoint_tensors(path).items()
+                         if ADAPTER in k and not k.startswith("optimizer.")}
+                        for path in (tmp_path / "run" / "iter_0000003",
+                                     tmp_path / "from_peft" / "iter_0000001"))
+    assert any(k.startswith("mtp.") for k in trained), sorted(trained)
+    assert sorted(trained) == sorted(started)
+    assert all(torch.equal(trained[k], started[k]) for k in trained), [
+        k for k in trained if not torch.equal(trained[k], started[k])]

@@ -62,12 +62,11 @@ def _full_logits(model, tokens):
 def _parity(hf_dir, tokens, tp, pp, kernel="sdpa", architecture="gpt"):
     import mcore_ext
     from mcore_ext.hf import load_pretrained
-    from mcore_ext.hf.checkpoint import _as_hybrid
 
     mcore_ext.init_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    model = load_pretrained(hf_dir, backend="sdpa", attention_kernel=kernel).eval()
-    if architecture == "hybrid":  # what `hf import` writes by default from megatron-core 0.19
-        model = _as_hybrid(model, tokens.size(1), "sdpa").eval()
+    # hybrid: what `hf import` writes by default from megatron-core 0.19, built and filled alone
+    model = load_pretrained(hf_dir, architecture=architecture, backend="sdpa",
+                            attention_kernel=kernel).eval()
     logits = _full_logits(model, tokens)
     return None if logits is None else logits[..., : models.VOCAB]
 

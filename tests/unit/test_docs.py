@@ -218,8 +218,8 @@ DECISIONS = {
         "tests/functional/test_checkpoint_safe_load.py::"
         "test_the_explicit_opt_in_runs_the_payload_of_that_checkpoint_only"),
     "python -m mcore_ext.hf export runs/lora/checkpoints ADAPTER_OUT --adapter": Covered(
-        "tests/hf/test_hf_lora.py::"
-        "test_launcher_lora_run_exports_merged_and_peft_adapter_that_agree"),
+        "tests/hf/test_hf_lora_moe.py::"
+        "test_released_layout_lora_exports_a_peft_adapter_and_its_mtp_adapters"),
     "python -m mcore_ext.hf export runs/a/checkpoints OUT": Covered(
         "tests/hf/test_hf_checkpoint.py::"
         "test_export_refuses_a_folder_with_files_and_overwrite_keeps_the_others"),
