@@ -9,6 +9,7 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
 cd "$ROOT"
+bash "$ROOT/scripts/setup_slurm.sh"  # a real Slurm for tests/functional/test_slurm.py, if it can
 if [[ $# -gt 0 ]]; then
     exec "$PY" -m pytest "$@"  # no path given: pyproject's testpaths (tests/)
 fi

@@ -36,15 +36,13 @@ import torch
 import torch.distributed as dist
 
 from mcore_ext.checkpoint.errors import CheckpointSaveError
+# The launcher's exit code after such a stop; ``python -m mcore_ext.torchrun`` passes it through
+# (torchrun: 1) and launch/slurm/ requeues the job on it.
+from mcore_ext.cli import SAVED_NOT_FINISHED, SIGNAL_REPEAT_WINDOW_S  # noqa: F401
 from mcore_ext.runtime import raise_unless_all_ok  # noqa: F401  (data.py, tests import it here)
 
 _PR_SET_PDEATHSIG = 1
 
-# The launcher's exit code for "a checkpoint was saved, the run is not finished: start it again to
-# go on" (a preemption signal, training.exit_duration_mins). 16 is the code Megatron-LM's rerun
-# state machine exits with to ask for the job to be resumed from its checkpoint; launch/slurm/
-# requeues the job on it, and ``python -m mcore_ext.torchrun`` passes it through (torchrun: 1).
-SAVED_NOT_FINISHED = 16
 # Keeps an async save's Manager (and so its server process) alive as long as this process.
 _writer_manager = None
 
@@ -117,7 +115,7 @@ class ExitSignalHandler:
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
-    REPEAT_WINDOW_S = 5.0
+    REPEAT_WINDOW_S = SIGNAL_REPEAT_WINDOW_S
 
     def __init__(self):
         self.received: int = 0
