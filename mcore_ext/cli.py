@@ -14,6 +14,14 @@ import time
 import warnings
 
 USAGE_ERROR = 2
+# "A checkpoint was saved, the run is not finished: start it again to go on" (a preemption
+# signal, training.exit_duration_mins). 16 is the code Megatron-LM's rerun state machine exits
+# with to ask for its job to be resumed from its checkpoint; launch/slurm/ requeues on it.
+SAVED_NOT_FINISHED = 16
+# Signals to one process within this many seconds are one request (Slurm signals every process
+# of a job step, and torchrun's agent passes its copy on): mcore_ext.training.faults,
+# mcore_ext.torchrun.
+SIGNAL_REPEAT_WINDOW_S = 5.0
 
 # The first rank to exit makes torchrun's agent stop the others: had another rank left first, the
 # agent could stop the first rank before it printed the message (seen under load: no line at

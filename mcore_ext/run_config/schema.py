@@ -249,6 +249,11 @@ class TrainingConfig:
     exit_interval: Optional[int] = None
     """Stop (saving a checkpoint) at multiples of this; schedule and data still span train_iters."""
 
+    exit_duration_mins: Optional[float] = None
+    """Save and stop at the first step boundary this many minutes after the launcher started
+    (rank 0's clock; Megatron-LM's --exit-duration-in-mins), exit code 16: set it below a job's
+    time limit by more than a step and a save. Needs checkpoint.save."""
+
     eval_interval: Optional[int] = 50
     """Evaluate on the validation split every this many steps (and at the end); null = never."""
 
@@ -426,7 +431,8 @@ class CheckpointConfig:
 
     exit_on_signal: bool = False
     """On SIGTERM / SIGINT to any rank, all ranks finish the current step, save a checkpoint
-    (with checkpoint.save) and exit 0 (preemption); otherwise such a signal ends the run at once."""
+    (with checkpoint.save) and exit 16, "saved, not finished" (preemption; a signal during the
+    last step: 0); otherwise such a signal ends the run at once."""
 
 
 @dataclass

@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     from mcore_ext.training.loop import pretrain
 
     try:
-        pretrain(cfg, config_file=args.config)
+        finished = pretrain(cfg, config_file=args.config)
     except CheckpointSaveError as err:  # raised on every rank with the same message
         print(f"error: [rank {os.environ.get('RANK', '0')}] {err}", file=sys.stderr, flush=True)
         return 1
@@ -79,6 +79,8 @@ def main(argv=None) -> int:
             GateLayoutMismatch, AdapterError) as err:
         # Found on every rank alike, before training: said once, nothing was written.
         return report_error(one_line(err))
-    return 0
+    from mcore_ext.training.faults import SAVED_NOT_FINISHED
+
+    return 0 if finished else SAVED_NOT_FINISHED  # same on every rank: StopRequest agreed
 
 

@@ -10,9 +10,13 @@ resume, save errors are clear.
   signal). Ranks started by torchrun die with torchrun the same way.
 - Preemption (``checkpoint.exit_on_signal``): SIGTERM / SIGINT only set a flag; at each step
   boundary the ranks all-reduce it, and if any rank was signalled all of them save (skipping a
-  due evaluation) and exit 0 (Megatron-LM's ``--exit-signal-handler``; megatron-core ships no
-  such handler). A scheduler signals every process and torchrun forwards its own copy, so a
-  repeat within ``ExitSignalHandler.REPEAT_WINDOW_S`` is the same request, not a second one.
+  due evaluation) and exit ``SAVED_NOT_FINISHED`` (Megatron-LM's ``--exit-signal-handler``
+  saves the same way but exits 0, which a job script cannot tell from a finished run;
+  megatron-core ships no such handler). A scheduler signals every process and torchrun forwards
+  its own copy, so a repeat within ``ExitSignalHandler.REPEAT_WINDOW_S`` is the same request.
+- Time limits (``training.exit_duration_mins``, Megatron-LM's ``--exit-duration-in-mins``):
+  rank 0's clock decides, every rank learns it in the same all-reduce as the signal flag
+  (``StopRequest``), and the run saves and exits ``SAVED_NOT_FINISHED`` too.
 - Restarts: a worker restarted by ``torchrun --max-restarts`` resumes from the latest complete
   checkpoint in ``checkpoint.save`` (``checkpoint.directory.find_start``).
 - Save errors: every rank checks that it can write ``checkpoint.save`` before training, and a
@@ -34,9 +38,13 @@ import torch
 import torch.distributed as dist
 
 from mcore_ext.checkpoint.errors import CheckpointSaveError
+# The launcher's exit code after such a stop; ``python -m mcore_ext.torchrun`` passes it through
+# (torchrun: 1) and launch/slurm/ requeues the job on it.
+from mcore_ext.cli import SAVED_NOT_FINISHED, SIGNAL_REPEAT_WINDOW_S  # noqa: F401
 from mcore_ext.runtime import raise_unless_all_ok  # noqa: F401  (data.py, tests import it here)
 
 _PR_SET_PDEATHSIG = 1
+
 # Keeps an async save's Manager (and so its server process) alive as long as this process.
 _writer_manager = None
 
@@ -99,7 +107,7 @@ def install_checkpoint_writer_queue(async_save: bool) -> None:
 
 
 class ExitSignalHandler:
-    """Record SIGTERM / SIGINT instead of dying; ``agreed()`` tells all ranks at a step boundary.
+    """Record SIGTERM / SIGINT instead of dying; ``StopRequest`` tells all ranks at a step boundary.
 
     A second signal, at least ``REPEAT_WINDOW_S`` after the first, restores the previous handlers
     and re-sends itself: an operator who insists (a second Ctrl-C) still ends the process at
@@ -109,7 +117,7 @@ class ExitSignalHandler:
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
-    REPEAT_WINDOW_S = 5.0
+    REPEAT_WINDOW_S = SIGNAL_REPEAT_WINDOW_S
 
     def __init__(self):
         self.received: int = 0
@@ -137,11 +145,37 @@ class ExitSignalHandler:
             self._restore()
             os.kill(os.getpid(), signum)
 
+
+class StopRequest:
+    """Collective, at each step boundary: should every rank save and stop now, and why.
+
+    Two reasons, both answered in one all-reduce (none when neither is on): a signal some rank
+    received (``ExitSignalHandler``), and rank 0's clock past ``exit_duration_mins`` since
+    ``started`` (time.monotonic()). Only rank 0's clock counts: ranks that each read their own
+    could disagree at the boundary, and a rank that stopped alone would leave the others in the
+    save's collectives.
+    """
+
+    def __init__(self, signals: "ExitSignalHandler | None", exit_duration_mins: float | None,
+                 started: float, clock=time.monotonic):
+        self.signals, self.minutes, self.started, self.clock = (
+            signals, exit_duration_mins, started, clock)
+
     def agreed(self) -> str | None:
-        """Collective: the name of a signal some rank received (the highest number), or None."""
-        flag = torch.tensor([self.received], dtype=torch.int32, device=_device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return signal.Signals(int(flag.item())).name if flag.item() else None
+        """The reason every rank stops for (the same string on each), or None."""
+        if self.signals is None and self.minutes is None:
+            return None
+        elapsed = (self.clock() - self.started) / 60
+        late = self.minutes is not None and dist.get_rank() == 0 and elapsed >= self.minutes
+        flags = torch.tensor([self.signals.received if self.signals else 0, int(late)],
+                             dtype=torch.int32, device=_device())
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        signum, late = (int(x) for x in flags.tolist())
+        if signum:
+            return f"{signal.Signals(signum).name} received"
+        if late:
+            return f"training.exit_duration_mins={self.minutes:g} reached"
+        return None
 
 
 # ------------------------------------------------------------------------------------ restarts

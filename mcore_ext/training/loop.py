@@ -50,8 +50,12 @@ _PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H200 NVL": 835.0, "H200"
                 "H100": 989.0, "A100": 312.0}
 
 
-def pretrain(cfg, config_file: str | None = None) -> None:
+def pretrain(cfg, config_file: str | None = None) -> bool:
     """Run the training job described by a validated ``PretrainConfig`` on this torchrun rank.
+
+    Returns False when it stopped early, saved, for a signal or training.exit_duration_mins (to
+    be started again: ``faults.SAVED_NOT_FINISHED``), else True (finished, or stopped where
+    training.exit_interval asked).
 
     ``config_file``: the YAML file the config was read from, never written over (the resolved
     config goes beside it under another name when it would land on it).
@@ -66,6 +70,7 @@ def pretrain(cfg, config_file: str | None = None) -> None:
         expert_tensor_parallel_size=p.expert_tensor_parallel_size,
         seed=cfg.training.seed,
     )
+    started = time.monotonic()  # training.exit_duration_mins counts from here
     signals = faults.ExitSignalHandler() if cfg.checkpoint.exit_on_signal else None
     save = cfg.checkpoint.save
     made_save_dir = bool(save) and not os.path.exists(save)
@@ -81,7 +86,8 @@ def pretrain(cfg, config_file: str | None = None) -> None:
             if dist.get_rank() == 0:
                 resolved = _announce_config(cfg, config_file)
                 _announce_deprecated_model(cfg)
-            _Trainer(cfg, signals).run()
+            stop = faults.StopRequest(signals, cfg.training.exit_duration_mins, started)
+            finished = _Trainer(cfg, stop).run()
     except BaseException:
         if made_save_dir and dist.get_rank() == 0:  # a run refused before its first save
             with contextlib.suppress(OSError):
@@ -91,6 +97,7 @@ def pretrain(cfg, config_file: str | None = None) -> None:
         raise
     finally:
         destroy_parallel()
+    return finished
 
 
 def padded_vocab_size(vocab_size: int, cfg) -> int:
@@ -253,9 +260,9 @@ def _mean_mtp_losses(depths, num_microbatches: int):
 
 
 class _Trainer:
-    def __init__(self, cfg, signals=None):
+    def __init__(self, cfg, stop_request=None):
         self.cfg = cfg
-        self.signals = signals  # faults.ExitSignalHandler with checkpoint.exit_on_signal
+        self.stop_request = stop_request  # faults.StopRequest: signals, exit_duration_mins
         self.rank0 = dist.get_rank() == 0
         _mcore_compat.reset_mtp_losses()  # nothing of an earlier run in this process
 
@@ -342,10 +349,11 @@ class _Trainer:
         self._print(self.start_line)
         if self.iteration >= t.train_iters:
             self._print(run_complete(self.iteration, t.train_iters))
-            return
+            return True
         self._print(f"[train] iterations {first} .. {t.train_iters}")
         window = _Window()
         self.eta = _Eta(first)
+        requested = None  # why every rank stops early (faults.StopRequest), if one asked
         while self.iteration < t.train_iters:
             loss, grad_norm, ok = self._train_step()
             self.iteration += 1
@@ -355,12 +363,11 @@ class _Trainer:
             if it == first or last or _every(log_interval, it):
                 self._log(window, grad_norm, ok)
                 window = _Window()
-            stop = _every(t.exit_interval, it)
-            signal_name = self.signals.agreed() if self.signals else None
-            stop = stop or signal_name is not None
+            requested = self.stop_request.agreed() if self.stop_request else None
+            stop = requested is not None or _every(t.exit_interval, it)
             with window.paused():  # evaluation and saving are not step time
                 # Not when preempted: the save must fit in the scheduler's grace period.
-                evaluate = signal_name is None and (last or _every(t.eval_interval, it))
+                evaluate = requested is None and (last or _every(t.eval_interval, it))
                 if t.eval_interval and evaluate:
                     self._evaluate()
                 if c.save and (last or stop or _every(c.save_interval, it)):
@@ -368,14 +375,15 @@ class _Trainer:
                 if self.async_queue is not None:
                     self.async_queue.maybe_finalize_async_calls(blocking=False)
             if stop:
-                why = f"{signal_name} received" if signal_name else "training.exit_interval"
-                self._print(f"[train] stopping at iteration {it} ({why})")
+                self._print(f"[train] stopping at iteration {it} "
+                            f"({requested or 'training.exit_interval'})")
                 break
         if self.async_queue is not None:
             self.async_queue.close()  # waits for the last checkpoint and writes its tracker
         for sink in (self.metrics, self.tensorboard):
             if sink is not None:
                 sink.close()
+        return requested is None or self.iteration >= t.train_iters
 
     def _train_step(self):
         cfg = self.cfg

@@ -91,6 +91,10 @@ DECISIONS = {
     "python launch/pretrain.py --config configs/tiny_cpu.yaml training.train_iters=20 --check "
     "--world-size 2": Check(),
     "bash scripts/pretrain.sh training.train_iters=200 optimizer.lr=1e-3": Check(),
+    "sbatch --nodes=2 --gpus-per-node=8 --time=24:00:00 launch/slurm/pretrain.sbatch --config "
+    "configs/gpt_125m.yaml": Covered(
+        "tests/functional/test_slurm.py::"
+        "test_preempted_job_saves_requeues_itself_resumes_and_completes"),
     "RUN_DIR=runs/my_run bash scripts/pretrain.sh": Covered(
         "tests/functional/test_pretrain.py::test_resume_reaches_the_same_losses"),
     "torchrun --nproc_per_node=2 launch/pretrain.py --config configs/tiny_cpu.yaml "

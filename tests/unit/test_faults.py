@@ -268,3 +268,58 @@ def test_the_start_is_the_same_before_and_after_the_repair_of_a_killed_resave(tm
     assert after.own and after.checkpoint.iteration == 4
     assert after.checkpoint.directory == str(tmp_path / "iter_0000004")
     assert sorted(os.listdir(tmp_path)) == ["iter_0000004", TRACKER]
+
+
+def _stop_requests(late_rank, signalled_rank):
+    """Each rank's StopRequest answer when only ``late_rank``'s clock is past the limit and only
+    ``signalled_rank`` got SIGTERM (None: no rank)."""
+    import signal
+    import types
+
+    import torch.distributed as dist
+
+    from mcore_ext.training.faults import StopRequest
+
+    rank = dist.get_rank()
+    handler = types.SimpleNamespace(received=signal.SIGTERM if rank == signalled_rank else 0)
+    clock = (lambda: 61.0) if rank == late_rank else (lambda: 59.0)  # minutes since 0: 1.02 / 0.98
+    return StopRequest(handler, exit_duration_mins=1.0, started=0.0, clock=clock).agreed()
+
+
+def test_exit_duration_is_rank_0s_decision_and_every_rank_gets_it(run_distributed):
+    """training.exit_duration_mins: rank 0's clock past the limit stops every rank; rank 1's
+    alone stops none (clocks that differ must not split the ranks); a signal on any rank stops
+    all and names the signal."""
+    assert run_distributed(_stop_requests, 0, None, world_size=2) == [
+        "training.exit_duration_mins=1 reached"] * 2
+    assert run_distributed(_stop_requests, 1, None, world_size=2) == [None, None]
+    assert run_distributed(_stop_requests, None, 1, world_size=2) == ["SIGTERM received"] * 2
+
+
+def _run_with_exit_duration(tmp):
+    from tests.functional.inprocess import TINY_MOCK, launch
+
+    ckpt = f"{tmp}/ckpt"
+    common = (*TINY_MOCK, "training.train_iters=3", f"checkpoint.save={ckpt}",
+              "checkpoint.load=null", f"logging.metrics_file={tmp}/metrics.jsonl")
+    # A limit any step outlasts: the run saves at its first step boundary.
+    stopped = launch(*common, "training.exit_duration_mins=1e-6")
+    resumed = launch(*common)
+    return stopped, resumed
+
+
+def test_exit_duration_saves_and_exits_16_then_the_same_command_resumes(run_distributed,
+                                                                        tmp_path):
+    from mcore_ext.checkpoint.directory import TRACKER
+    from mcore_ext.training.faults import SAVED_NOT_FINISHED
+    from tests.functional.inprocess import losses, start_lines
+
+    (stopped, resumed), (stopped1, resumed1) = run_distributed(
+        _run_with_exit_duration, str(tmp_path), world_size=2)
+    assert stopped["code"] == stopped1["code"] == SAVED_NOT_FINISHED == 16, stopped
+    assert ("[train] stopping at iteration 1 (training.exit_duration_mins=1e-06 reached)"
+            in stopped["stdout"]), stopped["stdout"][-2000:]
+    assert resumed["code"] == resumed1["code"] == 0, resumed
+    assert start_lines(resumed["stdout"])[0].endswith("(iteration 1)"), resumed["stdout"]
+    assert (tmp_path / "ckpt" / TRACKER).read_text().strip() == "3"
+    assert sorted(losses(tmp_path / "metrics.jsonl")) == [1, 2, 3]

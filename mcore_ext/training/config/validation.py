@@ -108,6 +108,14 @@ def validate(cfg: PretrainConfig, world_size: int) -> None:
 
     if t.precision == "auto":
         t.precision = "bf16" if on_gpu else "fp32"
+    if t.exit_duration_mins is not None and not t.exit_duration_mins > 0:
+        raise ConfigError(f"training.exit_duration_mins={t.exit_duration_mins} must be above 0 "
+                          f"(or null)")
+    if t.exit_duration_mins is not None and not cfg.checkpoint.save:
+        raise ConfigError(
+            f"training.exit_duration_mins={t.exit_duration_mins:g} needs checkpoint.save: the "
+            f"run saves there before it stops, to be resumed"
+        )
     if t.exit_interval is not None and t.exit_interval > t.train_iters:
         raise ConfigError(
             f"training.exit_interval ({t.exit_interval}) is beyond training.train_iters "
