@@ -249,9 +249,6 @@ DECISIONS = {
         "test_recipe_at_context_parallel_2_trains_packed_conversations"),
     # packed vs one-conversation-per-row SFT (docs/training.md)
     "python benchmarks/bench_sft_packing.py": Skip(BENCHMARK),
-    "python -m mcore_ext.plan --config configs/step35_flash.yaml --vocab-size 128896 --seq "
-    "32768 --cp 8 --recompute full --packed --without-mtp lora.rank=16 "
-    "lora.targets=[q_proj,k_proj,v_proj,g_proj,o_proj]": Run(expect="LoRA: r 16"),
     # the memory plan (docs/memory-plan.md)
     "python -m mcore_ext.plan --config configs/step35_flash.yaml --vocab-size 128896 --seq "
     "32768 --recompute full --packed --without-mtp parallelism.tensor_model_parallel_size=8 "
