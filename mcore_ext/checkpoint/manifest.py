@@ -153,18 +153,27 @@ def verify_checkpoint(directory: str, collective: bool = True) -> list[tuple[str
     manifest. ``collective`` (and torch.distributed initialized): every rank calls it, each
     reads a share of the files, every rank returns all findings. With a signing key
     (``signing``), a manifest that is missing, unsigned or not signed with it is a problem."""
-    try:
-        document = _read_document(directory)
-        entries = None if document is None else document["files"]
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        return [(MANIFEST, f"unreadable ({type(err).__name__}: {err})")]
-    if (unsigned := signing.problem(document)) is not None:
-        return [(MANIFEST, unsigned)]
-    if entries is None:
-        return None
+    collective = collective and dist.is_initialized()
+    early, entries = _read_entries(directory)
+    if collective:
+        # Each rank reads the manifest for itself; what one rank finds (unreadable, unsigned,
+        # absent) decides for every rank, so all of them reach the gather below or none does.
+        seen = [None] * dist.get_world_size()
+        dist.all_gather_object(seen, early)
+        decided = [e for e in seen if e != "read"]
+        if decided:
+            problems = [e for e in decided if e is not None]
+            if problems:
+                return problems[0]
+            if len(decided) < len(seen):  # absent on some ranks, present on others
+                return [(MANIFEST, "present on some ranks only (is the directory on every "
+                                   "node's file system?)")]
+            return None
+    elif early != "read":
+        return early
     stamp = _stamp(directory)
     unlisted = unlisted_files(directory, entries)
-    if not (collective and dist.is_initialized()):
+    if not collective:
         problems = sorted(verify(directory, entries) + unlisted)
     else:
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -175,6 +184,21 @@ def verify_checkpoint(directory: str, collective: bool = True) -> list[tuple[str
     if not problems:
         _verified.add(stamp)
     return problems
+
+
+def _read_entries(directory: str):
+    """("read", the manifest's entries), or (what verify_checkpoint returns at once, None): a
+    problem list when the manifest is unreadable or not signed as required, None when absent."""
+    try:
+        document = _read_document(directory)
+        entries = None if document is None else document["files"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return [(MANIFEST, f"unreadable ({type(err).__name__}: {err})")], None
+    if (unsigned := signing.problem(document)) is not None:
+        return [(MANIFEST, unsigned)], None
+    if entries is None:
+        return None, None
+    return "read", entries
 
 
 def unlisted_files(directory: str, entries: dict) -> list[tuple[str, str]]:

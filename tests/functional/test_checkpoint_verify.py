@@ -157,3 +157,37 @@ def test_damaged_checkpoint_is_named_and_previous_resumes_exactly(run_distribute
                                                                   world):
     results = run_distributed(_damaged_runs, tmp_path, world, CASES[world], world_size=world)
     _check(results, tmp_path, CASES[world])
+
+
+def _verify_where_one_rank_cannot_read_the_manifest(directory):
+    import torch.distributed as dist
+
+    import mcore_ext
+    from mcore_ext.checkpoint import manifest
+
+    mcore_ext.init_parallel()
+    if dist.get_rank() == 0:
+        with open(os.path.join(directory, "a.bin"), "wb") as f:
+            f.write(b"x" * 64)
+        manifest.write(directory, manifest.describe(directory, ["a.bin"]))
+    dist.barrier()
+    read = manifest._read_document
+
+    def unreadable(_):
+        raise OSError("stale file handle")
+
+    if dist.get_rank() == 1:  # this rank's view of the manifest fails (a flaky mount, say)
+        manifest._read_document = unreadable
+    try:
+        return manifest.verify_checkpoint(directory)
+    finally:
+        manifest._read_document = read  # the worker process runs later tests
+
+
+def test_a_manifest_one_rank_cannot_read_is_every_ranks_finding(run_distributed, tmp_path):
+    # Rank 0 read the manifest and went on to gather the files' checks while rank 1 returned
+    # at once: a hang on the old code (the worker pool's timeout); now both report rank 1's
+    # finding.
+    found = run_distributed(_verify_where_one_rank_cannot_read_the_manifest, str(tmp_path),
+                            world_size=2, timeout=60)
+    assert found[0] == found[1] and "stale file handle" in found[0][0][1], found
