@@ -63,7 +63,13 @@ def _refuse_mtp(model) -> None:
         raise err
 
 
-def _peft_prefixes(model) -> dict:
+def _layer_prefix(root: str, layer: int) -> str:
+    """``root``: the text model's module path in transformers' class (``model.`` for
+    Step-3.5's text model, ``model.language_model.`` in Step3p7ForConditionalGeneration)."""
+    return hf_layer_prefix(layer).replace("model.", root, 1)
+
+
+def _peft_prefixes(model, root: str = "model.") -> dict:
     """{PEFT module prefix: LoraLinear} of ``model``'s adapters (a GPTModel or HybridModel),
     routed experts' left out (``_expert_adapters``)."""
     _refuse_mtp(model)
@@ -80,7 +86,7 @@ def _peft_prefixes(model) -> dict:
         if local not in _HF_MODULE or not layer_name.startswith("decoder.layers."):
             raise NotImplementedError(f"the PEFT name of the adapter {name}")
         layer = _hf_layer(model.get_submodule(layer_name))
-        prefix = f"base_model.model.{hf_layer_prefix(layer)}{_HF_MODULE[local]}"
+        prefix = f"base_model.model.{_layer_prefix(root, layer)}{_HF_MODULE[local]}"
         for target_name in adapter.targets:
             prefixes[f"{prefix}.{target_name}"] = adapter
     return prefixes
@@ -105,29 +111,29 @@ def _expert_adapters(model) -> dict:
     return found
 
 
-def _expert_prefix(layer: int, parameter: str, parameters: list) -> str:
+def _expert_prefix(layer: int, parameter: str, parameters: list, root: str = "model.") -> str:
     """PEFT's module prefix of ``parameter``'s wrapper: nested in ``parameters``' order, the
     last one outermost."""
     nesting = ".base_layer" * (len(parameters) - 1 - parameters.index(parameter))
-    return f"base_model.model.{hf_layer_prefix(layer)}mlp.experts{nesting}"
+    return f"base_model.model.{_layer_prefix(root, layer)}mlp.experts{nesting}"
 
 
 def _expert_parameters(cfg: "lora.LoraConfig") -> list:
     return [t for t in cfg.targets if t in lora.EXPERT_TARGETS]
 
 
-def adapter_tensors(model, cfg: "lora.LoraConfig") -> dict:
+def adapter_tensors(model, cfg: "lora.LoraConfig", root: str = "model.") -> dict:
     """{PEFT key: global fp32 tensor} of every adapter of ``model`` (a GPTModel, this pipeline
-    stage's layers), on every rank: every stage's under PP."""
+    stage's layers), on every rank: every stage's under PP. ``root``: see ``_layer_prefix``."""
     tensors = {}
-    prefixes = _peft_prefixes(model)
+    prefixes = _peft_prefixes(model, root)
     parameters = _expert_parameters(cfg)
     ep_group = ps.get_expert_model_parallel_group()
     for (layer, parameter), targets in sorted(_expert_adapters(model).items()):
         a = _gather(torch.stack([t.lora_A.detach().float() for t in targets]), 0, ep_group)
         b = _gather(torch.stack([t.lora_B.detach().float() for t in targets]), 0, ep_group)
         experts, rank = a.shape[0], a.shape[1]
-        prefix = _expert_prefix(layer, parameter, parameters)
+        prefix = _expert_prefix(layer, parameter, parameters, root)
         tensors[f"{prefix}.lora_A.weight"] = a.reshape(experts * rank, -1).cpu()  # [E r, in]
         tensors[f"{prefix}.lora_B.weight"] = b.permute(1, 2, 0).reshape(-1, experts * rank).cpu()
     for prefix, adapter in prefixes.items():
@@ -163,12 +169,13 @@ def _gather(tensor, dim, group):
     return torch.cat(parts, dim=dim)
 
 
-def save_adapter(model, directory: str, cfg: "lora.LoraConfig") -> None:
+def save_adapter(model, directory: str, cfg: "lora.LoraConfig", root: str = "model.") -> None:
     """Write ``model``'s adapters to ``directory`` in PEFT's format (global rank 0 writes; every
-    rank must call it)."""
+    rank must call it). ``root``: the text model's path in the transformers class the adapter
+    is for (``_layer_prefix``)."""
     from safetensors.torch import save_file
 
-    tensors = adapter_tensors(model, cfg)
+    tensors = adapter_tensors(model, cfg, root)
     if dist.is_initialized() and dist.get_rank() != 0:
         dist.barrier()
         return
@@ -248,12 +255,16 @@ def load_adapter(model, directory: str, cfg: "lora.LoraConfig") -> None:
                     "target_modules": "lora.targets"}[field]
             raise AdapterError(f"{path}: {field}={theirs!r} but {what}={ours!r}: set {what} "
                                "to the adapter's")
-    prefixes = _peft_prefixes(model)
-    experts = {_expert_prefix(layer, parameter, list(parameters)): targets
-               for (layer, parameter), targets in _expert_adapters(model).items()}
     weights = os.path.join(directory, ADAPTER_WEIGHTS)
     with safe_open(weights, framework="pt") as f:
         keys = set(f.keys())
+        # An adapter of Step3p7ForConditionalGeneration holds the text model's layers under
+        # model.language_model. (every key: a mix is refused below as keys no adapter takes).
+        root = ("model.language_model." if any(
+            k.startswith("base_model.model.model.language_model.") for k in keys) else "model.")
+        prefixes = _peft_prefixes(model, root)
+        experts = {_expert_prefix(layer, parameter, list(parameters), root): targets
+                   for (layer, parameter), targets in _expert_adapters(model).items()}
         # Every stage's adapters: a key another stage places is not this file's stray.
         wanted = _union_over_stages(
             {f"{p}.lora_{m}.weight" for p in [*prefixes, *experts] for m in "AB"})
