@@ -188,3 +188,62 @@ def test_step37_adapter_loads_in_peft_over_the_stock_class(run_distributed, vl, 
         peft_logits = peft_model(input_ids=tokens).logits
     assert (peft_logits - logits).abs().max().item() <= 2e-5
     assert (peft_logits - base).abs().max().item() > 100 * TOL  # the adapter acts
+
+
+# ------------------------------------------------------------- through the launcher (slow)
+
+
+@pytest.mark.slow
+def test_step37_chat_lora_fine_tune_exports_what_the_stock_class_and_peft_load(
+        run_distributed, tmp_path):
+    """hf import of a Step-3.7 folder with the SFT recipe's ChatML tokenizer, a LoRA chat
+    fine-tune through the launcher (in-process, 3 steps), then ``hf export`` (merged) and
+    ``hf export --adapter``: the stock class loads the merged folder with no missing or
+    unexpected keys, its vision tower and projector bit for bit the source's, and peft over the
+    stock class with the adapter gives the merged model's logits within 2e-5."""
+    pytest.importorskip("peft")
+    from peft import PeftModel
+    from transformers import Step3p7ForConditionalGeneration
+
+    from tests.functional.inprocess import completed, launch
+    from tests.functional.test_pretrain import check
+    from tests.hf.test_hf_sft import CHAT, TOKENIZER, VOCAB
+
+    config = models.tiny_vl_config(models.tiny_moe_config(vocab_size=VOCAB,
+                                                          max_position_embeddings=128))
+    hf = tmp_path / "hf"
+    models.save_vl(models.build_vl(config), str(hf), mtp=False)
+    for name in os.listdir(TOKENIZER):
+        shutil.copyfile(TOKENIZER / name, hf / name)
+    ckpt, run = tmp_path / "ckpt", tmp_path / "ft"
+    code, err = run_distributed(_cli_in_process, "import", str(hf), str(ckpt), world_size=1)[0]
+    assert code == 0, err
+    result = check(completed(run_distributed(
+        launch, "--config", str(ckpt / "iter_0000000" / "config.yaml"), "data.source=chat",
+        f"data.path={CHAT}", "training.micro_batch_size=2", "training.global_batch_size=2",
+        "training.train_iters=3", "training.eval_interval=null", "optimizer.lr=1e-2",
+        "optimizer.lr_warmup_iters=1", "model.attention_backend=sdpa", "lora.rank=4",
+        "lora.alpha=8", f"checkpoint.save={run}", "logging.metrics_file=null",
+        world_size=1, timeout=600)[0]), "launcher")
+    assert "LoRA adapter parameters trained" in result.stdout
+    merged, adapter = tmp_path / "merged", tmp_path / "adapter"
+    for target, extra in ((merged, ()), (adapter, ("--adapter",))):
+        code, err = run_distributed(_cli_in_process, "export", str(run), str(target), *extra,
+                                    world_size=1)[0]
+        assert code == 0, err
+
+    model, info = Step3p7ForConditionalGeneration.from_pretrained(
+        str(merged), output_loading_info=True, dtype=torch.float32)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    before, after = models.read_tensors(str(hf)), models.read_tensors(str(merged))
+    kept = [n for n in before if not n.startswith(("model.", "lm_head"))]
+    assert kept and all(torch.equal(before[n], after[n]) for n in kept)
+    assert (merged / "tokenizer.json").read_bytes() == (TOKENIZER / "tokenizer.json").read_bytes()
+    tokens = models.tokens() % VOCAB
+    peft_model = PeftModel.from_pretrained(models.build_vl(config), str(adapter)).eval()
+    with torch.no_grad():
+        merged_logits = model.eval()(input_ids=tokens).logits
+        peft_logits = peft_model(input_ids=tokens).logits
+        base_logits = models.build_vl(config)(input_ids=tokens).logits
+    assert (merged_logits - peft_logits).abs().max().item() <= 2e-5
+    assert (peft_logits - base_logits).abs().max().item() > 100 * TOL
