@@ -247,3 +247,33 @@ def test_step37_chat_lora_fine_tune_exports_what_the_stock_class_and_peft_load(
         base_logits = models.build_vl(config)(input_ids=tokens).logits
     assert (merged_logits - peft_logits).abs().max().item() <= 2e-5
     assert (peft_logits - base_logits).abs().max().item() > 100 * TOL
+
+
+def _import_export(hf_dir, ckpt, out):
+    return [_cli_in_process("import", hf_dir, ckpt), _cli_in_process("export", ckpt, out)]
+
+
+@pytest.mark.slow
+def test_step37_folder_in_transformers_module_names_round_trips(run_distributed, vl, tmp_path):
+    """A folder saved with transformers' own names (save_original_format=False: the text model
+    under model.language_model., fused experts.gate_up_proj) imports and exports under the same
+    prefix (MoE tensors in the hub's spelling, which the stock class reads through its
+    conversion mapping): no missing or unexpected keys, the same logits, the vision tower bit
+    for bit."""
+    from transformers import Step3p7ForConditionalGeneration
+
+    _, tokens, expected = vl
+    hf_dir, out = str(tmp_path / "native"), str(tmp_path / "out")
+    models.build_vl().save_pretrained(hf_dir, save_original_format=False)
+    results = run_distributed(_import_export, hf_dir, str(tmp_path / "ckpt"), out,
+                              world_size=1)[0]
+    assert all(code == 0 for code, _ in results), results
+    before, after = models.read_tensors(hf_dir), models.read_tensors(out)
+    assert "model.language_model.layers.1.moe.gate_proj.weight" in after
+    kept = [n for n in before if not n.startswith(("model.language_model.", "lm_head"))]
+    assert kept and all(torch.equal(before[n], after[n]) for n in kept)
+    model, info = Step3p7ForConditionalGeneration.from_pretrained(
+        out, output_loading_info=True, dtype=torch.float32)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    with torch.no_grad():
+        assert torch.equal(model.eval()(input_ids=tokens).logits, expected)
