@@ -6,7 +6,9 @@
 
 The module names are those of transformers' Step-3.5 model (``self_attn.q_proj`` ...
 ``g_proj``, ``o_proj``, ``mlp.gate_proj`` / ``up_proj`` / ``down_proj``, the shared expert's
-``mlp.shared_experts.gate_proj`` ...), the layer numbers global (layer L of ``model.layers``).
+``mlp.shared_experts.gate_proj`` ...), the layer numbers global (layer L of ``model.layers``;
+of ``model.language_model.layers`` for a Step-3.7 import, the text model's path in
+``Step3p7ForConditionalGeneration``: ``root``).
 Each target's A and B are gathered over TP into the HF tensors, and the pipeline stages' layers
 over PP, so every TP / PP layout writes the same files.
 
