@@ -6,7 +6,9 @@
     python -m mcore_ext.hf import HF_DIR CKPT_DIR   /   export CKPT_DIR HF_DIR
     python -m mcore_ext.hf plan HF_DIR --tp --pp --ep --dp   (parameters and memory per rank)
 
-Dense and MoE layers and the MTP layers of the released Step-3.5-Flash checkpoint.
+Dense and MoE layers and the MTP layers of the released Step-3.5-Flash checkpoint; of a
+Step-3.7-Flash folder (``Step3p7ForConditionalGeneration``) the text model, its vision tower and
+projector kept as they are (``step37``).
 
 Modules: ``config`` (config.json <-> megatron config fields), ``layout`` (the name table and the
 fused linear_qkv / linear_fc1 row layouts), ``safetensors_io`` (streaming reader and sharded

@@ -6,7 +6,9 @@
 
 The module names are those of transformers' Step-3.5 model (``self_attn.q_proj`` ...
 ``g_proj``, ``o_proj``, ``mlp.gate_proj`` / ``up_proj`` / ``down_proj``, the shared expert's
-``mlp.shared_experts.gate_proj`` ...), the layer numbers global (layer L of ``model.layers``).
+``mlp.shared_experts.gate_proj`` ...), the layer numbers global (layer L of ``model.layers``;
+of ``model.language_model.layers`` for a Step-3.7 import, the text model's path in
+``Step3p7ForConditionalGeneration``: ``root``).
 Each target's A and B are gathered over TP into the HF tensors, and the pipeline stages' layers
 over PP, so every TP / PP layout writes the same files.
 
@@ -69,7 +71,13 @@ _MTP_LAYER = re.compile(
     r"mtp\.layers\.(\d+)\.(?:mtp_model_layer|transformer_layer)(?:\.layers\.[01])?")
 
 
-def _peft_prefixes(model) -> dict:
+def _layer_prefix(root: str, layer: int) -> str:
+    """``root``: the text model's module path in transformers' class (``model.`` for
+    Step-3.5's text model, ``model.language_model.`` in Step3p7ForConditionalGeneration)."""
+    return hf_layer_prefix(layer).replace("model.", root, 1)
+
+
+def _peft_prefixes(model, root: str = "model.") -> dict:
     """{PEFT module prefix: LoraLinear} of ``model``'s adapters (a GPTModel or HybridModel),
     the MTP layers' under their released layer numbers (``num_layers + k``), routed experts'
     left out (``_expert_adapters``)."""
@@ -88,15 +96,16 @@ def _peft_prefixes(model) -> dict:
             raise NotImplementedError(f"the PEFT name of the adapter {name}")
         layer = (model.config.num_layers + int(depth[1]) if depth
                  else _hf_layer(model.get_submodule(layer_name)))
-        prefix = f"base_model.model.{hf_layer_prefix(layer)}{_HF_MODULE[local]}"
+        prefix = f"base_model.model.{_layer_prefix(root, layer)}{_HF_MODULE[local]}"
         for target_name in adapter.targets:
             prefixes[f"{prefix}.{target_name}"] = adapter
     return prefixes
 
 
 def _is_mtp_key(key: str, num_layers: int) -> bool:
-    """Whether a PEFT key (``base_model.model.model.layers.<L>....``) is an MTP layer's."""
-    match = re.match(r"base_model\.model\.model\.layers\.(\d+)\.", key)
+    """Whether a PEFT key (``base_model.model.model.layers.<L>....``, or under
+    ``model.language_model.`` for a Step-3.7 import: ``_layer_prefix``) is an MTP layer's."""
+    match = re.match(r"base_model\.model\.model\.(?:language_model\.)?layers\.(\d+)\.", key)
     return match is not None and int(match[1]) >= num_layers
 
 
@@ -119,29 +128,29 @@ def _expert_adapters(model) -> dict:
     return found
 
 
-def _expert_prefix(layer: int, parameter: str, parameters: list) -> str:
+def _expert_prefix(layer: int, parameter: str, parameters: list, root: str = "model.") -> str:
     """PEFT's module prefix of ``parameter``'s wrapper: nested in ``parameters``' order, the
     last one outermost."""
     nesting = ".base_layer" * (len(parameters) - 1 - parameters.index(parameter))
-    return f"base_model.model.{hf_layer_prefix(layer)}mlp.experts{nesting}"
+    return f"base_model.model.{_layer_prefix(root, layer)}mlp.experts{nesting}"
 
 
 def _expert_parameters(cfg: "lora.LoraConfig") -> list:
     return [t for t in cfg.targets if t in lora.EXPERT_TARGETS]
 
 
-def adapter_tensors(model, cfg: "lora.LoraConfig") -> dict:
+def adapter_tensors(model, cfg: "lora.LoraConfig", root: str = "model.") -> dict:
     """{PEFT key: global fp32 tensor} of every adapter of ``model`` (a GPTModel, this pipeline
-    stage's layers), on every rank: every stage's under PP."""
+    stage's layers), on every rank: every stage's under PP. ``root``: see ``_layer_prefix``."""
     tensors = {}
-    prefixes = _peft_prefixes(model)
+    prefixes = _peft_prefixes(model, root)
     parameters = _expert_parameters(cfg)
     ep_group = ps.get_expert_model_parallel_group()
     for (layer, parameter), targets in sorted(_expert_adapters(model).items()):
         a = _gather(torch.stack([t.lora_A.detach().float() for t in targets]), 0, ep_group)
         b = _gather(torch.stack([t.lora_B.detach().float() for t in targets]), 0, ep_group)
         experts, rank = a.shape[0], a.shape[1]
-        prefix = _expert_prefix(layer, parameter, parameters)
+        prefix = _expert_prefix(layer, parameter, parameters, root)
         tensors[f"{prefix}.lora_A.weight"] = a.reshape(experts * rank, -1).cpu()  # [E r, in]
         tensors[f"{prefix}.lora_B.weight"] = b.permute(1, 2, 0).reshape(-1, experts * rank).cpu()
     for prefix, adapter in prefixes.items():
@@ -177,12 +186,14 @@ def _gather(tensor, dim, group):
     return torch.cat(parts, dim=dim)
 
 
-def save_adapter(model, directory: str, cfg: "lora.LoraConfig") -> None:
+def save_adapter(model, directory: str, cfg: "lora.LoraConfig", root: str = "model.") -> None:
     """Write ``model``'s adapters to ``directory`` in PEFT's format, the MTP layers' (if any)
-    beside them in ``MTP_ADAPTER_WEIGHTS`` (global rank 0 writes; every rank must call it)."""
+    beside them in ``MTP_ADAPTER_WEIGHTS`` (global rank 0 writes; every rank must call it).
+    ``root``: the text model's path in the transformers class the adapter is for
+    (``_layer_prefix``)."""
     from safetensors.torch import save_file
 
-    tensors = adapter_tensors(model, cfg)
+    tensors = adapter_tensors(model, cfg, root)
     if dist.is_initialized() and dist.get_rank() != 0:
         dist.barrier()
         return
@@ -264,12 +275,18 @@ def load_adapter(model, directory: str, cfg: "lora.LoraConfig") -> int:
                     "target_modules": "lora.targets"}[field]
             raise AdapterError(f"{path}: {field}={theirs!r} but {what}={ours!r}: set {what} "
                                "to the adapter's")
-    prefixes = _peft_prefixes(model)
-    experts = {_expert_prefix(layer, parameter, list(parameters)): targets
-               for (layer, parameter), targets in _expert_adapters(model).items()}
     weights = os.path.join(directory, ADAPTER_WEIGHTS)
     mtp_weights = os.path.join(directory, MTP_ADAPTER_WEIGHTS)
     files = [weights] + ([mtp_weights] if os.path.isfile(mtp_weights) else [])
+    with safe_open(weights, framework="pt") as f:
+        # An adapter of Step3p7ForConditionalGeneration holds the text model's layers under
+        # model.language_model. (every key: a mix is refused below as keys no adapter takes).
+        root = ("model.language_model." if any(
+            k.startswith("base_model.model.model.language_model.") for k in f.keys())
+            else "model.")
+    prefixes = _peft_prefixes(model, root)
+    experts = {_expert_prefix(layer, parameter, list(parameters), root): targets
+               for (layer, parameter), targets in _expert_adapters(model).items()}
     num_layers = model.config.num_layers
     # Every stage's adapters: a key another stage places is not this file's stray.
     wanted = _union_over_stages(

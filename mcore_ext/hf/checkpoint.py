@@ -42,6 +42,7 @@ from mcore_ext.checkpoint.directory import (
     why_not_a_checkpoint,
 )
 from mcore_ext.checkpoint.errors import CheckpointCorruptError, CheckpointNotFoundError
+from mcore_ext.hf import step37
 from mcore_ext.hf.config import HFConfigError, Step35Config
 from mcore_ext.hf.convert import (
     PROVENANCE_NAME,
@@ -188,8 +189,12 @@ def _import(folder, ckpt_dir, dtype, seq_length, make_vocab_size_divisible_by, b
     except (Exception, CheckpointException) as err:  # reported below, on every rank
         failure = err
     saving.raise_unless_saved(failure, partial, f"checkpoint save to {directory} failed")
-    saving.publish(partial, directory, root=ckpt_dir, iteration=0, files={
-        "config.yaml": cfg.to_yaml(), PROVENANCE_NAME: json.dumps(raw, indent=2)})
+    files = {"config.yaml": cfg.to_yaml(), PROVENANCE_NAME: json.dumps(raw, indent=2)}
+    if step37.is_step37(raw) and torch.distributed.get_rank() == 0:  # rank 0 writes the files
+        # The folder's untrained tensors and other files, fingerprinted for the export.
+        files[step37.SOURCE_NAME] = step37.write_source(step37.describe_source(
+            hf_dir, folder.source.reader))
+    saving.publish(partial, directory, root=ckpt_dir, iteration=0, files=files)
     return directory
 
 
@@ -202,16 +207,17 @@ def resolve_iteration_dir(ckpt_dir: str) -> str:
     return found.directory
 
 
-def find_provenance(directory: str, cfg) -> dict | None:
-    """The HF config an imported checkpoint came from: beside it, or up its ``checkpoint.load``
+def find_provenance(directory: str, cfg, name: str = PROVENANCE_NAME) -> dict | None:
+    """The HF config an imported checkpoint came from (``name``: or another file an import
+    writes beside it, e.g. ``step37.SOURCE_NAME``): beside it, or up its ``checkpoint.load``
     chain (a run fine-tuned from an import points there). With a signing key, only as signed
     (``manifest.read_file``): one in a save directory, outside every checkpoint, is refused."""
     seen = set()
     while directory and directory not in seen:
         seen.add(directory)
-        if os.path.exists(os.path.join(directory, PROVENANCE_NAME)):
-            return json.loads(manifest.read_file(directory, PROVENANCE_NAME))
-        outside = os.path.join(os.path.dirname(os.path.abspath(directory)), PROVENANCE_NAME)
+        if os.path.exists(os.path.join(directory, name)):
+            return json.loads(manifest.read_file(directory, name))
+        outside = os.path.join(os.path.dirname(os.path.abspath(directory)), name)
         if os.path.exists(outside):
             if signing.key() is not None:
                 raise CheckpointCorruptError(
@@ -299,16 +305,34 @@ def export_checkpoint(ckpt_dir: str, hf_dir: str, *, vocab_size: int | None = No
     extra = {}
     if provenance is not None:
         source = Step35Config.from_hf_dict(provenance)
+        if step37.is_step37(provenance) and vocab_size not in (None, source.vocab_size):
+            raise HFConfigError(f"--vocab-size {vocab_size}: a Step-3.7 export keeps its "
+                                f"folder's config.json (text_config.vocab_size="
+                                f"{source.vocab_size})")
         vocab_size = vocab_size or source.vocab_size
         extra = source.extra
+    folder = None  # a Step-3.7 import's folder: its untrained tensors and files are kept
+    if provenance is not None and step37.is_step37(provenance) and not adapter:
+        folder = find_provenance(directory, cfg, step37.SOURCE_NAME)
+        if folder is None:
+            raise HFConfigError(f"{directory}: imported from a Step-3.7 folder but no "
+                                f"{step37.SOURCE_NAME} says which (imported before it was "
+                                "written): import the folder again")
+        # Every rank waits for rank 0's reading of the folder (one reader of its bytes).
+        _refuse_on_every_rank(step37.check_source(folder) if _rank() == 0 else None,
+                              HFConfigError)
     if vocab_size is None:
         vocab_size = _tokenizer_vocab(cfg)
     if vocab_size > embedding.global_shape[0]:
         raise HFConfigError(f"vocab_size={vocab_size} is larger than the checkpoint's "
                             f"embedding ({embedding.global_shape[0]} rows)")
     # Refuse what the layout cannot hold before building anything.
-    Step35Config.from_transformer_config(config, vocab_size=vocab_size,
-                                         max_position_embeddings=cfg.model.seq_length)
+    exported = Step35Config.from_transformer_config(config, vocab_size=vocab_size,
+                                                    max_position_embeddings=cfg.model.seq_length)
+    if folder is not None and _text_model(exported) != _text_model(source):
+        raise HFConfigError(f"{directory}: its model is not the text model of the Step-3.7 "
+                            f"folder it was imported from ({folder['path']}), whose config.json "
+                            "the export keeps")
 
     build = dict(
         vocab_size=embedding.global_shape[0],
@@ -345,13 +369,25 @@ def export_checkpoint(ckpt_dir: str, hf_dir: str, *, vocab_size: int | None = No
     if adapter:
         from mcore_ext.hf.adapter import save_adapter
 
-        save_adapter(model, hf_dir, adapters)
+        # A Step-3.7 import's adapters sit in the stock class's text model.
+        root = (step37.NATIVE_PREFIX if provenance is not None and step37.is_step37(provenance)
+                else "model.")
+        save_adapter(model, hf_dir, adapters, root=root)
         return
     lora.merge_lora(model, remove=True)
     if provenance is not None:
         model.hf_config = source.replace(vocab_size=vocab_size)
     save_pretrained(model, hf_dir, vocab_size=vocab_size, max_shard_bytes=max_shard_bytes,
-                    extra_config=extra, extra_files=_tokenizer_of(cfg))
+                    extra_config=extra, extra_files=_tokenizer_of(cfg),
+                    kept=step37.KeptTensors(folder) if folder is not None else None)
+
+
+def _text_model(spec: Step35Config) -> dict:
+    """What makes the function of ``spec``'s main model (its MTP layers aside: an import's run
+    may leave them out, and the stock Step-3.7 class does not build them)."""
+    main = spec.replace(num_mtp_layers=0, mtp_layer_types=None, mtp_swiglu_limits=None)
+    return {**main.transformer_config_fields(), "vocab_size": spec.vocab_size,
+            "tie_word_embeddings": spec.tie_word_embeddings}
 
 
 def _tokenizer_of(cfg) -> dict:
@@ -383,7 +419,7 @@ def _target_problem(hf_dir: str, overwrite: bool) -> str | None:
     return None
 
 
-def _refuse_on_every_rank(problem: str | None) -> None:
+def _refuse_on_every_rank(problem: str | None, error_class=FileExistsError) -> None:
     """Collective: FileExistsError on every rank when any rank found ``problem`` (the first
     rank's that did), before anything is written. Every rank then raises the same message, so
     the entry point says it once (``on_every_rank``); a folder that only some ranks see (node
@@ -394,7 +430,7 @@ def _refuse_on_every_rank(problem: str | None) -> None:
         dist.all_gather_object(problems, problem)
     found = next((p for p in problems if p is not None), None)
     if found is not None:
-        error = FileExistsError(found)
+        error = error_class(found)
         error.on_every_rank = True  # one rank reporting it is enough (mcore_ext.cli)
         raise error
 
@@ -412,3 +448,7 @@ def _tokenizer_vocab(cfg) -> int:
             f"tokenizer (data.tokenizer={cfg.data.tokenizer!r}) does not load here "
             f"({type(err).__name__}: {err}); pass --vocab-size (vocab_size=)"
         ) from None
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0

@@ -36,6 +36,15 @@ CONFIG_NAME = "config.json"
 PROVENANCE_NAME = "hf_config.json"
 
 
+def open_weights(hf_dir: str, raw: dict):
+    """The folder's safetensors as the Step-3.5 text model's: a Step-3.7 folder's text model
+    alone, under Step-3.5's names (``step37.TextView``); any other folder as it is."""
+    from mcore_ext.hf import step37
+
+    reader = SafetensorsReader(hf_dir)
+    return step37.TextView(reader) if step37.is_step37(raw) else reader
+
+
 def read_hf_config(hf_dir: str) -> tuple[dict, Step35Config]:
     path = os.path.join(hf_dir, CONFIG_NAME)
     if not os.path.exists(path):
@@ -147,13 +156,14 @@ class HFSource:
 
 class HFFolder:
     """An HF directory read once and checked: ``raw`` config.json, its ``spec``, the tensors
-    (``source``, an ``HFSource`` over the safetensors headers) and their ``dtype``. ``close()``
-    releases the open shard (its mapped pages); a later read opens it again."""
+    (``source``, an ``HFSource`` over the safetensors headers, a Step-3.7 folder's text model
+    alone: ``open_weights``) and their ``dtype``. ``close()`` releases the open shard (its
+    mapped pages); a later read opens it again."""
 
     def __init__(self, hf_dir: str):
         self.directory = hf_dir
         self.raw, spec = read_hf_config(hf_dir)
-        reader = SafetensorsReader(hf_dir)
+        reader = open_weights(hf_dir, self.raw)  # a Step-3.7 folder: its text model's tensors
         try:
             self.spec = resolve_mtp(reader, spec)
             self.source = HFSource(reader, self.spec)
@@ -473,7 +483,8 @@ def spec_of(model, vocab_size: int | None = None, extra: dict | None = None) -> 
 
 def save_pretrained(model, hf_dir: str, *, vocab_size: int | None = None,
                     max_shard_bytes: int = 2 * 1024**3, extra_config: dict | None = None,
-                    dtype: torch.dtype | None = None, extra_files: dict | None = None) -> None:
+                    dtype: torch.dtype | None = None, extra_files: dict | None = None,
+                    kept=None) -> None:
     """Write ``model`` (any TP / PP; called on every rank) to ``hf_dir`` in the released
     Step-3.5 layout: config.json and size-sharded safetensors with their index, written by global
     rank 0. ``vocab_size`` strips megatron's padded rows (default: the size ``load_pretrained``
@@ -481,7 +492,11 @@ def save_pretrained(model, hf_dir: str, *, vocab_size: int | None = None,
     untied lm_head). Raises ``HFConfigError`` on every rank, before anything is written, when the
     model does not fit the layout. ``dtype``: of every written tensor (default: the first
     stage's first parameter's, e.g. the embedding's). ``extra_files`` ({name: text or bytes},
-    rank 0's): written beside them in the same export (e.g. the tokenizer's files)."""
+    rank 0's): written beside them in the same export (e.g. the tokenizer's files). ``kept``
+    (a ``step37.KeptTensors`` of a checked Step-3.7 folder): the text model is written under
+    that folder's text prefix, its kept tensors after it as they are stored, its config.json
+    and other files beside them (``extra_files`` win over its files, its config.json over
+    the text model's)."""
     model = unwrap(model)
     spec = spec_of(model, vocab_size, extra_config)
     world_rank = dist.get_rank() if dist.is_initialized() else 0
@@ -529,12 +544,17 @@ def save_pretrained(model, hf_dir: str, *, vocab_size: int | None = None,
 
     plan = [(name, layout.hf_dtype(name, dtype), shape)
             for name, shape in layout.hf_shapes(spec).items()]
+    files = {**(extra_files or {}), CONFIG_NAME: json.dumps(spec.to_hf_dict(), indent=2) + "\n"}
+    if kept is not None:
+        from mcore_ext.hf.step37 import stored_name
+
+        plan = [(stored_name(n, kept.prefix), d, s) for n, d, s in plan] + kept.plan
+        files = {**kept.files(), **(extra_files or {})}
     writer = None
     if world_rank == 0:
-        config_text = json.dumps(spec.to_hf_dict(), indent=2) + "\n"
-        writer = ShardedSafetensorsWriter(hf_dir, plan, max_shard_bytes,
-                                          extra_files={**(extra_files or {}),
-                                                       CONFIG_NAME: config_text})
+        writer = ShardedSafetensorsWriter(hf_dir, plan, max_shard_bytes, extra_files=files)
+        if kept is not None:
+            writer = _RenamingWriter(writer, kept.prefix)
     shapes = layout.hf_shapes(spec)
     tied = "lm_head" not in sender  # tied embeddings: lm_head is the embedding's copy
     try:
@@ -562,6 +582,10 @@ def save_pretrained(model, hf_dir: str, *, vocab_size: int | None = None,
                     dist.recv(tensor, src=source, group=world_group)
                     writer.write(name, tensor)
             del tensors
+        if writer is not None and kept is not None:  # the kept tensors, bit for bit
+            for name, _, _ in kept.plan:
+                writer.write(name, kept.get(name), stored=True)
+            kept.close()
         if writer is not None:
             writer.close()
     except BaseException:
@@ -570,6 +594,28 @@ def save_pretrained(model, hf_dir: str, *, vocab_size: int | None = None,
         raise
     if dist.is_initialized():
         dist.barrier(group=world_group)
+
+
+class _RenamingWriter:
+    """A writer taking the Step-3.5 text names (``stored=True``: names as the folder stores
+    them) for a Step-3.7 folder whose text model is under ``prefix``."""
+
+    def __init__(self, writer, prefix: str):
+        from mcore_ext.hf.step37 import stored_name
+
+        self.writer, self.prefix, self._name = writer, prefix, stored_name
+
+    def write(self, name, tensor, stored=False):
+        self.writer.write(name if stored else self._name(name, self.prefix), tensor)
+
+    def write_rows(self, name, rows):
+        self.writer.write_rows(self._name(name, self.prefix), rows)
+
+    def close(self):
+        self.writer.close()
+
+    def abort(self):
+        self.writer.abort()
 
 
 def _unit_of(hf_names) -> str:

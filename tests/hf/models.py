@@ -417,3 +417,69 @@ def reference_kinds(config):
         return out
 
     return [kind(i) for i in range(config.num_hidden_layers)], [kind(0, mtp=True)]
+
+
+# ------------------------------------------------------------------- Step-3.7 (text + vision)
+
+def tiny_vl_config(text_config=None):
+    """transformers' Step3p7Config around ``text_config`` (default tiny_moe_config) with a tiny
+    vision tower (1 layer, width 16, 28 x 28 images of 14-pixel patches)."""
+    from transformers import Step3p7Config, Step3p7VisionConfig
+
+    text = text_config or tiny_moe_config()
+    vision = Step3p7VisionConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                 image_size=28, patch_size=14, mlp_ratio=2.0)
+    return Step3p7Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                         tie_word_embeddings=False)
+
+
+def build_vl(config=None, seed=0):
+    """Step3p7ForConditionalGeneration with random weights everywhere (norms and the router
+    bias included, as build / build_moe), fp32."""
+    from transformers import Step3p7ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    model = Step3p7ForConditionalGeneration(config or tiny_vl_config())
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            scale = 0.5 if name.endswith("norm.weight") or "layernorm" in name else 0.2
+            param.copy_(torch.randn_like(param) * scale)
+        gen = torch.Generator().manual_seed(seed + 100)
+        for layer in model.model.language_model.layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None:
+                bias = gate.e_score_correction_bias
+                bias.copy_(torch.randn(bias.shape, generator=gen) * 0.3)
+    return model.eval()
+
+
+def save_vl(model, directory, *, mtp=True):
+    """``model.save_pretrained`` (the hub's layout: model.layers.*, vision_model.*,
+    vit_large_projector.*, lm_head), plus, with ``mtp``, one MTP layer's tensors in a shard of
+    its own and num_nextn_predict_layers 1 in the text_config (the stock class skips them), and
+    a processor-like file to carry. Returns the directory."""
+    from safetensors.torch import save_file
+
+    model.save_pretrained(directory, max_shard_size="60KB")
+    with open(os.path.join(directory, "preprocessor_config.json"), "w") as f:
+        json.dump({"image_processor_type": "Step3p7ImageProcessor", "patch_size": 14}, f)
+    if not mtp:
+        return directory
+    text = model.config.text_config
+    tensors = mtp_tensors(text)
+    save_file(tensors, os.path.join(directory, "model-mtp.safetensors"), metadata={"format": "pt"})
+    index_path = os.path.join(directory, "model.safetensors.index.json")
+    with open(index_path) as f:
+        index = json.load(f)
+    index["weight_map"].update({n: "model-mtp.safetensors" for n in tensors})
+    with open(index_path, "w") as f:
+        json.dump(index, f, indent=2)
+    config_path = os.path.join(directory, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config["text_config"].update(num_nextn_predict_layers=1,
+                                 mtp_layer_types=["sliding_attention"],
+                                 mtp_mlp_layer_types=["dense"])
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=2)
+    return directory

@@ -24,11 +24,73 @@ FIRST_MOE_LAYER = 3  # without mlp_layer_types (or the released moe_layers_enum)
 _PER_LAYER_KEYS = ("num_attention_heads", "num_key_value_heads")
 
 
+# Every key a Step-3.7 text_config may hold: what ``read`` reads (both spellings), and keys that
+# do not change the function or the weights (initialisation, caching, outputs, dropout during
+# training: the launcher's own settings apply). Any other key is refused by name: a setting of a
+# later Step-3.7 that this conversion would otherwise silently drop.
+TEXT_KEYS = frozenset({
+    "model_type", "architectures", "vocab_size", "hidden_size", "intermediate_size",
+    "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "num_attention_groups",
+    "head_dim", "hidden_act", "max_position_embeddings", "max_seq_len", "rms_norm_eps",
+    "pad_token_id", "bos_token_id", "eos_token_id", "tie_word_embeddings", "rope_parameters",
+    "rope_theta", "partial_rotary_factors", "rope_scaling", "layer_types", "mlp_layer_types",
+    "moe_layers_enum", "mtp_layer_types", "mtp_mlp_layer_types", "num_nextn_predict_layers",
+    "num_mtp_layers", "sliding_window", "num_sliding_attention_heads", "attention_other_setting",
+    "per_layer_config", "query_pre_attn_scalar", "swiglu_limits", "swiglu_limits_shared",
+    "moe_intermediate_size", "n_routed_experts", "moe_num_experts", "num_local_experts",
+    "num_experts_per_tok", "moe_top_k", "share_expert_dim", "share_expert_dims",
+    "moe_router_scaling_factor", "moe_router_activation", "use_moe_router_bias",
+    "need_fp32_gate", "norm_expert_weight", "attention_bias", "mlp_bias", "gating",
+    "use_bidirectional_attention", "use_head_wise_attn_gate", "use_qk_norm", "zero_centered",
+    # no effect on the function or the weights
+    "initializer_range", "use_cache", "output_router_logits", "attention_dropout", "dtype",
+    "torch_dtype", "transformers_version", "_name_or_path", "return_dict",
+    "output_hidden_states", "output_attentions",
+})
+# One setting, two spellings (transformers' attribute_map): both given must agree.
+_ALIASES = (("n_routed_experts", "moe_num_experts", "num_local_experts"),
+            ("num_experts_per_tok", "moe_top_k"), ("num_key_value_heads", "num_attention_groups"),
+            ("num_nextn_predict_layers", "num_mtp_layers"))
+
+
 def text_config(raw: dict) -> dict:
-    """The text decoder's config: a ``Step3p7Config``'s ``text_config``, else ``raw`` itself."""
-    if raw.get("model_type") == WRAPPER_MODEL_TYPE and isinstance(raw.get("text_config"), dict):
+    """The text decoder's config: a ``Step3p7Config``'s ``text_config`` (checked: ``check_text``),
+    else ``raw`` itself."""
+    if raw.get("model_type") == WRAPPER_MODEL_TYPE:
+        if not isinstance(raw.get("text_config"), dict):
+            raise HFConfigError(f"model_type={WRAPPER_MODEL_TYPE!r} without a text_config dict "
+                                f"(text_config={raw.get('text_config')!r})")
+        check_text(raw)
         return dict(raw["text_config"], model_type=MODEL_TYPE)
     return dict(raw)
+
+
+def check_text(raw: dict) -> None:
+    """Refuse, by name, what a Step-3.7 text_config holds beyond Step-3.5's model."""
+    c = raw["text_config"]
+    unknown = sorted(k for k in c if k not in TEXT_KEYS)
+    if unknown:
+        raise HFConfigError(
+            f"text_config.{unknown[0]}={c[unknown[0]]!r}"
+            + (f" (and {', '.join(unknown[1:4])})" if len(unknown) > 1 else "")
+            + ": not a setting of the Step-3.5 text model this conversion reads; refused "
+            "rather than dropped")
+    if c.get("model_type", MODEL_TYPE) != MODEL_TYPE:
+        raise HFConfigError(f"text_config.model_type={c['model_type']!r}: the Step-3.7 text "
+                            f"model converted is {MODEL_TYPE!r}")
+    for names in _ALIASES:
+        given = {n: c[n] for n in names if c.get(n) is not None}
+        if len(set(map(str, given.values()))) > 1:
+            raise HFConfigError("text_config: " + ", ".join(f"{k}={v!r}" for k, v in given.items())
+                                + " disagree (one setting, two spellings)")
+    dropout = c.get("attention_dropout", 0.0)
+    if not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+        raise HFConfigError(f"text_config.attention_dropout={dropout!r}: expected a probability")
+    tie = raw.get("tie_word_embeddings")
+    if tie is not None and bool(tie) != bool(c.get("tie_word_embeddings", False)):
+        raise HFConfigError(f"tie_word_embeddings={tie!r} but text_config.tie_word_embeddings="
+                            f"{c.get('tie_word_embeddings', False)!r}: which lm_head the model "
+                            "has is ambiguous")
 
 
 def default_moe_layers(num_layers: int) -> set:
