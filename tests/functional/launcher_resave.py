@@ -15,6 +15,7 @@ from mcore_ext.training import loop, main  # noqa: E402
 class Resave(loop._Trainer):
     def run(self):
         self._save()
+        return True  # finished: the launcher exits 0
 
 
 # Guarded: megatron's checkpoint writer may start a spawn-context process that re-imports this.

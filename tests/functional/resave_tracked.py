@@ -48,6 +48,7 @@ class ResaveTracked(loop._Trainer):
         if kill == "renames" and dist.get_rank() == 0:
             os.rename = _die_after_moving_aside(os.rename)
         self._save()
+        return True  # finished: the launcher exits 0
 
 
 # Guarded: megatron's checkpoint writer may start a spawn-context process that re-imports this.

@@ -50,11 +50,12 @@ def _one_step(distributed: bool) -> dict:
 
     class Seen(loop._Trainer):
         def run(self):
-            super().run()
+            finished = super().run()
             named = list(self.model.named_parameters())
             owners = _optimizer_state_owners(self.optimizer)
             _seen.update(params={n: p.detach().clone() for n, p in named},
                          owners={n for n, p in named if id(p) in owners})
+            return finished
 
     trainer, loop._Trainer = loop._Trainer, Seen
     try:
