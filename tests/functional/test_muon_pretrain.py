@@ -85,8 +85,12 @@ def test_muon_state_reshards_tp2_to_tp1(muon_runs):
     tmp = muon_runs["tmp"]
     full, tp1 = losses(tmp / "full.jsonl"), losses(tmp / "tp1.jsonl")
     assert sorted(tp1) == list(range(5, 9))
+    # fp32 at TP 1 against TP 2 sums in other orders, and Muon's Newton-Schulz iterations
+    # amplify that: 1.6e-4 at step 7 measured on 2026-11-28 on this test's commit and on
+    # ee5173b alike (where it had passed under 1e-4 before); a state resharded wrongly moves the
+    # loss by tenths.
     for step in range(5, 9):
-        assert tp1[step] == pytest.approx(full[step], abs=1e-4, rel=0), (step, tp1, full)
+        assert tp1[step] == pytest.approx(full[step], abs=5e-4, rel=0), (step, tp1, full)
     assert "TP 1 x PP 1 x DP 2" in muon_runs["tp1"].stdout
 
 
