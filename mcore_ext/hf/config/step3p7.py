@@ -46,6 +46,11 @@ TEXT_KEYS = frozenset({
     "initializer_range", "use_cache", "output_router_logits", "attention_dropout", "dtype",
     "torch_dtype", "transformers_version", "_name_or_path", "return_dict",
     "output_hidden_states", "output_attentions",
+    # transformers' PretrainedConfig fields every config.to_dict() carries (heads, generation)
+    "chunk_size_feed_forward", "id2label", "label2id", "is_encoder_decoder", "problem_type",
+    "tokenizer_class", "prefix", "sep_token_id", "decoder_start_token_id",
+    "task_specific_params", "finetuning_task", "tie_encoder_decoder", "is_decoder",
+    "add_cross_attention", "cross_attention_hidden_size", "pruned_heads", "torchscript",
 })
 # One setting, two spellings (transformers' attribute_map): both given must agree.
 _ALIASES = (("n_routed_experts", "moe_num_experts", "num_local_experts"),
