@@ -17,6 +17,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from tests.unit.test_faults import _alive  # a pid that runs (not gone, not a zombie)
+
 DAEMONS = ("munged", "slurmctld", "slurmd", "mungekey")
 
 
@@ -160,12 +162,6 @@ class Cluster:
                 os.kill(pid, signal.SIGKILL)
 
 
-def _alive(pid) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 if __name__ == "__main__":
