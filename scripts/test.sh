@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run the test suite (installs what it needs into .venv first).
-#   bash scripts/test.sh            the whole suite on .venv's megatron-core (0.19.2), then the
+#   bash scripts/test.sh            the whole suite on .venv's megatron-core (0.19.2; Slurm's
+#                                   daemons installed first where root can: setup_slurm.sh), then the
 #                                   smoke runs on the older releases (scripts/test_versions.sh),
 #                                   then the Megatron-Bridge suite in .venv-bridge
 #                                   (scripts/setup_bridge.sh; pytest -m bridge)
@@ -12,6 +13,7 @@ cd "$ROOT"
 if [[ $# -gt 0 ]]; then
     exec "$PY" -m pytest "$@"  # no path given: pyproject's testpaths (tests/)
 fi
+bash "$ROOT/scripts/setup_slurm.sh"  # Debian's slurm-wlm + munge for tests/functional/test_slurm.py
 suite=0
 "$PY" -m pytest tests || suite=$?
 smoke=0

@@ -1,6 +1,7 @@
-"""launch/slurm/pretrain.sbatch on a real Slurm (munged, slurmctld and one slurmd started from a
+"""The job scripts of launch/slurm on a real Slurm (munged, slurmctld and one slurmd started from a
 folder of the test's: tests/functional/slurm_cluster.py), 2 ranks as two "nodes" (two tasks, each
-its own torchrun agent, c10d rendezvous), the tiny config on mock data.
+its own torchrun agent, c10d rendezvous): pretrain.sbatch with the tiny config on mock data,
+pretrain_megatron_lm.sbatch with Megatron-LM's flags for a tiny model on mock data.
 
 Skipped, with the reason, where Slurm is not installed or this is not root (scripts/test.sh
 installs Debian's slurm-wlm and munge when it can).
@@ -20,19 +21,17 @@ from tests.functional.slurm_cluster import Cluster, why_not_available
 from tests.functional.test_faults import assert_exact, attempts
 
 SBATCH = str(ROOT / "launch" / "slurm" / "pretrain.sbatch")
+SBATCH_MEGATRON_LM = str(ROOT / "launch" / "slurm" / "pretrain_megatron_lm.sbatch")
 ITERS = 12
 TIMEOUT_S = 600  # a job's whole life on a loaded 2-core machine (a start there takes ~1 min)
 
-# Opt-in (-m slurm, after scripts/setup_slurm.sh): not yet seen passing end to end (the preemption
-# run passed every check but the loss comparison, since fixed; the crash test has not run), and a
-# job start takes minutes on a loaded 2-core machine. docs/known-gaps.md.
-pytestmark = [pytest.mark.slurm,
-              pytest.mark.skipif(why_not_available() is not None,
-                                 reason=str(why_not_available()))]
+pytestmark = pytest.mark.slurm
 
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
+    if why_not_available() is not None:
+        pytest.skip(why_not_available())
     cluster = Cluster(tmp_path_factory.mktemp("slurm"))
     try:
         yield cluster.start()
@@ -46,15 +45,17 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _submit(slurm, tmp, *overrides, env=None) -> str:
-    """The job script with 2 tasks on the node (one torchrun agent of 1 rank each)."""
+def _submit(slurm, tmp, *overrides, env=None, script=SBATCH, args=None) -> str:
+    """A job script (the launcher's unless named) with 2 tasks on the node (one torchrun agent
+    of 1 rank each); ARGS replace the launcher's tiny run."""
     tmp.mkdir(parents=True, exist_ok=True)
-    args = [*TINY_MOCK, f"training.train_iters={ITERS}", "checkpoint.save_interval=null",
-            f"checkpoint.save={tmp / 'ckpt'}", "checkpoint.load=null",
-            f"logging.metrics_file={tmp / 'metrics.jsonl'}", *overrides]
+    if args is None:
+        args = [*TINY_MOCK, f"training.train_iters={ITERS}", "checkpoint.save_interval=null",
+                f"checkpoint.save={tmp / 'ckpt'}", "checkpoint.load=null",
+                f"logging.metrics_file={tmp / 'metrics.jsonl'}", *overrides]
     done = subprocess.run(
         ["sbatch", "--parsable", "--ntasks=2", "--ntasks-per-node=2",
-         f"--output={tmp / 'slurm-%j.out'}", SBATCH, *args],
+         f"--output={tmp / 'slurm-%j.out'}", script, *args],
         cwd=ROOT, capture_output=True, text=True, check=True,
         env={**slurm.env, "MASTER_PORT": str(_free_port()), "MCORE_EXT_SLURM_LOGS": str(tmp / "logs"),
              "MCORE_EXT_PYTHON": os.environ.get("MCORE_EXT_PYTHON", _python()), **(env or {})})
@@ -126,6 +127,25 @@ def test_preempted_job_saves_requeues_itself_resumes_and_completes(slurm, tmp_pa
     assert_exact({it: loss for it, loss in logged.items() if it > stop}, expected)
 
 
+def test_walltime_exit_saves_requeues_and_the_job_completes(slurm, tmp_path):
+    """training.exit_duration_mins (Megatron-LM's --exit-duration-in-mins) so short that every
+    start makes one step: start 0 saves iteration 1 and exits 16, the job requeues, start 1
+    resumes from it, saves iteration 2 (= train_iters) and finishes: COMPLETED, 1 restart."""
+    tmp = tmp_path / "walltime"
+    job = _submit(slurm, tmp, "training.train_iters=2", "training.exit_duration_mins=1e-6")
+    info = _wait(slurm, job, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"))
+    out = (tmp / f"slurm-{job}.out").read_text()
+    first = (tmp / "logs" / job / "restart0.log").read_text()
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, out, first[-3000:])
+    assert "[train] stopping at iteration 1 (training.exit_duration_mins=1e-06 reached)" in first
+    assert "[checkpoint] saved iteration 1 " in first
+    assert "saved, not finished (exit code 16): requeued" in out and "restart 1: finished" in out
+    second = (tmp / "logs" / job / "restart1.log").read_text()
+    assert f"resumed from {tmp / 'ckpt' / 'iter_0000001'} (iteration 1)" in second
+    (logged,) = attempts(tmp / "metrics.jsonl")  # one attempt: start 1 went on from step 2
+    assert sorted(logged) == [1, 2]
+
+
 def test_crashing_job_reads_failed_and_is_not_requeued(slurm, tmp_path):
     """Rank 1 SIGKILLed in step 2: torchrun exits 1, the job script passes it on, the job is
     FAILED, never requeued."""
@@ -137,3 +157,51 @@ def test_crashing_job_reads_failed_and_is_not_requeued(slurm, tmp_path):
     assert info["ExitCode"] == "1:0", info
     assert "training exited with code 1" in out and "not requeued" in out, out
     assert "SIGKILL at step 2" in (tmp / "logs" / job / "restart0.log").read_text()
+
+
+def test_preempted_megatron_lm_job_saves_requeues_itself_and_resumes(slurm, tmp_path):
+    """pretrain_megatron_lm.sbatch: SIGTERM to the batch shell mid-run; Megatron-LM's signal handler
+    (added by the script) saves at the end of the step and exits 0; the script reads Megatron-LM's
+    "exiting program after receiving SIGTERM." and requeues; the second start loads that
+    checkpoint (--load defaults to --save) and runs to --train-iters; the job COMPLETED."""
+    from tests.functional.test_megatron_lm_pretrain import LOSS, MODEL
+
+    tmp = tmp_path / "megatron_lm"
+    flags = [*MODEL, "--tensor-model-parallel-size", "2", "--train-iters", str(ITERS),
+             "--lr", "1e-3", "--lr-warmup-iters", "1", "--mock-data", "--tokenizer-type",
+             "NullTokenizer", "--vocab-size", "256", "--log-interval", "1", "--eval-iters", "0",
+             "--eval-interval", "1000", "--ckpt-format", "torch_dist", "--save-interval", "1000",
+             "--save", str(tmp / "ckpt")]
+    job = _submit(slurm, tmp, script=SBATCH_MEGATRON_LM, args=flags)
+    first_log = tmp / "logs" / job / "restart0.log"
+    deadline = time.monotonic() + TIMEOUT_S
+    while not (first_log.exists() and len(LOSS.findall(first_log.read_text())) >= 2):
+        assert time.monotonic() < deadline and _job(slurm, job)["JobState"] in (
+            "PENDING", "RUNNING"), (_job(slurm, job), (tmp / f"slurm-{job}.out").read_text())
+        time.sleep(0.2)
+    subprocess.run(["scancel", "--batch", "--signal=TERM", job], env=slurm.env, check=True)
+
+    info = _wait(slurm, job, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"))
+    out = (tmp / f"slurm-{job}.out").read_text()
+    first = first_log.read_text()
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, out, first[-3000:])
+    assert "exiting program after receiving SIGTERM." in first
+    stop = int(re.search(r"successfully saved checkpoint from iteration\s+(\d+)", first).group(1))
+    assert 2 <= stop < ITERS and max(int(i) for i, _ in LOSS.findall(first)) == stop
+    assert "saved, not finished (exit code 0): requeued" in out and "restart 1: finished" in out
+    second = (tmp / "logs" / job / "restart1.log").read_text()
+    assert re.search(rf"loading distributed checkpoint from {tmp / 'ckpt'} at iteration {stop}\b",
+                     second), second[-3000:]
+    assert sorted(int(i) for i, _ in LOSS.findall(second)) == list(range(stop + 1, ITERS + 1))
+
+
+def test_megatron_lm_job_without_save_is_refused_before_anything_starts(tmp_path):
+    """Without --save a requeued job could not resume: one error line, exit 2, before srun (the
+    script runs here outside Slurm: it must stop before it needs Slurm)."""
+    done = subprocess.run(
+        ["bash", SBATCH_MEGATRON_LM, "--num-layers", "2", "--load", str(tmp_path)],
+        capture_output=True, text=True, timeout=60,
+        env={**os.environ, "SLURM_SUBMIT_DIR": str(ROOT), "SLURM_JOB_ID": "1"})
+    assert done.returncode == 2, done
+    assert done.stderr.startswith("error: --save is not set") and done.stderr.count("\n") == 1
+    assert not (ROOT / "logs" / "slurm" / "1").exists()
