@@ -3,9 +3,12 @@
 DIR is a checkpoint directory or a save directory (its tracked checkpoint). Reads only the
 checkpoint's metadata (global shapes), so it needs neither the saving run's parallel layout nor
 a process group. ``--verify`` also reads every file and compares it with the manifest the save
-wrote (sizes, CRC32): exit code 1 when a file differs or there is no manifest; and reads every
-pickle of the checkpoint the restricted way a load does (``safe_pickle``). A pickle that would
-run code is one ``error:`` line, exit code 2, with or without ``--verify``.
+wrote (sizes, CRC32; with ``MCORE_EXT_CHECKPOINT_KEY`` its signature and SHA-256s, and a file the
+manifest does not list is a problem), and reads every pickle of the checkpoint the restricted way a
+load does (``safe_pickle``). It refuses what a load refuses, as a load does: every problem on its
+own ``CORRUPT:`` line (stdout), then one ``error:`` line (stderr), exit code 2, nothing more read.
+A pickle that would run code is one ``error:`` line, exit code 2, with or without ``--verify``.
+Exit code 1: no manifest to verify against (a Megatron-LM checkpoint), or an unreadable one.
 """
 
 import argparse
@@ -16,7 +19,8 @@ from megatron.core import dist_checkpointing
 
 from mcore_ext.checkpoint import manifest, safe_pickle
 from mcore_ext.checkpoint.directory import find_checkpoint
-from mcore_ext.checkpoint.errors import CheckpointNotFoundError, CheckpointUnsafeError
+from mcore_ext.checkpoint.errors import (
+    CheckpointCorruptError, CheckpointNotFoundError, CheckpointUnsafeError)
 from mcore_ext.checkpoint.sharding import GATE_SUFFIX, QKV_SUFFIX
 
 
@@ -67,7 +71,7 @@ def main(argv=None) -> int:
         with safe_pickle.refusals():
             ok = not args.verify or _verify(directory)
             metadata = dist_checkpointing.load_tensors_metadata(directory)
-    except CheckpointUnsafeError as error:  # nothing of it ran
+    except (CheckpointUnsafeError, CheckpointCorruptError) as error:  # nothing of it ran
         print(f"error: {error}", file=sys.stderr)
         return 2
     except Exception as error:  # noqa: BLE001 - report any unreadable checkpoint plainly
@@ -85,7 +89,8 @@ def main(argv=None) -> int:
 
 
 def _verify(directory: str) -> bool:
-    """Print what verification finds; True when every file matches the manifest."""
+    """Print what verification finds; True when every file matches the manifest, False without
+    a manifest; CheckpointCorruptError (as a load raises it) when a file differs."""
     problems = manifest.verify_checkpoint(directory, collective=False)
     if problems is None:
         print(f"verify: {directory} has no {manifest.MANIFEST} (saved before checksums were "
@@ -94,7 +99,8 @@ def _verify(directory: str) -> bool:
     if problems:
         for name, what in problems:
             print(f"CORRUPT: {directory}/{name}: {what}")
-        return False
+        raise CheckpointCorruptError(
+            f"checkpoint {directory} is corrupt: {manifest.summary(problems)}")
     entries = manifest.read(directory)
     size = sum(entry["size"] for entry in entries.values())
     print(f"verified: all {len(entries)} files of {directory} ({size / 2**20:.1f} MiB) match "

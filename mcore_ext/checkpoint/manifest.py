@@ -52,8 +52,9 @@ EDITABLE = ("config.yaml", "hf_config.json")
 COMMON_PT = "common.pt"
 _RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp")
 _CHUNK = 16 * 2**20
-# (real path, key, manifest's stat) of the directories that verified in full in this process:
-# megatron's loads of them after an entry point's (collective) verification read nothing twice.
+# (real path, key, every file's name, inode, size, ctime) of the directories that verified in full
+# in this process: megatron's loads of them after an entry point's (collective) verification read
+# nothing twice; a file added or rewritten since then is verified anew.
 _verified: set = set()
 _warned: set = set()
 _deferred = contextvars.ContextVar("mcore_ext_manifest_deferred", default=False)
@@ -181,7 +182,7 @@ def verify_checkpoint(directory: str, collective: bool = True) -> list[tuple[str
         found = [None] * world
         dist.all_gather_object(found, verify(directory, {n: entries[n] for n in names}))
         problems = sorted([problem for problems in found for problem in problems] + unlisted)
-    if not problems:
+    if not problems and stamp[-1] is not None:
         _verified.add(stamp)
     return problems
 
@@ -286,14 +287,21 @@ def _warn_unlisted_common(directory: str) -> None:
 
 
 def _stamp(directory: str) -> tuple:
-    """What identifies one verification of ``directory``: its real path, the key, and its
-    manifest's inode and modification time (a directory replaced by a new save verifies anew)."""
+    """What identifies one verification of ``directory``: its real path, the key, and every file
+    in it by name, inode, size and status-change time (ctime, which a write, a rename or a
+    ``utime`` moves and nothing can set back): a file added, replaced or rewritten after a
+    verification is verified anew."""
     try:
-        stat = os.stat(os.path.join(directory, MANIFEST))
-        manifest_id = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
+        with os.scandir(directory) as entries:
+            files = tuple(sorted((e.name, e.inode(), *_size_and_ctime(e)) for e in entries))
     except OSError:
-        manifest_id = None
-    return os.path.realpath(directory), signing.key(), manifest_id
+        files = None
+    return os.path.realpath(directory), signing.key(), files
+
+
+def _size_and_ctime(entry: os.DirEntry) -> tuple:
+    stat = entry.stat(follow_symlinks=True)
+    return stat.st_size, stat.st_ctime_ns
 
 
 def newest_verified(root: str, before: int):

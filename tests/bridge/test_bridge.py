@@ -443,15 +443,18 @@ def test_import_without_transformer_engine_is_one_clear_error():
 
 def test_importing_mcore_ext_bridge_alone_restricts_checkpoint_pickles():
     """A Bridge user imports ``mcore_ext.bridge`` and nothing else of mcore_ext: that import must
-    put the restricted reads in place (a fresh interpreter, so no other test's import counts)."""
+    put the restricted reads and the manifest check in front of every load in place (a fresh
+    interpreter, so no other test's import counts)."""
     code = ("from tests.bridge.bridge_env import import_bridge; import_bridge(); "
             "from torch.distributed.checkpoint import filesystem, default_planner; "
+            "from megatron.core.dist_checkpointing import serialization; "
             "print(getattr(filesystem.FileSystemReader.read_metadata, '_mcore_ext_safe', False), "
-            "getattr(default_planner.DefaultLoadPlanner.load_bytes, '_mcore_ext_safe', False))")
+            "getattr(default_planner.DefaultLoadPlanner.load_bytes, '_mcore_ext_safe', False), "
+            "getattr(serialization.verify_checkpoint, '_mcore_ext', False))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.splitlines()[-1].split() == ["True", "True"], done.stdout[-3000:]
+    assert done.stdout.splitlines()[-1].split() == ["True"] * 3, done.stdout[-3000:]
 
 
 def _save_craft_and_load(directory, marker):
@@ -503,3 +506,59 @@ def test_a_crafted_checkpoint_of_the_provider_model_is_refused_and_runs_nothing(
         assert message is not None, "the crafted checkpoint loaded"
         assert f"checkpoint file {directory}" in message and "builtins.eval" in message, message
     assert not marker.exists()
+
+
+def _sign_add_common_and_load(directory):
+    """The provider's gated model at TP 2 saved with megatron's dist_checkpointing (what Bridge's
+    checkpointing calls) and signed by rank 0 with MCORE_EXT_CHECKPOINT_KEY (a manifest listing
+    every file, as the launcher's save writes it); loaded back as Bridge's load does, then again
+    with a ``common.pt`` added (megatron would take the iteration from it). Returns (the first
+    load's error or None, the second's)."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    import mcore_ext
+    from mcore_ext.checkpoint import manifest
+    from mcore_ext.checkpoint.errors import CheckpointCorruptError
+
+    os.environ["MCORE_EXT_CHECKPOINT_KEY"] = "k3y"
+    mcore_ext.init_parallel(tensor_model_parallel_size=2)
+    try:
+        provider = _provider(tensor_model_parallel_size=2)
+        provider.finalize()
+        (model,) = provider.provide_distributed_model(wrap_with_ddp=False,
+                                                      use_cpu_initialization=True)
+        if dist.get_rank() == 0:
+            os.makedirs(directory)
+        dist.barrier()
+        dist_checkpointing.save(model.sharded_state_dict(), directory)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            manifest.write(directory, manifest.describe(directory, sorted(os.listdir(directory))))
+        errors = []
+        for added in (False, True):
+            if added and dist.get_rank() == 0:
+                torch.save({"iteration": 1}, os.path.join(directory, "common.pt"))
+            dist.barrier()
+            try:
+                dist_checkpointing.load(model.sharded_state_dict(), directory)
+                errors.append(None)
+            except CheckpointCorruptError as err:
+                errors.append(str(err))
+        return errors
+    finally:
+        mcore_ext.destroy_parallel()
+
+
+def test_a_signed_checkpoint_with_an_added_file_is_refused_on_bridges_load(run_distributed,
+                                                                          tmp_path):
+    """Issue 44.1 on the Bridge path: with the key, the signed checkpoint loads; with a
+    ``common.pt`` added that the manifest does not list, every rank refuses it, naming the file,
+    before megatron reads it."""
+    directory = tmp_path / "ckpt"
+    results = run_distributed(_sign_add_common_and_load, str(directory), world_size=2,
+                              timeout=300)
+    for intact, added in results:
+        assert intact is None, intact
+        assert added is not None and added.startswith(
+            f"checkpoint {directory} is corrupt: common.pt not in the manifest"), added

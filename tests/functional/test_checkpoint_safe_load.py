@@ -400,8 +400,12 @@ def test_signed_manifest_verifies_only_with_its_key(signed, monkeypatch):
     code, out, _ = _inspect(signed["base"])
     assert code == 0 and "verified: all" in out
     monkeypatch.setenv(KEY, "another")
-    code, out, _ = _inspect(signed["base"])
-    assert code == 1 and "mcore_ext_manifest.json: signature does not verify" in out, out
+    code, out, err = _inspect(signed["base"])
+    assert code == 2 and "mcore_ext_manifest.json: signature does not verify" in out, out
+    assert err.startswith(f"error: checkpoint {signed['base'] / 'iter_0000002'} is corrupt: "
+                          "mcore_ext_manifest.json signature does not verify") and (
+        err.count("\n") == 1), err
+    assert "tensors in" not in out  # refused as a load is: nothing more read
 
 
 @pytest.mark.parametrize("how, problem", [
@@ -411,8 +415,10 @@ def test_signed_manifest_verifies_only_with_its_key(signed, monkeypatch):
 ])
 def test_signed_checkpoint_tampered_is_refused_with_the_key(signed, monkeypatch, how, problem):
     monkeypatch.setenv(KEY, "k3y")
-    code, out, _ = _inspect(signed[how])
-    assert code == 1 and f"CORRUPT: {signed[how] / 'iter_0000002'}/{problem}" in out, out
+    code, out, err = _inspect(signed[how])
+    assert code == 2 and f"CORRUPT: {signed[how] / 'iter_0000002'}/{problem}" in out, out
+    assert err.startswith(f"error: checkpoint {signed[how] / 'iter_0000002'} is corrupt: "
+                          f"{problem.replace(':', '', 1)}") and err.count("\n") == 1, err
     if how == "unsigned":  # without the key, a manifest re-computed in full hides the flip
         monkeypatch.delenv(KEY)
         code, out, _ = _inspect(signed[how])
@@ -433,8 +439,10 @@ def test_a_file_the_signed_manifest_does_not_list_refuses_every_load(run_distrib
     resume, naming it, before anything is read; without the key the resume is told about it."""
     directory = signed["common_pt"] / "iter_0000002"
     monkeypatch.setenv(KEY, "k3y")
-    code, out, _ = _inspect(signed["common_pt"])
-    assert code == 1 and f"CORRUPT: {directory}/common.pt: not in the manifest" in out, out
+    code, out, err = _inspect(signed["common_pt"])  # exit 1 on the old code, and read on
+    assert code == 2 and f"CORRUPT: {directory}/common.pt: not in the manifest" in out, out
+    assert err.startswith(f"error: checkpoint {directory} is corrupt: common.pt not in the "
+                          "manifest") and err.count("\n") == 1, err
     monkeypatch.delenv(KEY)
     shutil.copytree(signed["common_pt"], tmp_path / "copy")
     (result,) = run_distributed(_resume_with_and_without_key, tmp_path / "copy", world_size=1)
@@ -456,7 +464,7 @@ def test_a_signature_that_is_not_a_string_of_hex_digits_does_not_verify(run_dist
     """Issue 44.3: ``"hmac_sha256": 12345`` or a non-ASCII string raised TypeError (a traceback)."""
     monkeypatch.setenv(KEY, "k3y")
     code, out, _ = _inspect(signed[how])
-    assert code == 1 and "mcore_ext_manifest.json: signature does not verify" in out, out
+    assert code == 2 and "mcore_ext_manifest.json: signature does not verify" in out, out
     monkeypatch.delenv(KEY)
     (result,) = run_distributed(_with_key, "k3y", _resume, signed[how], 3, ONE_RANK,
                                 world_size=1)
@@ -483,12 +491,14 @@ def test_launcher_with_the_key_resumes_a_signed_checkpoint_and_refuses_a_re_crc_
     ("flip", None, "__1_0.distcp checksum mismatch"),
     pytest.param("recrc", "k3y", "mcore_ext_manifest.json signature does not verify",
                  marks=pytest.mark.slow),
+    ("common_pt", "k3y", "common.pt not in the manifest"),  # issue 44.1 on this load path
 ])
 def test_megatron_lm_entry_verifies_a_launcher_checkpoint_before_loading(
         signed, tmp_path, monkeypatch, how, key, problem):
     """The Megatron-LM entry resumes the launcher's checkpoints (test_megatron_lm_checkpoints):
     one whose file differs from its manifest is refused as the launcher refuses it, and with the
-    key set one re-CRC'd without it; one line, exit code 2, nothing saved."""
+    key set one re-CRC'd without it, or with a file the signed manifest does not list (megatron
+    would take the iteration from an added ``common.pt``); one line, exit code 2, nothing saved."""
     pytest.importorskip("megatron.training.models.gpt", reason="megatron.training >= 0.19")
     from tests.functional.test_megatron_lm_checkpoints import MLM
     from tests.functional.test_megatron_lm_pretrain import MEGATRON_LM
@@ -579,7 +589,7 @@ def test_export_of_a_signed_checkpoint_refuses_a_changed_or_added_sidecar(
     problem = "not in the manifest" if name == "added" else ""  # its size or checksum
     monkeypatch.setenv(KEY, "k3y")
     code, out, _ = _inspect(ckpt)
-    assert code == 1 and f"CORRUPT: {directory}/{file}: {problem}" in out, out
+    assert code == 2 and f"CORRUPT: {directory}/{file}: {problem}" in out, out
     monkeypatch.delenv(KEY)
     (result,) = run_distributed(_export_with_key, ckpt, tmp_path / "out", world_size=1)
     assert result["code"] == 2, result

@@ -111,7 +111,7 @@ def _check(results, tmp, cases):
         problem = "truncated" if how.startswith("truncate") else "checksum mismatch"
         verified = 1 if older_too else 2
         code, text = result["inspect"]
-        assert code == 1 and f"{damaged / file}: {problem}" in text, (name, text)
+        assert code == 2 and f"{damaged / file}: {problem}" in text, (name, text)
         if policy == "error":
             assert [r["code"] for r in (result, *others)] == [2] * len(results), (name, result)
             (line,) = result["stderr"].splitlines()

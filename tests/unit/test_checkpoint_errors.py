@@ -286,3 +286,36 @@ def test_checkpoint_without_a_row_per_token_is_refused(run_distributed, tmp_path
     assert "has 128 rows, fewer than the 200 tokens" in out["more tokens"], out
     assert "data.tokenizer" in out["more tokens"], out
     assert results[1]["more tokens"] == out["more tokens"]  # every rank refuses
+
+
+def test_a_verified_checkpoint_changed_afterwards_is_verified_again_on_the_next_load(
+        tmp_path, monkeypatch):
+    """A process verifies a checkpoint once (an entry point's verification counts for megatron's
+    reads after it); a file added or rewritten after that, in a long-lived process (Bridge, a
+    notebook), must not load on the old verdict. Old code: the verdict keyed on the manifest's
+    own inode and mtime only, so both changes below loaded."""
+    from mcore_ext.checkpoint import manifest
+    from mcore_ext.checkpoint.errors import CheckpointCorruptError
+
+    monkeypatch.setenv("MCORE_EXT_CHECKPOINT_KEY", "k3y")
+    directory = tmp_path / "iter_0000001"
+    directory.mkdir()
+    for name in ("__0_0.distcp", "metadata.json"):
+        (directory / name).write_bytes(name.encode() * 64)
+    manifest.write(str(directory), manifest.describe(str(directory), sorted(os.listdir(directory))))
+    manifest.check_before_read(str(directory))  # verifies, remembered
+
+    (directory / "common.pt").write_bytes(b"added")
+    with pytest.raises(CheckpointCorruptError, match="common.pt not in the manifest"):
+        manifest.check_before_read(str(directory))
+    (directory / "common.pt").unlink()
+    manifest.check_before_read(str(directory))
+
+    shard = directory / "__0_0.distcp"
+    stat = shard.stat()
+    data = bytearray(shard.read_bytes())
+    data[5] ^= 0x10  # same size, its times put back
+    shard.write_bytes(bytes(data))
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    with pytest.raises(CheckpointCorruptError, match="__0_0.distcp checksum mismatch"):
+        manifest.check_before_read(str(directory))
