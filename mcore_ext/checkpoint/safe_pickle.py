@@ -20,6 +20,9 @@ A distributed checkpoint holds two kinds of pickle besides its tensors (which to
   the folder (its ``load_common``: ``torch.load`` with torch's defaults, plain pickle under
   ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1``): read by ``load_file``, the byte objects' read
   (``_mcore_compat.guard_checkpoint_loads`` puts it in megatron's place).
+- Megatron-LM's ``--ckpt-format torch`` files (``mp_rank_*/model_optim_rng.pt``, read by
+  ``megatron.training.checkpointing`` with torch's defaults): the Megatron-LM entry gives that
+  module ``TorchWithRestrictedLoad`` for ``torch``, so they are read by ``load_file`` too.
 
 ``weights_only=True`` is passed explicitly, which torch's environment does not override.
 ``install()`` (run when ``mcore_ext.checkpoint`` is imported, so by every entry point) puts the
@@ -40,6 +43,7 @@ import os
 import pickle
 import re
 import sys
+import types
 
 import torch
 
@@ -102,10 +106,11 @@ def unpickle_metadata(stream, path: str):
             f"{' '.join(str(err).split())})") from None
 
 
-def load_object(value: io.BytesIO, path: str, map_location=None):
-    """A byte object of a checkpoint (``torch.save`` d), read from the file ``path``:
-    ``torch.load(weights_only=True)`` with megatron's safe globals, unless trusted. Said
-    explicitly, which torch's ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` does not override."""
+def load_object(value, path: str, map_location=None):
+    """A byte object of a checkpoint (``torch.save`` d), read from ``value`` (a stream, or the
+    file ``path`` itself): ``torch.load(weights_only=True)`` with megatron's safe globals, unless
+    trusted. Said explicitly, which torch's ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` does not
+    override."""
     if _trusted(path):
         return torch.load(value, weights_only=False, map_location=map_location)
     try:
@@ -119,11 +124,27 @@ def load_object(value: io.BytesIO, path: str, map_location=None):
         raise PickleRefused(_refusal(path, what)) from None
 
 
-def load_file(path: str):
-    """A pickle file of a checkpoint (megatron's legacy ``common.pt``), read as ``load_object``
-    reads a byte object, onto the CPU as megatron's ``load_common`` reads it."""
-    with open(path, "rb") as f:
-        return load_object(io.BytesIO(f.read()), path, map_location="cpu")
+def load_file(path, map_location="cpu"):
+    """A pickle file of a checkpoint (megatron's legacy ``common.pt``, Megatron-LM's
+    ``--ckpt-format torch`` ``model_optim_rng.pt``), read as ``load_object`` reads a byte object,
+    onto the CPU as megatron reads them."""
+    return load_object(os.fspath(path), os.fspath(path), map_location=map_location)
+
+
+class TorchWithRestrictedLoad(types.ModuleType):
+    """``torch`` for a module of megatron's that reads whole checkpoint files with ``torch.load``
+    (``megatron.training.checkpointing``, Megatron-LM's ``--ckpt-format torch``): everything is
+    torch's but ``load``, which is ``load_file``."""
+
+    def __init__(self):
+        super().__init__("torch")
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def load(f, map_location=None, **_):
+        return load_file(f, map_location=map_location)
 
 
 def _refusal(path: str, what: str) -> str:

@@ -72,7 +72,7 @@ from megatron.training.utils import (  # noqa: E402
 
 from mcore_ext.attention.context_parallel import get_batch_on_this_cp_rank  # noqa: E402
 from mcore_ext.checkpoint import directory as checkpoint_dirs  # noqa: E402
-from mcore_ext.checkpoint import manifest  # noqa: E402
+from mcore_ext.checkpoint import manifest, safe_pickle  # noqa: E402
 from mcore_ext.checkpoint.errors import (  # noqa: E402
     CheckpointCorruptError, one_line, refusal_in)
 from mcore_ext.megatron_lm.arguments import add_mcore_ext_args  # noqa: E402
@@ -266,8 +266,9 @@ def verified_loads():
     iteration directory it will read (collective, as the load is): CheckpointCorruptError on
     every rank when a file differs from the manifest, or a signing key is set and the manifest is
     missing, unsigned or signed with another key. A checkpoint without a manifest (Megatron-LM's
-    own) loads as before when no key is set."""
-    from megatron.training import training
+    own) loads as before when no key is set. The whole-file pickles of ``--ckpt-format torch``
+    are read restricted, as every other checkpoint pickle (``safe_pickle``)."""
+    from megatron.training import checkpointing, training
 
     original = training.load_checkpoint
 
@@ -276,10 +277,12 @@ def verified_loads():
         return original(*args, load_arg=load_arg, **kwargs)
 
     training.load_checkpoint = load_checkpoint
+    checkpointing.torch = safe_pickle.TorchWithRestrictedLoad()
     try:
         yield
     finally:
         training.load_checkpoint = original
+        checkpointing.torch = torch
 
 
 def _verify(load_dir) -> None:

@@ -313,6 +313,46 @@ def test_megatron_lm_entry_refuses_a_crafted_checkpoint(crafted, tmp_path, name=
     assert not marker.exists() and not (tmp_path / "mlm").exists()
 
 
+def test_megatron_lm_entry_reads_a_legacy_torch_checkpoint_restricted(tmp_path):
+    """Megatron-LM's ``--ckpt-format torch`` reads ``model_optim_rng.pt`` with torch's defaults:
+    with torch's documented ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` a payload in its ``args`` ran
+    and the run resumed (old code: the marker file made, exit 0). Now it is read as every other
+    checkpoint pickle: one line naming the file and the type, exit 2, nothing run; the intact
+    checkpoint resumes."""
+    pytest.importorskip("megatron.training.models.gpt", reason="megatron.training >= 0.19")
+    from tests.functional.test_megatron_lm_checkpoints import MLM
+    from tests.functional.test_megatron_lm_pretrain import MEGATRON_LM
+    from tests.functional.test_pretrain import torchrun
+
+    flags = [*MLM[:MLM.index("--ckpt-format")], "--ckpt-format", "torch", "--save-interval",
+             "1000", "--override-opt_param-scheduler"]  # the resumes run to another length
+    save, marker = tmp_path / "legacy", tmp_path / "PWNED"
+    made = torchrun(*flags, "--train-iters", "2", "--save", str(save), program=MEGATRON_LM)
+    assert made.returncode == 0, made.stderr[-3000:]
+    (rank0,) = save.glob("iter_0000002/mp_rank_00/model_optim_rng.pt")
+    # The intact one resumes through the restricted reader (its args, RNG and optimizer states).
+    resumed = torchrun(*flags, "--train-iters", "3", "--load", str(save), "--save",
+                       str(tmp_path / "resumed"), program=MEGATRON_LM)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"loading checkpoint from {save} at iteration 2" in resumed.stdout, resumed.stdout[-3000:]
+    assert (tmp_path / "resumed" / "iter_0000003").is_dir()
+    state = torch.load(rank0, weights_only=False)  # our own file
+    state["args"] = Payload(marker, state["args"])
+    torch.save(state, rank0)
+    os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"
+    try:
+        result = torchrun(*flags, "--train-iters", "3", "--load", str(save), "--save",
+                          str(tmp_path / "next"), program=MEGATRON_LM)
+    finally:
+        del os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert not marker.exists(), "the payload ran"
+    assert result.returncode != 0 and len(errors) == 1, result.stderr[-3000:]
+    assert errors[0].startswith(f"error: checkpoint file {rank0} holds a pickled "
+                                f"{PAYLOAD_TYPE}"), errors
+    assert not (tmp_path / "next").exists()
+
+
 KEY = "MCORE_EXT_CHECKPOINT_KEY"
 
 
