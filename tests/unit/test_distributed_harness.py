@@ -96,6 +96,7 @@ def test_sleeps():
 """
 
 
+@pytest.mark.slow  # the suite's own cost log (docs/testing.md), not mcore_ext: out of CI's time
 def test_cpu_log_records_what_each_test_costs(tmp_path):
     """MCORE_EXT_TEST_CPU_LOG (docs/testing.md): a child's CPU seconds count for the test that
     waited for it; a test that sleeps has wall time and next to no CPU time."""
