@@ -457,6 +457,23 @@ def test_importing_mcore_ext_bridge_alone_restricts_checkpoint_pickles():
     assert done.stdout.splitlines()[-1].split() == ["True"] * 3, done.stdout[-3000:]
 
 
+def _save_provider_model(directory):
+    """The provider's gated model at TP 2 (parallel state initialised by the caller), saved to
+    ``directory`` with megatron's dist_checkpointing, what Bridge's checkpointing calls."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    provider = _provider(tensor_model_parallel_size=2)
+    provider.finalize()
+    (model,) = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)
+    if dist.get_rank() == 0:
+        os.makedirs(directory)
+    dist.barrier()
+    dist_checkpointing.save(model.sharded_state_dict(), directory)
+    dist.barrier()
+    return model
+
+
 def _save_craft_and_load(directory, marker):
     """The provider's gated model at TP 2, saved with megatron's dist_checkpointing (what Bridge's
     checkpointing calls), its ``.metadata`` replaced by an attacker's pickle (the manifest-free
@@ -471,15 +488,7 @@ def _save_craft_and_load(directory, marker):
 
     mcore_ext.init_parallel(tensor_model_parallel_size=2)
     try:
-        provider = _provider(tensor_model_parallel_size=2)
-        provider.finalize()
-        (model,) = provider.provide_distributed_model(wrap_with_ddp=False,
-                                                      use_cpu_initialization=True)
-        if dist.get_rank() == 0:
-            os.makedirs(directory)
-        dist.barrier()
-        dist_checkpointing.save(model.sharded_state_dict(), directory)
-        dist.barrier()
+        model = _save_provider_model(directory)
         if dist.get_rank() == 0:
             path = os.path.join(directory, ".metadata")
             with open(path, "rb") as f:
@@ -510,7 +519,7 @@ def test_a_crafted_checkpoint_of_the_provider_model_is_refused_and_runs_nothing(
 
 def _sign_add_common_and_load(directory):
     """The provider's gated model at TP 2 saved with megatron's dist_checkpointing (what Bridge's
-    checkpointing calls) and signed by rank 0 with MCORE_EXT_CHECKPOINT_KEY (a manifest listing
+    checkpointing calls) and signed by rank 0 with the key set (a manifest listing
     every file, as the launcher's save writes it); loaded back as Bridge's load does, then again
     with a ``common.pt`` added (megatron would take the iteration from it). Returns (the first
     load's error or None, the second's)."""
@@ -521,18 +530,9 @@ def _sign_add_common_and_load(directory):
     from mcore_ext.checkpoint import manifest
     from mcore_ext.checkpoint.errors import CheckpointCorruptError
 
-    os.environ["MCORE_EXT_CHECKPOINT_KEY"] = "k3y"
     mcore_ext.init_parallel(tensor_model_parallel_size=2)
     try:
-        provider = _provider(tensor_model_parallel_size=2)
-        provider.finalize()
-        (model,) = provider.provide_distributed_model(wrap_with_ddp=False,
-                                                      use_cpu_initialization=True)
-        if dist.get_rank() == 0:
-            os.makedirs(directory)
-        dist.barrier()
-        dist_checkpointing.save(model.sharded_state_dict(), directory)
-        dist.barrier()
+        model = _save_provider_model(directory)
         if dist.get_rank() == 0:
             manifest.write(directory, manifest.describe(directory, sorted(os.listdir(directory))))
         errors = []
@@ -555,9 +555,11 @@ def test_a_signed_checkpoint_with_an_added_file_is_refused_on_bridges_load(run_d
     """Issue 44.1 on the Bridge path: with the key, the signed checkpoint loads; with a
     ``common.pt`` added that the manifest does not list, every rank refuses it, naming the file,
     before megatron reads it."""
+    from tests.functional.test_checkpoint_safe_load import _with_key  # set, then unset
+
     directory = tmp_path / "ckpt"
-    results = run_distributed(_sign_add_common_and_load, str(directory), world_size=2,
-                              timeout=300)
+    results = run_distributed(_with_key, "k3y", _sign_add_common_and_load, str(directory),
+                              world_size=2, timeout=300)
     for intact, added in results:
         assert intact is None, intact
         assert added is not None and added.startswith(

@@ -84,6 +84,18 @@ def _wait(slurm, job, states, condition=None):
     raise AssertionError(f"job {job} not {states} after {TIMEOUT_S}s: {info}")
 
 
+def _preempt_after(slurm, job, tmp, trained):
+    """SIGTERM to the job's batch shell (what #SBATCH --signal=B:TERM@120 delivers before the
+    time limit) once ``trained()`` says the first start has trained a few steps; the job must be
+    pending or running until then."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while not trained():
+        assert time.monotonic() < deadline and _job(slurm, job)["JobState"] in (
+            "PENDING", "RUNNING"), (_job(slurm, job), (tmp / f"slurm-{job}.out").read_text())
+        time.sleep(0.2)
+    subprocess.run(["scancel", "--batch", "--signal=TERM", job], env=slurm.env, check=True)
+
+
 def _reference(tmp):
     return launch(*TINY_MOCK, f"training.train_iters={ITERS}", "checkpoint.save=null",
                   "checkpoint.load=null", f"logging.metrics_file={tmp}/reference.jsonl")
@@ -97,12 +109,8 @@ def test_preempted_job_saves_requeues_itself_resumes_and_completes(slurm, tmp_pa
     tmp = tmp_path / "preempted"
     job = _submit(slurm, tmp)
     metrics = tmp / "metrics.jsonl"
-    deadline = time.monotonic() + TIMEOUT_S
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
-        assert time.monotonic() < deadline and _job(slurm, job)["JobState"] in (
-            "PENDING", "RUNNING"), (_job(slurm, job), (tmp / f"slurm-{job}.out").read_text())
-        time.sleep(0.2)
-    subprocess.run(["scancel", "--batch", "--signal=TERM", job], env=slurm.env, check=True)
+    _preempt_after(slurm, job, tmp,
+                   lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2)
 
     info = _wait(slurm, job, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"))
     out = (tmp / f"slurm-{job}.out").read_text()
@@ -174,12 +182,8 @@ def test_preempted_megatron_lm_job_saves_requeues_itself_and_resumes(slurm, tmp_
              "--save", str(tmp / "ckpt")]
     job = _submit(slurm, tmp, script=SBATCH_MEGATRON_LM, args=flags)
     first_log = tmp / "logs" / job / "restart0.log"
-    deadline = time.monotonic() + TIMEOUT_S
-    while not (first_log.exists() and len(LOSS.findall(first_log.read_text())) >= 2):
-        assert time.monotonic() < deadline and _job(slurm, job)["JobState"] in (
-            "PENDING", "RUNNING"), (_job(slurm, job), (tmp / f"slurm-{job}.out").read_text())
-        time.sleep(0.2)
-    subprocess.run(["scancel", "--batch", "--signal=TERM", job], env=slurm.env, check=True)
+    _preempt_after(slurm, job, tmp,
+                   lambda: first_log.exists() and len(LOSS.findall(first_log.read_text())) >= 2)
 
     info = _wait(slurm, job, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"))
     out = (tmp / f"slurm-{job}.out").read_text()
