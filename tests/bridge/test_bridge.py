@@ -34,7 +34,6 @@ Bridge or megatron is patched.
 """
 
 import importlib.util
-import json
 import os
 import pickle
 import re
@@ -327,27 +326,14 @@ def test_hf_step35_loads_like_load_pretrained_and_exports_bit_exact(run_distribu
 def hf_mtp_dir(tmp_path_factory):
     """The dense tiny checkpoint in the released layout with its MTP layer's tensors (global
     layer num_layers: dense, sliding, its own norm and head), which transformers never saves."""
-    from safetensors.torch import save_file
-
     model = models.build()
     directory = models.save_released(model, str(tmp_path_factory.mktemp("hf") / "mtp"))
-    mtp = models.mtp_tensors(model.config)
-    save_file(mtp, os.path.join(directory, "mtp.safetensors"), metadata={"format": "pt"})
-    index_path = os.path.join(directory, "model.safetensors.index.json")
-    with open(index_path) as f:
-        index = json.load(f)
-    index["weight_map"].update({name: "mtp.safetensors" for name in mtp})
-    with open(index_path, "w") as f:
-        json.dump(index, f)
-    config_path = os.path.join(directory, "config.json")
-    with open(config_path) as f:
-        config = json.load(f)
+    config = models.add_tensors(directory, models.mtp_tensors(model.config), "mtp.safetensors")
     n = config["num_hidden_layers"]
     config["layer_types"][n] = "sliding_attention"  # Step's MTP layers are sliding
     config["rope_theta"][n] = config["rope_theta"][1]
     config["partial_rotary_factors"][n] = config["partial_rotary_factors"][1]
-    with open(config_path, "w") as f:
-        json.dump(config, f, indent=2)
+    models.write_config(directory, config)
     return directory
 
 

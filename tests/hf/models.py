@@ -458,28 +458,37 @@ def save_vl(model, directory, *, mtp=True):
     vit_large_projector.*, lm_head), plus, with ``mtp``, one MTP layer's tensors in a shard of
     its own and num_nextn_predict_layers 1 in the text_config (the stock class skips them), and
     a processor-like file to carry. Returns the directory."""
-    from safetensors.torch import save_file
-
     model.save_pretrained(directory, max_shard_size="60KB")
     with open(os.path.join(directory, "preprocessor_config.json"), "w") as f:
         json.dump({"image_processor_type": "Step3p7ImageProcessor", "patch_size": 14}, f)
     if not mtp:
         return directory
     text = model.config.text_config
-    tensors = mtp_tensors(text)
-    save_file(tensors, os.path.join(directory, "model-mtp.safetensors"), metadata={"format": "pt"})
-    index_path = os.path.join(directory, "model.safetensors.index.json")
-    with open(index_path) as f:
-        index = json.load(f)
-    index["weight_map"].update({n: "model-mtp.safetensors" for n in tensors})
-    with open(index_path, "w") as f:
-        json.dump(index, f, indent=2)
-    config_path = os.path.join(directory, "config.json")
-    with open(config_path) as f:
-        config = json.load(f)
+    config = add_tensors(directory, mtp_tensors(text), "model-mtp.safetensors")
     config["text_config"].update(num_nextn_predict_layers=1,
                                  mtp_layer_types=["sliding_attention"],
                                  mtp_mlp_layer_types=["dense"])
-    with open(config_path, "w") as f:
-        json.dump(config, f, indent=2)
+    write_config(directory, config)
     return directory
+
+
+def add_tensors(directory, tensors, filename) -> dict:
+    """Write ``tensors`` to ``filename`` in the saved folder ``directory``, listed in its
+    safetensors index; returns the folder's config.json for the caller to change
+    (``write_config``)."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, os.path.join(directory, filename), metadata={"format": "pt"})
+    index_path = os.path.join(directory, "model.safetensors.index.json")
+    with open(index_path) as f:
+        index = json.load(f)
+    index["weight_map"].update({name: filename for name in tensors})
+    with open(index_path, "w") as f:
+        json.dump(index, f, indent=2)
+    with open(os.path.join(directory, "config.json")) as f:
+        return json.load(f)
+
+
+def write_config(directory, config) -> None:
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
