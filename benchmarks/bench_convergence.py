@@ -31,6 +31,7 @@ Runs go two at a time on a CPU (``--workers``), one at a time on a GPU.
 
 import argparse
 import copy
+import gc
 import hashlib
 import json
 import os
@@ -115,6 +116,28 @@ PRESETS = {
                 ("depth4", ["model.num_layers=4"]),
                 ("micro4x2", ["training.micro_batch_size=4"]),
             )
+        },
+    },
+    # configs/gpt_1b.yaml's model itself (16 x 2048, 16 heads, SwiGLU 8192: every weight shape
+    # and so every Adam step size as on the H200) at the H200 runs' recipe (lr 3e-4, warmup 2, 15
+    # steps), in fp32 on a CPU: 2 x 256 tokens a step, not 16 x 4096 (a CPU step of the 1B takes
+    # ~20 s at this size). One run at a time on every core: fp32 weights, gradients and Adam's
+    # two moments of 1.07B parameters are 17 GB.
+    "cpu-1b-shape": {
+        "what": "configs/gpt_1b.yaml's 16 x 2048 model in fp32, seq 256, 2 sequences a step, "
+                "lr 3e-4, 15 steps; warmup 2 (the H200 runs') and 10",
+        "device": "cpu",
+        "workers": 1,
+        "threads": os.cpu_count() or 1,
+        "window": 3,
+        "conditions": {
+            f"warmup{warmup}": dict(iters=15, config="gpt_1b.yaml", extra=[
+                "model.seq_length=256", "model.attention_backend=sdpa",
+                "training.precision=fp32", "optimizer.use_distributed_optimizer=false",
+                "training.micro_batch_size=2", "training.global_batch_size=2",
+                f"optimizer.lr_warmup_iters={warmup}"],
+                variants=["off", "on_default", "on_surgery"])
+            for warmup in (2, 10)
         },
     },
     # A few steps, for the benchmark's own test.
@@ -233,6 +256,7 @@ def worker(job: dict) -> dict:
                                 gate_closed=[gates[i][1] for i in sorted(gates)],
                                 fingerprint=seen["fingerprint"],
                                 seconds=time.perf_counter() - start)
+        gc.collect()  # the last run's model and optimizer, before the next one is built
     return results
 
 
@@ -417,6 +441,10 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None)
     parser.add_argument("--png", default=None)
     parser.add_argument("--workdir", default=None, help="metrics and data (default: a temp dir)")
+    parser.add_argument("--reuse", action="store_true",
+                        help="keep the results of runs in --workdir whose job (condition, seed, "
+                             "variants, launcher arguments) is this one's, from an earlier or "
+                             "interrupted invocation of the same code; run only the others")
     parser.add_argument("--plot-from", default=None, metavar="JSON",
                         help="only draw --png from a JSON this benchmark wrote (e.g. on a GPU "
                              "machine without matplotlib)")
@@ -462,12 +490,12 @@ def main(argv=None) -> int:
         if not torch.cuda.is_available():
             print("error: --preset gpu needs CUDA", file=sys.stderr)
             return 2
-    workers = args.workers or (2 if preset["device"] == "cpu" else 1)
+    workers = args.workers or preset.get("workers", 2 if preset["device"] == "cpu" else 1)
     seeds = [args.seed_base + i for i in range(args.seeds)]
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench_convergence-"))
     _prepare_data(str(workdir / "data" / "stdlib_byte"))
-    jobs = []
+    jobs, pending, reused = [], [], []
     for name, condition in conditions.items():
         wanted = [alias if alias and v == "on_default" else v
                   for v in condition.get("variants", variants)]
@@ -480,14 +508,22 @@ def main(argv=None) -> int:
                        argv={v: run_argv(condition, v, seed, str(run_dir))
                              for v in condition["variants"]})
             job_file = run_dir / "job.json"
-            job_file.write_text(json.dumps(job))
+            if (args.reuse and Path(job["out"]).is_file() and job_file.is_file()
+                    and json.loads(job_file.read_text()) == job):
+                reused.append(f"{name} seed {seed}")
+            else:
+                job_file.write_text(json.dumps(job))
+                pending.append((job, job_file, run_dir))
             jobs.append((job, job_file, run_dir))
+    if reused:
+        print(f"[bench] reused from {workdir}: {', '.join(reused)}", flush=True)
 
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     if preset["device"] == "cpu":
-        env["OMP_NUM_THREADS"] = "1"  # runs side by side, one core each
+        # Runs side by side, one core each (a preset whose runs need the machine says so).
+        env["OMP_NUM_THREADS"] = str(preset.get("threads", 1))
     started = time.perf_counter()
-    pending, running, failed = list(jobs), [], []
+    running, failed = [], []
     while pending or running:
         while pending and len(running) < workers:
             job, job_file, run_dir = pending.pop(0)
@@ -514,7 +550,7 @@ def main(argv=None) -> int:
     result = {"preset": args.preset, "what": preset["what"], "seeds": len(seeds),
               "seed_base": args.seed_base, "window": preset["window"],
               "environment": _environment(preset["device"]), "conditions": {},
-              "identical_at_step0": True, "step0_differences": [],
+              "identical_at_step0": True, "step0_differences": [], "reused": reused,
               "wall_seconds": round(time.perf_counter() - started, 1)}
     for name in conditions:
         per_seed = {}
