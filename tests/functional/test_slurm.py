@@ -135,6 +135,10 @@ def test_preempted_job_saves_requeues_itself_resumes_and_completes(slurm, tmp_pa
     assert_exact({it: loss for it, loss in logged.items() if it > stop}, expected)
 
 
+# The requeue on exit 16: test_preempted_job_saves_requeues_itself_resumes_and_completes;
+# training.exit_duration_mins saving, exiting 16 and resuming: tests/unit/test_faults.py
+# (test_exit_duration_saves_and_exits_16_then_the_same_command_resumes).
+@pytest.mark.slow
 def test_walltime_exit_saves_requeues_and_the_job_completes(slurm, tmp_path):
     """training.exit_duration_mins (Megatron-LM's --exit-duration-in-mins) so short that every
     start makes one step: start 0 saves iteration 1 and exits 16, the job requeues, start 1
