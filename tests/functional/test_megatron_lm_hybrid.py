@@ -2,11 +2,11 @@
 ``pretrain()``: ``torchrun -m mcore_ext.megatron_lm.pretrain_gpt``, mock data, the flags of
 test_megatron_lm_pretrain plus the pattern of its 2 gated GPT layers.
 
-Default suite (one process, TP 1, about 40 CPU seconds): 3 iterations, the loss falls, the
-checkpoint is HybridModel's with the gate; the same for '*-*E' (a dense MLP and a MoE layer, 60
-CPU seconds) and for '*-*-' with --mtp-num-layers 1 (one MTP depth '/*-', the main and MTP
-losses fall; 24 CPU seconds). Slow: '*-*-/*-' at TP 2 resumed exactly in the other spelling
-(2 CPU ranks, 90 CPU seconds). Slow: '*E*E' at TP 2 x SP and '*-|*-' at PP 2 (2 CPU ranks, 3 iterations each,
+Default suite (one process, TP 1): '*-*-' with --mtp-num-layers 1 (one MTP depth '/*-'; 24 CPU
+seconds), 3 iterations, the main and MTP losses fall, the checkpoint is HybridModel's with the
+gate, no GPTModel deprecation notice; the same for '*-*E' (a dense MLP and a MoE layer, 60 CPU
+seconds). Slow: '*-*-' alone (about 40 CPU seconds; the MTP run asserts all it does), and
+'*-*-/*-' at TP 2 resumed exactly in the other spelling (2 CPU ranks, 90 CPU seconds). Slow: '*E*E' at TP 2 x SP and '*-|*-' at PP 2 (2 CPU ranks, 3 iterations each,
 164 CPU seconds); and (2 CPU ranks at TP 2, 142 CPU seconds, 5 minutes on the shared cores):
 
     full     5 iterations, checkpoints at 2 and 4 (and the final one at 5)
@@ -53,6 +53,7 @@ def _hybrid_checkpoint_keys(keys) -> None:
     assert any("exp_avg_sq" in key for key in keys)  # Adam's moments
 
 
+@pytest.mark.slow  # every assertion of it: test_mtp_trains_through_pretrain_on_one_rank
 def test_hybrid_model_trains_through_pretrain_on_one_rank(tmp_path):
     run = check(torchrun(*MODEL, *TRAINING, *HYBRID, "--tensor-model-parallel-size", "1",
                          "--train-iters", "3", "--save", str(tmp_path), nproc=1,
@@ -155,7 +156,8 @@ def test_mtp_trains_through_pretrain_on_one_rank(tmp_path):
     """'*-*-' with --mtp-num-layers 1 (the depth '/*-' added, said once; megatron's warning
     that the pattern has no MTP depth is not printed), 3 iterations through pretrain() in one
     process at TP 1: the main and the MTP loss fall, the checkpoint holds the depth and its
-    args the model's pattern (megatron's FLOPs count reads it too)."""
+    args the model's pattern (megatron's FLOPs count reads it too), and the GPTModel deprecation
+    notice is not printed (the hybrid entry's; test_megatron_lm_pretrain: once, for GPT)."""
     run = check(torchrun(*MODEL, *TRAINING, *MTP_FLAG, "--tensor-model-parallel-size", "1",
                          "--train-iters", "3", "--save", str(tmp_path), nproc=1,
                          program=MEGATRON_LM, timeout=TIMEOUT_S), "pretrain_gpt hybrid MTP")
@@ -164,6 +166,7 @@ def test_mtp_trains_through_pretrain_on_one_rank(tmp_path):
     assert float(trained[3]) < float(trained[1]) and float(mtp[3]) < float(mtp[1]), (trained, mtp)
     output = run.stdout + run.stderr
     assert output.count(MTP_NOTE) == 1 and "no MTP pattern" not in output
+    assert "GPTModel is deprecated" not in output
     _mtp_checkpoint_keys(checkpoint_tensors(tmp_path / "iter_0000003"))
     saved = _saved_args(tmp_path / "iter_0000003")  # the model's pattern, as '/' would give
     assert (saved.hybrid_layer_pattern, saved.mtp_num_layers) == ("*-*-/*-", 1)
