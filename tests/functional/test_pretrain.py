@@ -441,6 +441,10 @@ def test_config_errors_exit_with_one_message(error_runs, case):
     assert not (save / TRACKER).exists() and not save.exists()
 
 
+# A config error (load_config's, as this one) under torchrun, one line: test_entry_errors.py's
+# test_mistake_under_torchrun_is_one_line_first_and_exit_2[launcher]; this message:
+# tests/unit/test_training_config.py::test_layout_must_divide_world_size.
+@pytest.mark.slow
 def test_layout_error_under_torchrun(tmp_path):
     """TP=4 on 2 ranks: each rank exits non-zero before starting; the message is printed once."""
     result = torchrun("--config", TINY, "parallelism.tensor_model_parallel_size=4",
