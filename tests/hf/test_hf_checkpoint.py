@@ -3,7 +3,7 @@
 - import at TP 2, export at PP 2: every tensor bit-identical, same keys;
 - each bad input is one clear error, and nothing is written;
 - import, 20 launcher steps at TP 2 (its main in the tests' gloo ranks), export, and
-  transformers loads the result.
+  transformers loads the result (-m slow: test_hf_sft.py runs that path in the default suite).
 """
 
 import json
@@ -230,6 +230,10 @@ def import_train_export(run_distributed, hf_dir, tmp_path, steps, *overrides):
     return result, metrics, out
 
 
+# hf import, the launcher fine-tuning it at TP 2, hf export, transformers loading the export
+# (strict; its greedy tokens and logits the trained checkpoint's): tests/hf/test_hf_sft.py's
+# test_imported_step35_fine_tunes_on_chat_data_and_exports_what_transformers_decodes.
+@pytest.mark.slow
 def test_import_train_20_steps_at_tp2_export_loads_in_transformers(run_distributed, hf_dir,
                                                                    tmp_path):
     pytest.importorskip("transformers")

@@ -56,8 +56,8 @@ class Skip:
 
 
 FINE_TUNE = "tests/functional/test_faults.py::test_finetune_relaunch_resumes_the_runs_own_checkpoint"
-HF_ROUND_TRIP = ("tests/hf/test_hf_checkpoint.py::"
-                 "test_import_train_20_steps_at_tp2_export_loads_in_transformers")
+HF_ROUND_TRIP = ("tests/hf/test_hf_sft.py::"
+                 "test_imported_step35_fine_tunes_on_chat_data_and_exports_what_transformers_decodes")
 READY_MEGATRON_LM = ("tests/functional/test_ready_commands.py::"
                      "test_pretrain_megatron_lm_script_trains_and_saves")
 SUITE = "the test suite itself: CI's .ci/run runs `bash scripts/test.sh`, this test included"
