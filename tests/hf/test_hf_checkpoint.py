@@ -303,7 +303,13 @@ def _truncate_a_checkpoint_file(ckpt):
     victim.write_bytes(victim.read_bytes()[:64])
 
 
-@pytest.mark.parametrize("case", ["tp_larger_than_the_world", "corrupt_checkpoint"])
+# corrupt_checkpoint is slow: the CLI's one error line is tp_larger_than_the_world's; hf export
+# refusing a checkpoint its manifest finds corrupt (one line, exit 2, nothing written):
+# tests/functional/test_checkpoint_safe_load.py's
+# test_export_of_a_signed_checkpoint_refuses_a_changed_or_added_sidecar; a truncated file named:
+# tests/functional/test_checkpoint_verify.py.
+@pytest.mark.parametrize("case", ["tp_larger_than_the_world",
+                                  pytest.param("corrupt_checkpoint", marks=pytest.mark.slow)])
 def test_cli_reports_any_conversion_error_as_one_line(hf_dir, tmp_path, case):
     if case == "tp_larger_than_the_world":  # init_parallel's ValueError
         args, out = ["import", hf_dir, str(tmp_path / "ckpt"), "--tp", "2"], tmp_path / "ckpt"
