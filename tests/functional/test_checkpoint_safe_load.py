@@ -293,6 +293,11 @@ def test_hf_export_refuses_a_crafted_checkpoint(run_distributed, crafted_imports
     assert not (tmp_path / "out").exists()
 
 
+# The restricted read of the common state's byte object under DCP (safe_pickle.install, every
+# entry's): test_launcher_resume_and_finetune_refuse_a_crafted_checkpoint's common_args; the
+# Megatron-LM entry's one line for a refused pickle (main's refusal_in, as the launcher's):
+# test_megatron_lm_entry_reads_a_legacy_torch_checkpoint_restricted.
+@pytest.mark.slow
 def test_megatron_lm_entry_refuses_a_crafted_checkpoint(crafted, tmp_path, name="common_args"):
     """The payload in the Megatron-LM ``args`` of the common state (its .metadata is read the
     same way as by the other paths; one torchrun of Megatron-LM costs minutes here)."""
