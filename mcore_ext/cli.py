@@ -83,6 +83,11 @@ _KNOWN_WARNINGS = (
     r"torch\.distributed is disabled, unavailable or uninitialized",
     r"The argument order of load has been changed",
 )
+# torch's, for the ShardedTensor that megatron's MoE experts' sharded state builds (hf export of
+# a MoE checkpoint); megatron-core chooses the type, a user cannot act on it.
+_KNOWN_FUTURE_WARNINGS = (
+    r"Please use DTensor instead and we are deprecating ShardedTensor",
+)
 _KNOWN_LOG_RECORDS = (
     ("megatron.core.models.gpt.gpt_model", ("GPTModel IS DEPRECATED",)),
     # every synchronous torch_dist save goes through megatron's async code path
@@ -95,6 +100,8 @@ def quiet_known_noise() -> None:
     them)."""
     for message in _KNOWN_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=UserWarning)
+    for message in _KNOWN_FUTURE_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=FutureWarning)
     for name, prefixes in _KNOWN_LOG_RECORDS:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropMessages) for f in logger.filters):

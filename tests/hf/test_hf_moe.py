@@ -34,6 +34,7 @@ import os
 import pytest
 import torch
 
+from mcore_ext import _mcore_compat
 from tests import reference
 from tests.hf import models
 from tests.hf.test_hf_parity import _full_logits, _tensors
@@ -300,6 +301,19 @@ def test_cli_imports_and_exports_moe_and_mtp_bit_exact(moe_checkpoint, tmp_path,
         result = subprocess.run([sys.executable, "-m", "mcore_ext.hf", *argv], cwd=ROOT,
                                 capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, result.stderr[-2000:]
+        # Each command prints its result line alone: no third-party notice on stderr (torch's
+        # ShardedTensor deprecation was one, from the experts' sharded state), and on stdout
+        # only GPTModel's deprecation said once (megatron-core 0.19+) for --architecture gpt.
+        assert result.stderr.strip() == "", result.stderr[-2000:]
+        printed = [line for line in result.stdout.splitlines() if line.strip()]
+        assert printed[0].startswith(f"[hf] {argv[0]}: wrote"), printed
+        notices = printed[1:]
+        assert notices == ([f"[hf] import --architecture gpt: GPTModel is deprecated"
+                            f" in megatron-core {_mcore_compat.megatron_core_version()}"
+                            " (critical fixes only); --architecture hybrid writes a HybridModel"
+                            " checkpoint (model.architecture: hybrid)"]
+                           if argv[0] == "import" and architecture == "gpt"
+                           and _mcore_compat.has_hybrid_model() else []), printed
     model = yaml.safe_load(open(ckpt / "iter_0000000" / "config.yaml"))["model"]
     assert model["num_moe_experts"] == models.EXPERTS and model["mtp_num_layers"] == 1
     assert model["architecture"] == architecture
