@@ -525,6 +525,9 @@ def _sft_lora_runs(tmp):
     return base, full, resumed
 
 
+# LoRA's exact resume: test_lora_run_resumes_exactly_from_its_adapters (and PP 2's); packed chat
+# data's: tests/functional/test_sft.py (the recipe); the two together here
+@pytest.mark.slow
 def test_lora_fine_tunes_packed_chat_data_and_resumes_exactly(run_distributed, tmp_path):
     """LoRA on the SFT data path: the recipe's packed conversations train the adapters only (the
     checkpoint holds adapters, no frozen weight), the loss on the answers falls, and the

@@ -171,6 +171,9 @@ def test_crashing_job_reads_failed_and_is_not_requeued(slurm, tmp_path):
     assert "SIGKILL at step 2" in (tmp / "logs" / job / "restart0.log").read_text()
 
 
+# The requeue on a save-and-exit (launch/slurm/job.sh) is the launcher job's test above; this one
+# reads Megatron-LM's exit line in pretrain_megatron_lm.sbatch (79 s: -m slow)
+@pytest.mark.slow
 def test_preempted_megatron_lm_job_saves_requeues_itself_and_resumes(slurm, tmp_path):
     """pretrain_megatron_lm.sbatch: SIGTERM to the batch shell mid-run; Megatron-LM's signal handler
     (added by the script) saves at the end of the step and exits 0; the script reads Megatron-LM's
