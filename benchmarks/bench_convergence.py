@@ -120,9 +120,9 @@ PRESETS = {
     },
     # configs/gpt_1b.yaml's model itself (16 x 2048, 16 heads, SwiGLU 8192: every weight shape
     # and so every Adam step size as on the H200) at the H200 runs' recipe (lr 3e-4, warmup 2, 15
-    # steps), in fp32 on a CPU: 2 x 256 tokens a step, not 16 x 4096 (a CPU step of the 1B takes
-    # ~20 s at this size). One run at a time on every core: fp32 weights, gradients and Adam's
-    # two moments of 1.07B parameters are 17 GB.
+    # steps), in fp32 on a CPU: 2 x 256 tokens a step, not 16 x 4096 (a step of the 1B takes
+    # ~30 s at this size on 2 cores). One run at a time on every core: fp32 weights, gradients and
+    # Adam's two moments of 1.07B parameters are 17 GB (20 GB peak measured).
     "cpu-1b-shape": {
         "what": "configs/gpt_1b.yaml's 16 x 2048 model in fp32, seq 256, 2 sequences a step, "
                 "lr 3e-4, 15 steps; warmup 2 (the H200 runs') and 10",

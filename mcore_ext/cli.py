@@ -74,19 +74,18 @@ class _DropMessages(logging.Filter):
 # Third-party notices every run of an entry point prints, none of them about what the user asked
 # for: (message regex, category) for warnings, (logger, message prefixes) for log records.
 _KNOWN_WARNINGS = (
-    r".*(Apex|Transformer Engine and Apex|absl\.logging) (is|are) not installed",  # megatron
-    r"Only transformer-engine>=[\d.]+ supports MoE experts",
-    r"MimoModelConfig is experimental",
-    r"full scope is deprecated",  # megatron's TransformerConfig, for its own default
-    r"When using async grad allreduce",
+    (r".*(Apex|Transformer Engine and Apex|absl\.logging) (is|are) not installed",  # megatron
+     UserWarning),
+    (r"Only transformer-engine>=[\d.]+ supports MoE experts", UserWarning),
+    (r"MimoModelConfig is experimental", UserWarning),
+    (r"full scope is deprecated", UserWarning),  # megatron's TransformerConfig, its own default
+    (r"When using async grad allreduce", UserWarning),
     # torch's distributed checkpoint, loading in one process as mcore_ext.hf does
-    r"torch\.distributed is disabled, unavailable or uninitialized",
-    r"The argument order of load has been changed",
-)
-# torch's, for the ShardedTensor that megatron's MoE experts' sharded state builds (hf export of
-# a MoE checkpoint); megatron-core chooses the type, a user cannot act on it.
-_KNOWN_FUTURE_WARNINGS = (
-    r"Please use DTensor instead and we are deprecating ShardedTensor",
+    (r"torch\.distributed is disabled, unavailable or uninitialized", UserWarning),
+    (r"The argument order of load has been changed", UserWarning),
+    # torch's, for the ShardedTensor that megatron's MoE experts' sharded state builds (hf export
+    # of a MoE checkpoint); megatron-core chooses the type, a user cannot act on it
+    (r"Please use DTensor instead and we are deprecating ShardedTensor", FutureWarning),
 )
 _KNOWN_LOG_RECORDS = (
     ("megatron.core.models.gpt.gpt_model", ("GPTModel IS DEPRECATED",)),
@@ -98,10 +97,8 @@ _KNOWN_LOG_RECORDS = (
 def quiet_known_noise() -> None:
     """Silence the known third-party notices above (entry points only: a library user keeps
     them)."""
-    for message in _KNOWN_WARNINGS:
-        warnings.filterwarnings("ignore", message=message, category=UserWarning)
-    for message in _KNOWN_FUTURE_WARNINGS:
-        warnings.filterwarnings("ignore", message=message, category=FutureWarning)
+    for message, category in _KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
     for name, prefixes in _KNOWN_LOG_RECORDS:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropMessages) for f in logger.filters):
