@@ -426,7 +426,8 @@ def _bench_json(path) -> dict:
 
 
 def _metrics(path) -> dict:
-    """The launcher's metrics (JSON lines): medians over the steps after the first (warm-up)."""
+    """The launcher's metrics (JSON lines): medians over the steps after the first (warm-up), and
+    every step's loss (the curve, not only its ends: one seed's last loss says little alone)."""
     with open(path) as f:
         records = [json.loads(line) for line in f if line.strip()]
     steps = [r for r in records if r.get("kind") == "train" and r["iteration"] > 1]
@@ -440,7 +441,8 @@ def _metrics(path) -> dict:
     return dict(steps=len(steps), step_time_s=median("step_time_s"),
                 tokens_per_s=median("tokens_per_s"), tflops_per_device=median("tflops_per_device"),
                 mfu=median("mfu"), peak_memory_gb=max(r["peak_memory_gb"] for r in steps),
-                first_loss=records[0].get("loss"), last_loss=steps[-1]["loss"])
+                first_loss=records[0].get("loss"), last_loss=steps[-1]["loss"],
+                losses=[r.get("loss") for r in records if r.get("kind") == "train"])
 
 
 _FIGURES = {"junit": _junit, "bench_gate": _bench_gate, "bench_json": _bench_json,

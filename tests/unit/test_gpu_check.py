@@ -62,6 +62,7 @@ def test_launcher_metrics_leave_out_the_first_step(tmp_path):
     figures = gpu_check._metrics(str(path))
     assert figures["steps"] == 3 and figures["step_time_s"] == 1.1
     assert figures["mfu"] == pytest.approx(0.4 / 1.1) and figures["peak_memory_gb"] == 3.5
+    assert figures["losses"] == [5.0, 4.0, 4.0, 4.0]  # every step's, the first included
 
 
 def test_tests_cut_short_are_read_from_pytest_lines():
