@@ -26,7 +26,11 @@ its mean and spread (standard deviation and min / max over seeds) per window.
 
 Output: a table per condition, the JSON (``--json``; its top-level ``variants`` is the preset's
 first condition, every condition under ``conditions``) and a plot (``--png``, matplotlib).
-Runs go two at a time on a CPU (``--workers``), one at a time on a GPU.
+Runs go two at a time on a CPU (``--workers``), one at a time on a GPU, a seed at a time: every
+condition's first seed, then every condition's second. ``--budget S`` (a lent GPU's lease) keeps
+to S seconds: a (condition, seed) whose earlier seeds took longer than the time left is not
+started, one still running at S is stopped, and the figures are over the seeds that finished
+(the JSON's ``complete`` and ``left_out`` say what is missing).
 """
 
 import argparse
@@ -159,12 +163,14 @@ PRESETS = {
     "gpu": {
         "what": "1B x 15 steps (every variant), 1B x 100 (off, on_default), 125M x 300 (bf16, "
                 "distributed optimizer, warmup 2)",
+        # scripts/gpu_check.sh stage 4 runs 1b-15 and 1b-100 under one --budget, a seed at a
+        # time (about 80 s a 1b-15 seed and 250 s a 1b-100 seed on an H200: 1.13 s a step).
         "device": "cuda",
         "window": 5,
         "conditions": {
             "1b-15": dict(iters=15, config="gpt_1b.yaml", extra=[]),
             "1b-100": dict(iters=100, config="gpt_1b.yaml", extra=[],
-                           variants=["off", "on_default", "on_surgery"]),
+                           variants=["off", "on_default"]),
             "125m-300": dict(iters=300, config="gpt_125m.yaml", extra=[
                 "training.global_batch_size=16", "training.micro_batch_size=8"]),
         },
@@ -445,6 +451,10 @@ def main(argv=None) -> int:
                         help="keep the results of runs in --workdir whose job (condition, seed, "
                              "variants, launcher arguments) is this one's, from an earlier or "
                              "interrupted invocation of the same code; run only the others")
+    parser.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                        help="stop within SECONDS: a seed whose earlier seeds of its condition "
+                             "took longer than the time left is not started, a run still going "
+                             "at SECONDS is stopped; the figures are over the seeds that finished")
     parser.add_argument("--plot-from", default=None, metavar="JSON",
                         help="only draw --png from a JSON this benchmark wrote (e.g. on a GPU "
                              "machine without matplotlib)")
@@ -496,11 +506,14 @@ def main(argv=None) -> int:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench_convergence-"))
     _prepare_data(str(workdir / "data" / "stdlib_byte"))
     jobs, pending, reused = [], [], []
-    for name, condition in conditions.items():
+    took = {}  # condition -> seconds each of its seeds took (run here, or reused: its runs' sum)
+    for condition in conditions.values():
         wanted = [alias if alias and v == "on_default" else v
                   for v in condition.get("variants", variants)]
         condition["variants"] = [v for v in variants if v in wanted]
-        for seed in seeds:
+    # A seed at a time: a budget that runs out leaves every condition with its first seeds.
+    for seed in seeds:
+        for name, condition in conditions.items():
             run_dir = workdir / f"{name}-seed{seed}"
             run_dir.mkdir(parents=True, exist_ok=True)
             job = dict(condition=name, seed=seed, variants=condition["variants"],
@@ -511,7 +524,10 @@ def main(argv=None) -> int:
             if (args.reuse and Path(job["out"]).is_file() and job_file.is_file()
                     and json.loads(job_file.read_text()) == job):
                 reused.append(f"{name} seed {seed}")
+                took.setdefault(name, []).append(sum(
+                    run["seconds"] for run in json.loads(Path(job["out"]).read_text()).values()))
             else:
+                Path(job["out"]).unlink(missing_ok=True)  # an earlier invocation's, not this job's
                 job_file.write_text(json.dumps(job))
                 pending.append((job, job_file, run_dir))
             jobs.append((job, job_file, run_dir))
@@ -523,18 +539,38 @@ def main(argv=None) -> int:
         # Runs side by side, one core each (a preset whose runs need the machine says so).
         env["OMP_NUM_THREADS"] = str(preset.get("threads", 1))
     started = time.perf_counter()
-    running, failed = [], []
+    deadline = started + args.budget if args.budget is not None else None
+    running, failed, left_out = [], [], []
     while pending or running:
+        now = time.perf_counter()
+        if deadline is not None and now >= deadline:
+            for proc, job, _, log, _ in running:
+                proc.kill()
+                proc.wait()
+                log.close()
+                left_out.append(f"{job['condition']} seed {job['seed']}: stopped at the budget "
+                                f"({args.budget:.0f} s)")
+            left_out += [f"{job['condition']} seed {job['seed']}: not started (budget spent)"
+                         for job, _, _ in pending]
+            running, pending = [], []
+            break
         while pending and len(running) < workers:
             job, job_file, run_dir = pending.pop(0)
+            expected = statistics.fmean(took[job["condition"]]) if job["condition"] in took \
+                else None
+            if deadline is not None and expected is not None and now + expected > deadline:
+                left_out.append(f"{job['condition']} seed {job['seed']}: not started (its "
+                                f"condition's seeds took {expected:.0f} s, {deadline - now:.0f} s "
+                                "of the budget left)")
+                continue
             log = open(run_dir / "log.txt", "w")
             proc = subprocess.Popen([sys.executable, __file__, "--worker", str(job_file)],
                                     cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-            running.append((proc, job, run_dir, log))
+            running.append((proc, job, run_dir, log, now))
             print(f"[bench] {job['condition']} seed {job['seed']}: {len(job['variants'])} runs "
                   f"(log {run_dir / 'log.txt'})", flush=True)
         for entry in list(running):
-            proc, job, run_dir, log = entry
+            proc, job, run_dir, log, launched = entry
             if proc.poll() is None:
                 continue
             log.close()
@@ -542,27 +578,35 @@ def main(argv=None) -> int:
             if proc.returncode != 0:
                 failed.append(f"{job['condition']} seed {job['seed']}: exit {proc.returncode}, "
                               f"see {run_dir / 'log.txt'}")
+            else:
+                took.setdefault(job["condition"], []).append(time.perf_counter() - launched)
         time.sleep(0.5)
     if failed:
         print("error: " + "; ".join(failed), file=sys.stderr)
         return 1
 
+    if left_out:
+        print("[bench] left out: " + "; ".join(left_out), flush=True)
     result = {"preset": args.preset, "what": preset["what"], "seeds": len(seeds),
               "seed_base": args.seed_base, "window": preset["window"],
               "environment": _environment(preset["device"]), "conditions": {},
               "identical_at_step0": True, "step0_differences": [], "reused": reused,
+              "budget_s": args.budget, "complete": not left_out, "left_out": left_out,
               "wall_seconds": round(time.perf_counter() - started, 1)}
     for name in conditions:
         per_seed = {}
         for job, _, _ in jobs:
-            if job["condition"] == name:
+            if job["condition"] == name and Path(job["out"]).is_file():
                 per_seed[job["seed"]] = json.loads(Path(job["out"]).read_text())
                 same, differences = identical_at_step0(per_seed[job["seed"]])
                 if not same:
                     result["identical_at_step0"] = False
                     result["step0_differences"] += [f"{name} seed {job['seed']}: {d}"
                                                     for d in differences[:5]]
+        if not per_seed:  # every seed of it left out (--budget)
+            continue
         summary = summarise(per_seed, conditions[name]["variants"], preset["window"])
+        summary["seeds"] = sorted(per_seed)
         if alias:
             summary["variants"]["on_default"] = dict(summary["variants"][alias], same_as=alias)
             if alias in summary["gaps"]:
@@ -572,6 +616,12 @@ def main(argv=None) -> int:
             r[v]["seconds"] for r in per_seed.values() for v in conditions[name]["variants"])
         result["conditions"][name] = summary
         print(table(name, summary, preset["window"]))
+    if not result["conditions"]:
+        result["variants"] = {}
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"error: no run finished within --budget {args.budget:.0f} s", file=sys.stderr)
+        return 1
     first = next(iter(result["conditions"]))
     result["variants"] = result["conditions"][first]["variants"]
     print(f"identical at step 0 (every shared weight, every seed): {result['identical_at_step0']}"

@@ -43,3 +43,30 @@ def test_convergence_benchmark_runs_variants_from_identical_weights(tmp_path):
     second = json.loads(again.read_text())
     assert second["reused"] == ["fp32 seed 1234"]
     assert second["conditions"] == result["conditions"]
+
+    # --budget (a lent GPU's lease): a seed whose condition's earlier seeds took longer than the
+    # time left is not started; the figures are over the seeds that finished, and say so.
+    budget = list(argv)
+    budget[budget.index("--seeds") + 1] = "2"
+    budget += ["--reuse", "--budget", "0.5"]
+    cut = tmp_path / "cut.json"
+    proc = subprocess.run(budget + ["--json", str(cut)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    third = json.loads(cut.read_text())
+    assert third["complete"] is False and len(third["left_out"]) == 1
+    assert third["left_out"][0].startswith("fp32 seed 1235: not started")
+    assert third["conditions"]["fp32"]["seeds"] == [1234]
+    assert third["conditions"]["fp32"]["gaps"] == result["conditions"]["fp32"]["gaps"]
+    assert result["complete"] is True and result["left_out"] == []
+
+    # A run still going when the budget ends is stopped: nothing finished is an error, and the
+    # JSON says what was left out rather than showing figures of a run cut short.
+    fresh = list(argv)
+    fresh[fresh.index("--workdir") + 1] = str(tmp_path / "fresh")
+    proc = subprocess.run(fresh + ["--budget", "2", "--json", str(cut)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1 and "no run finished within --budget 2 s" in proc.stderr
+    stopped = json.loads(cut.read_text())
+    assert stopped["conditions"] == {} and stopped["complete"] is False
+    assert stopped["left_out"] == ["fp32 seed 1234: stopped at the budget (2 s)"]

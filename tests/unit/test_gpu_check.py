@@ -4,6 +4,7 @@ skipped and its reason; the figures readers and the merge work on their inputs' 
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,22 @@ def test_missing_benchmark_or_option_is_a_skip_not_a_crash():
     four = gpu_check.Step("z", 2, "", ["{py}"], 10, min_gpus=4)
     assert "needs 4 GPUs" in gpu_check._skip_reason(four, 1, far, {})
     assert "time budget" in gpu_check._skip_reason(four, 4, 0.0, {})
+
+
+def test_a_step_writes_into_out_within_what_is_left_of_its_time(tmp_path):
+    # {out} is the folder that comes back from the device (a PNG written to the temporary {work}
+    # is lost); {budget} is the step's time left less 20 s for its JSON.
+    script = "import json, sys; open(sys.argv[1] + '/seen.json', 'w').write(json.dumps(sys.argv))"
+    step = gpu_check.Step("t", 4, "", ["{py}", "-c", script, "{out}", "{budget}"], 100,
+                          needs_cuda=False)
+    (tmp_path / "work").mkdir()
+    (tmp_path / "out").mkdir()
+    with open(tmp_path / "log.txt", "w") as log:
+        result = gpu_check._run_step(step, str(tmp_path / "work"), time.monotonic() + 50, log,
+                                     out=str(tmp_path / "out"))
+    assert result["status"] == "passed", result
+    seen = json.loads((tmp_path / "out" / "seen.json").read_text())
+    assert seen[1] == str(tmp_path / "out") and 25 <= int(seen[2]) <= 30
 
 
 def test_launcher_metrics_leave_out_the_first_step(tmp_path):
