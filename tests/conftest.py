@@ -28,14 +28,18 @@ def run_distributed_shared(_worker_pools):
     """``run_distributed`` for module- and session-scoped fixtures (e.g. a checkpoint that several
     tests read)."""
 
-    def run(fn, *args, world_size: int, timeout: float = DEFAULT_TIMEOUT_S, **kwargs):
+    def run(fn, *args, world_size: int, timeout: float = DEFAULT_TIMEOUT_S,
+            replace_pool_after: bool = False, **kwargs):
+        """``replace_pool_after``: ``fn`` may leave point-to-point ops unwaited on the default
+        group (it provokes an error inside megatron's isend / irecv exchange): the workers are
+        replaced after it, or the next exchange on that group hangs (tests/distributed.py)."""
         pool = _worker_pools.get(world_size)
         if pool is None or not pool.alive:
             pool = _worker_pools[world_size] = WorkerPool(world_size)
         try:
             return pool.run(fn, *args, timeout=timeout, **kwargs)
         finally:
-            if pool.threads > MAX_POOL_THREADS:
+            if replace_pool_after or pool.threads > MAX_POOL_THREADS:
                 pool.close()
 
     return run

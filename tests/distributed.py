@@ -7,7 +7,10 @@ picklable value; ``run`` returns the values of all ranks in rank order.
 
 A failing rank's traceback becomes the test's failure. If a rank fails while others wait in a
 collective, or any rank runs past the timeout, the pool is killed (and restarted for the next
-test): a hang fails the test, never the whole run.
+test): a hang fails the test, never the whole run. A pool whose task failed on any rank is
+replaced as well, and so is one whose task asks for it (``replace_pool_after``): a rank that
+raised between posting point-to-point ops and waiting for them leaves them on the default group,
+where they hang the next exchange between the same ranks.
 """
 
 import atexit
@@ -86,6 +89,7 @@ class WorkerPool:
                     f"{self.log_dir}\n{failures}"
                 )
         if any(not ok for ok, _ in outcomes.values()):
+            self.close()  # its groups may be mid-collective: the next test gets new workers
             raise DistributedTestFailure(
                 f"{fn.__qualname__} failed on {self.world_size} ranks:\n{_format_failures(outcomes)}"
             )

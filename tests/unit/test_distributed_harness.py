@@ -49,6 +49,57 @@ def test_failing_rank_traceback_is_reported(run_distributed, monkeypatch):
     assert run_distributed(_rank_sum, world_size=2) == [(0, 3.0), (1, 3.0)]  # pool recovers
 
 
+def _fail_on_rank_one_alone():
+    import os
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise RuntimeError("boom on rank one")
+    return os.getpid()  # rank 0 finishes: nothing hangs, the pool is alive
+
+
+def test_a_pool_that_ran_a_failing_task_is_replaced(run_distributed):
+    # A task that failed may have left its groups mid-collective: the next test gets new workers.
+    before = run_distributed(_pid, world_size=2)
+    with pytest.raises(DistributedTestFailure, match="boom on rank one"):
+        run_distributed(_fail_on_rank_one_alone, world_size=2, timeout=60)
+    after = run_distributed(_pid, world_size=2)
+    assert set(after).isdisjoint(before), (before, after)
+
+
+def _leave_point_to_point_ops():
+    """What megatron's roll_tensor does when it raises between posting its isend / irecv and
+    waiting for them: the ops are dropped, unwaited, on the default group."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        dist.irecv(torch.empty(4), src=1)
+    else:
+        dist.isend(torch.ones(4), dst=0)
+
+
+def _exchange():
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    got = torch.empty(3)
+    ops = [dist.irecv(got, src=1 - rank), dist.isend(torch.full((3,), float(rank)), dst=1 - rank)]
+    for op in ops:
+        op.wait()
+    return got.tolist()
+
+
+def test_a_task_that_leaves_point_to_point_ops_gets_its_pool_replaced(run_distributed):
+    # Unwaited isend / irecv on the pool's default group hang the next point-to-point exchange
+    # on it (both ranks wait in gloo's send forever: test_mtp's CP 2 test after test_sft_packed_
+    # loss's MTP shift). A task that may leave them asks for new workers after it.
+    run_distributed(_leave_point_to_point_ops, world_size=2, replace_pool_after=True)
+    assert run_distributed(_exchange, world_size=2, timeout=60) == [[1.0] * 3, [0.0] * 3]
+
+
 # The harness's own timeout (21 s: the hung pool is replaced); pytest-timeout (900 s) still bounds
 # every test in the default run
 @pytest.mark.slow

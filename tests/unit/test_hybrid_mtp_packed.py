@@ -94,7 +94,10 @@ def _after_a_failed_forward(model, batch):
 def test_step35_mtp_on_hybrid_matches_gpt_on_packed_documents_at_cp2(run_distributed):
     """Main and MTP losses and gradients of the hybrid model equal GPTModel's at CP 2 on padded
     packed documents (2 micro-batches of test_sft_packed_loss's documents, 2 MTP depths)."""
-    for r in run_distributed(_hybrid_vs_gpt_packed, 2, world_size=2, timeout=300):
+    # The control may make megatron's roll_tensor raise between its isend / irecv and their
+    # wait: new workers after it (tests/distributed.py).
+    for r in run_distributed(_hybrid_vs_gpt_packed, 2, world_size=2, timeout=300,
+                             replace_pool_after=True):
         assert r["scale"] > 0.1 and min(r["mtp_losses"]) > 0.1, r
         assert r["main"] <= TOL * r["scale"], r
         assert r["mtp"] <= TOL, r
