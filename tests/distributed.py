@@ -161,6 +161,7 @@ def _worker_main(rank, world_size, port, tasks, results, log_dir):
         except BaseException:
             outcome = (False, traceback.format_exc())
         try:
+            _reset_process_wide_trackers()
             if parallel_state.model_parallel_is_initialized():
                 mcore_ext.destroy_parallel()
             _destroy_groups_left_behind(dist)
@@ -175,6 +176,16 @@ def _worker_main(rank, world_size, port, tasks, results, log_dir):
     for child in mp.active_children():
         child.terminate()
     os._exit(0)
+
+
+def _reset_process_wide_trackers() -> None:
+    """megatron keeps the MTP and MoE losses a training forward records in process-wide trackers
+    (as the launcher resets them for a second run in one process): the next task in this worker
+    would read this one's values with its own."""
+    from mcore_ext import _mcore_compat
+
+    _mcore_compat.reset_mtp_losses()
+    _mcore_compat.take_moe_aux_losses()  # zeroes them
 
 
 def _destroy_groups_left_behind(dist) -> None:

@@ -100,6 +100,27 @@ def test_a_task_that_leaves_point_to_point_ops_gets_its_pool_replaced(run_distri
     assert run_distributed(_exchange, world_size=2, timeout=60) == [[1.0] * 3, [0.0] * 3]
 
 
+def _track_mtp_losses():
+    """A task that trains an MTP model leaves its losses in megatron's process-wide tracker."""
+    import torch
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    MTPLossLoggingHelper.tracker.update(values=torch.ones(2), loss_values=torch.ones(2))
+
+
+def _tracked_mtp_losses():
+    from mcore_ext import _mcore_compat
+
+    return _mcore_compat.take_mtp_losses(2)
+
+
+def test_the_next_task_finds_megatrons_mtp_loss_tracker_empty(run_distributed):
+    # test_hybrid_mtp_packed compared its MTP losses 29 nats apart after test_mtp's tests had run
+    # in the same workers: the first of its models read test_mtp's losses with its own.
+    run_distributed(_track_mtp_losses, world_size=2)
+    assert run_distributed(_tracked_mtp_losses, world_size=2) == [None, None]
+
+
 # The harness's own timeout (21 s: the hung pool is replaced); pytest-timeout (900 s) still bounds
 # every test in the default run
 @pytest.mark.slow
