@@ -381,7 +381,7 @@ def plot(result: dict, path: str) -> None:
         bottom.set_xlabel("step")
         bottom.set_ylabel("loss gap to the ungated run")
         bottom.legend()
-    fig.suptitle(f"bench_convergence --preset {result['preset']} (identical at step 0: "
+    fig.suptitle(f"bench_convergence --preset {result['preset']}\n(identical at step 0: "
                  f"{result['identical_at_step0']}; {result['environment']['device']})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
