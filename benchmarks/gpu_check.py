@@ -438,7 +438,8 @@ def _metrics(path) -> dict:
     every step's loss (the curve, not only its ends: one seed's last loss says little alone)."""
     with open(path) as f:
         records = [json.loads(line) for line in f if line.strip()]
-    steps = [r for r in records if r.get("kind") == "train" and r["iteration"] > 1]
+    train = [r for r in records if r.get("kind") == "train"]
+    steps = [r for r in train if r["iteration"] > 1]
     if not steps:
         raise ValueError(f"no training step after the first in {path}")
 
@@ -450,7 +451,7 @@ def _metrics(path) -> dict:
                 tokens_per_s=median("tokens_per_s"), tflops_per_device=median("tflops_per_device"),
                 mfu=median("mfu"), peak_memory_gb=max(r["peak_memory_gb"] for r in steps),
                 first_loss=records[0].get("loss"), last_loss=steps[-1]["loss"],
-                losses=[r.get("loss") for r in records if r.get("kind") == "train"])
+                losses=[r.get("loss") for r in train])
 
 
 _FIGURES = {"junit": _junit, "bench_gate": _bench_gate, "bench_json": _bench_json,

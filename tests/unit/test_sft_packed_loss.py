@@ -701,7 +701,6 @@ def _mtp_micro_batches():
     The step's MTP losses as the launcher logs them (``loop._mean_mtp_losses``), each depth's
     head and ``eh_proj`` gradients, each micro-batch's documents and loss tokens."""
     import mcore_ext
-    from mcore_ext import _mcore_compat
     from mcore_ext._cpu_compat import cuda_to_cpu
     from mcore_ext.training import loop
     from tests.unit import test_mtp
@@ -709,7 +708,6 @@ def _mtp_micro_batches():
     mcore_ext.init_parallel()
     docs = _conversations(test_mtp.VOCAB, LENGTHS)
     batches = _micro_batches(docs, 1)
-    _mcore_compat.reset_mtp_losses()  # the tracker of an earlier test's model in this worker
     with cuda_to_cpu():
         gpt, weights, main_layers, mtp_layers = test_mtp._build_loaded(
             1, True, calculate_per_token_loss=True)
