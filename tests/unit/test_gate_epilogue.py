@@ -96,6 +96,24 @@ def test_split_matches_torch_split_forward_and_backward(copy_qkv):
     assert key_columns.abs().sum() == 0 and grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("one_cat", [False, True])
+def test_joined_gradient_is_the_split_gradient_in_linear_qkvs_column_order(one_cat):
+    """Both joins (a GPU's one cat of every group's parts, a CPU's two cats) give the gradient
+    torch.split's autograd gives, bit for bit: 3 groups of 2 query heads (GQA), hn 4, a part
+    without gradient (zeros expanded from a scalar, as the backward passes it)."""
+    groups, sizes, gate_columns = 3, (8, 4, 4), 6
+    g = torch.Generator().manual_seed(4)
+    mixed = torch.randn(3, 2, groups * sum(sizes) + gate_columns, generator=g,
+                        dtype=torch.float64, requires_grad=True)
+    qkv, gate = mixed.split([groups * sum(sizes), gate_columns], dim=-1)
+    parts = (*qkv.reshape(3, 2, groups, -1).split(sizes, dim=-1), gate)
+    grads = [torch.randn(p.shape, generator=g, dtype=torch.float64) for p in parts]
+    grads[1] = torch.zeros((), dtype=torch.float64).expand(parts[1].shape)
+    (expected,) = torch.autograd.grad(parts, mixed, grads)
+    joined = gated._join_gradients(grads[:3], grads[3], one_cat=one_cat)
+    assert joined.is_contiguous() and torch.equal(joined, expected)
+
+
 def _recipe_for(out, attn, scale):
     return {out.untyped_storage().data_ptr(): gated._Recipe(attn, scale, out.dtype)}
 
