@@ -790,6 +790,15 @@ def has_muon() -> bool:
         emerging_optimizers, "_EMERGING_OPTIMIZERS", {})
 
 
+def has_router_replay() -> bool:
+    """Whether megatron-core's MoE routers can replay recorded top-k experts
+    (``TransformerConfig.moe_enable_routing_replay``; benchmarks/bench_gate.py --moe pins every
+    variant's routing with it)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return "moe_enable_routing_replay" in {f.name for f in dataclasses.fields(TransformerConfig)}
+
+
 # ------------------------------------------- 15. what megatron's dist_checkpointing loads read
 #
 # Every load of dist_checkpointing (load, load_common_state_dict, load_tensors_metadata,

@@ -89,12 +89,14 @@ def test_cp2_on_nccl_matches_cp1(tmp_path):
 
 
 def _trains(tmp_path, name, *overrides, steps=10, fall=0.5):
-    """One bf16 run of ``steps`` steps on one GPU; its losses (each logged, falling by ``fall``)."""
+    """One bf16 run of ``steps`` steps on one GPU; its losses (each logged, the last below the
+    first by ``fall``; None: not compared)."""
     check(torchrun(*_common(tmp_path, "training.precision=bf16", f"training.train_iters={steps}",
                             f"logging.metrics_file={tmp_path / name}.jsonl", *overrides),
                    nproc=1), name)
     loss = losses(tmp_path / f"{name}.jsonl")
-    assert sorted(loss) == list(range(1, steps + 1)) and loss[steps] < loss[1] - fall, (name, loss)
+    assert sorted(loss) == list(range(1, steps + 1)), (name, loss)
+    assert fall is None or loss[steps] < loss[1] - fall, (name, loss)
     return loss
 
 
@@ -112,13 +114,26 @@ def test_muon_and_the_hybrid_model_train_in_bf16_on_one_gpu(tmp_path, name, over
 
 
 def test_lora_fine_tunes_a_checkpoint_in_bf16_on_one_gpu(tmp_path):
+    """LoRA over a 5-step base lowers the validation loss on the same batches (each run's one
+    evaluation, at its end). Its training losses are of other batches each step: over 10 steps
+    the frozen base's own losses spread 0.17 on those batches, the adapters gain 0.02-0.07, so
+    the first and last of them tell nothing (issue 58: this test read them and failed on an
+    H200; so did CPU runs at seed 3, in bf16 and fp32). At lr 1e-2 the adapters' early Adam
+    steps made the loss jump at step 4 or 5 (the H200's 4.160 -> 4.569; CPU seeds 1 and 3: 0.19-
+    0.20 above the frozen base's loss on that batch); at 3e-3 no step of 4 CPU seeds was above
+    the frozen base's, the validation loss 0.044-0.069 lower (bf16)."""
+    from tests.functional.test_lora import valid_losses
+
     _trains(tmp_path, "base", f"checkpoint.save={tmp_path / 'base'}", "checkpoint.load=null",
-            steps=5)
+            "training.eval_interval=5", steps=5)
     _trains(tmp_path, "lora", f"checkpoint.load={tmp_path / 'base'}", "checkpoint.finetune=true",
             f"checkpoint.save={tmp_path / 'lora'}", "lora.rank=8", "lora.alpha=16",
-            "lora.targets=all-linear", "optimizer.lr=1e-2", "optimizer.lr_decay_style=constant",
-            fall=0.0)
+            "lora.targets=all-linear", "optimizer.lr=3e-3", "optimizer.lr_decay_style=constant",
+            "training.eval_interval=10", fall=None)
     assert (tmp_path / "lora" / TRACKER).read_text() == "10"
+    base, lora = (valid_losses(tmp_path / f"{name}.jsonl") for name in ("base", "lora"))
+    assert list(base) == [5] and list(lora) == [10], (base, lora)
+    assert lora[10] < base[5] - 0.02, (base, lora)
 
 
 def test_packed_chat_sft_on_varlen_matches_the_sdpa_kernel(tmp_path):
