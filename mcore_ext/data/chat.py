@@ -69,6 +69,16 @@ class ChatDataError(ValueError):
     """A conversation that cannot be trained on: the message names the file and line."""
 
 
+def data_error_line(err: ChatDataError) -> str:
+    """The error's own line, also when a DataLoader worker raised it (torch re-raises it in the
+    main process with the worker's traceback in the message: ``Caught ChatDataError in
+    DataLoader worker process 0. Original Traceback ... ChatDataError: FILE:LINE: ...``)."""
+    text = str(err)
+    marker = f"{ChatDataError.__name__}: "
+    lines = [line for line in text.splitlines() if marker in line]
+    return lines[-1].split(marker, 1)[1] if lines and "Traceback" in text else text
+
+
 @dataclass
 class Conversation:
     """One tokenized conversation: ``ids`` [n] int64 and ``loss`` [n] bool (whether token i is a

@@ -292,8 +292,9 @@ def test_launcher_refuses_a_truncated_image_in_one_line_and_writes_nothing(folde
 def test_the_cache_keeps_the_images_and_their_bytes_are_checked_at_start_and_at_use(
         folder, tokenizer, tmp_path):
     """A second start reads the cache (the same conversations and image records, nothing
-    tokenized); an image resized since is refused at start (a stat), one rewritten to the same
-    size when its row is built (its SHA-256), each naming file and line."""
+    tokenized); an image resized or removed since is refused at start (a stat), one rewritten to
+    the same size when its row is built (its SHA-256), each naming file and line (in a
+    DataLoader worker too: the launcher says the worker's error alone)."""
     for name in ("square.png", "tall.png"):
         (tmp_path / name).write_bytes((folder / name).read_bytes())
     path = _write(tmp_path, CONVERSATIONS[1:2] + [[_user("square.png", "?"), _answer("A.")]])
@@ -319,8 +320,14 @@ def test_the_cache_keeps_the_images_and_their_bytes_are_checked_at_start_and_at_
     with pytest.raises(chat.ChatDataError) as raised:
         for i in range(len(dataset)):
             dataset[i]
-    assert str(raised.value).startswith(f"{path}:2: image 'square.png' changed since the "
-                                        "conversations were tokenized (SHA-256"), raised.value
+    said = str(raised.value)
+    assert said.startswith(f"{path}:2: image 'square.png' changed since the conversations "
+                           "were tokenized (SHA-256"), said
+    # raised in a DataLoader worker: the launcher's one line is the same error's
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=1)
+    with pytest.raises(chat.ChatDataError) as raised:
+        list(loader)
+    assert "Traceback" in str(raised.value) and chat.data_error_line(raised.value) == said
     # another size: refused at start
     (tmp_path / "square.png").write_bytes(original + b"\0")
     with pytest.raises(chat.ChatDataError) as raised:
