@@ -357,7 +357,7 @@ def write_chat_cache(chat: ChatFile, cache_path: str) -> None:
                         loss=numpy.concatenate([c.loss for c in chat.conversations]),
                         offsets=numpy.concatenate([[0], numpy.cumsum(lengths)]),
                         line_numbers=numpy.asarray(
-                            [int(c.where.rpartition(":")[2]) for c in chat.conversations]),
+                            [int(c.where.rpartition(":")[2] or 0) for c in chat.conversations]),
                         **chat_images.cache_arrays(chat.conversations))
             f.flush()
             os.fsync(f.fileno())

@@ -39,6 +39,7 @@ import os
 from dataclasses import dataclass
 
 import numpy
+import torch
 
 # The files that make a folder a processor's (transformers writes one or the other).
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
@@ -69,8 +70,6 @@ def _one_thread():
     """torch on one thread while a processor works on a few small tensors: its intra-op threads
     only cost there (x1000 a tensor op on a loaded 2-core machine), and in the DataLoader's
     workers torch runs on one anyway. Restored after: training's own thread count."""
-    import torch
-
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -168,6 +167,9 @@ def read_image(path: str, source: str, where: str, error, sha256: str = None):
     except UnidentifiedImageError:
         raise error(f"{where}: image {source!r} is not an image file that can be read "
                     f"({path})") from None
+    except Image.DecompressionBombError as err:  # Pillow's limit against decompression bombs
+        raise error(f"{where}: image {source!r} is larger than Pillow decodes ({path}: "
+                    f"{' '.join(str(err).split())})") from None
     except Exception as err:  # PIL's truncated / corrupt data: OSError, SyntaxError, zlib...
         raise error(f"{where}: image {source!r} is truncated or corrupt ({path}: "
                     f"{type(err).__name__}: {' '.join(str(err).split())})") from None
@@ -268,8 +270,6 @@ def row_images(images: list, tokens: numpy.ndarray, processor, error) -> dict:
                     "features")
     index = numpy.full(len(tokens), -1, dtype=numpy.int64)
     index[placeholders] = numpy.arange(int(placeholders.sum()))
-    import torch
-
     row = {"pixel_values": out["pixel_values"],
            "num_local_patches": torch.as_tensor(out["num_local_patches"], dtype=torch.int64),
            "image_feature_index": index}
@@ -282,8 +282,6 @@ def collate(samples: list) -> dict:
     """The image keys of a micro-batch of rows (``row_images``' keys where a row has images):
     pixel tensors and crop counts concatenated in row order, ``image_feature_index`` [t] of the
     rows side by side counting on across rows (rows without images: -1)."""
-    import torch
-
     rows = [x for x in samples if "pixel_values" in x]
     batch = {"pixel_values": torch.cat([x["pixel_values"] for x in rows]),
              "num_local_patches": torch.cat([x["num_local_patches"] for x in rows])}

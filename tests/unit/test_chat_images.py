@@ -239,9 +239,10 @@ def _error(path, tokenizer, seq=512) -> str:
     ("url", "message 1 part 1 (image) has no 'path' (a local file, relative to the JSONL file); "
             "'url' is not read here"),
     ("no_processor", "the conversation has images, but data.tokenizer="),
+    ("too_large", "image 'square.png' is larger than Pillow decodes"),
 ])
-def test_bad_images_are_one_error_naming_file_and_line(folder, tokenizer, tmp_path, case,
-                                                       expected):
+def test_bad_images_are_one_error_naming_file_and_line(folder, tokenizer, tmp_path, monkeypatch,
+                                                       case, expected):
     good = [_user("square.png", "What?"), _answer("A circle.")]
     bad = {
         "missing": [_user("gone.png", "What?"), _answer("A circle.")],
@@ -252,20 +253,22 @@ def test_bad_images_are_one_error_naming_file_and_line(folder, tokenizer, tmp_pa
         "url": [{"role": "user", "content": [{"type": "image", "url": "https://x/a.png"}]},
                 _answer("A circle.")],
         "no_processor": good,
+        "too_large": good,
     }[case]
-    for name in ("square.png",):
-        (tmp_path / name).write_bytes((folder / name).read_bytes())
+    (tmp_path / "square.png").write_bytes((folder / "square.png").read_bytes())
     (tmp_path / "text.png").write_text("not a picture\n")
     whole = (folder / "tall.png").read_bytes()
     (tmp_path / "cut.png").write_bytes(whole[:len(whole) * 2 // 3])
     path = _write(tmp_path, [good, bad, good])
-    if case == "no_processor":
+    line = 1 if bad is good else 2  # the first line when every line is refused
+    if case == "too_large":  # Pillow refuses past twice its limit: 112 x 112 > 2 x 1000
+        from PIL import Image
+
+        monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)
+    if case == "no_processor":  # the text model's tokenizer folder: no processor beside it
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(ROOT / "configs" / "sft_tiny" / "tokenizer")
-        expected, line = expected, 1
-    else:
-        line = 2
     message = _error(path, tokenizer)
     assert message.startswith(f"{path}:{line}: "), message
     assert expected in message, message
