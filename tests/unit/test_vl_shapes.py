@@ -50,8 +50,8 @@ def _pairs(path: Path) -> list:
 def test_the_committed_set_is_what_the_script_draws_from_its_seed(tmp_path):
     """The same seed: the same conversations byte for byte and the same pixels (compared
     decoded: another zlib could pack the same pixels into other bytes)."""
-    shapes.write_set(str(tmp_path), 384, seed=0)
-    shapes.write_set(str(tmp_path), 384, seed=0, name="mismatched.jsonl", mismatch=True)
+    shapes.main([str(tmp_path), "--count", "384"])  # the command docs/training.md gives
+    shapes.main([str(tmp_path), "--count", "384", "--mismatched"])
     for name in ("captions.jsonl", "mismatched.jsonl"):
         assert (tmp_path / name).read_text() == (SET / name).read_text(), name
     committed = sorted(p.name for p in (SET / "images").iterdir())
