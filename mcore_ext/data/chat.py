@@ -5,6 +5,10 @@ Each line of the file is one conversation: ``{"messages": [{"role": ..., "conten
 (system / user / assistant / tool, multi-turn, as megatron's ``SFTDataset`` reads them) or
 ``{"prompt": ..., "completion": ...}`` (one user turn and its answer). Lines are rendered with the
 tokenizer's own chat template (``apply_chat_template``), so the model sees its released format.
+A message's content may also be transformers' list of parts, with images
+(``{"type": "image", "path": "cat.png"}``, relative to the file): such a conversation is rendered
+by the model's processor, its images go with it into its row, and their tokens carry no loss
+(``chat_images``).
 
 Which tokens carry loss is found from the template itself: assistant turn i spans from the end of
 the rendering of messages[:i] with the generation prompt to the end of the rendering of
@@ -13,7 +17,8 @@ are not prefixes of one another cannot be split so and is an error. ``loss_on``:
 (every answer), ``last_turn`` (the last answer only) or ``all`` (every token).
 
 A conversation of n tokens is a document of n - 1 positions (tokens[:-1] predict tokens[1:]); a
-longer one than seq_length is truncated to seq_length positions or dropped (``overlong``).
+longer one than seq_length is truncated to seq_length positions or dropped (``overlong``); a cut
+never splits an image's tokens (it moves before the image, which is left out).
 
 Packing (``pack_documents``) is best-fit in file order: each document goes to the open row with
 the least room that holds it, a new row when none does; the same documents always give the same
@@ -25,7 +30,8 @@ holds ``seq_length`` slots.
 
 Tokenizing is cached (``load_chat_file`` with ``cache_dir``): one ``.npz`` per file and settings,
 named by a fingerprint of the file's bytes, the tokenizer (its files and chat template),
-seq_length, loss_on and overlong; it holds every kept conversation's ids and loss flags and the
+transformers' version, seq_length, loss_on and overlong; it holds every kept conversation's ids,
+loss flags, line and images (path, size, SHA-256, token layout: pixels are read at use) and the
 file's counts, so a cached file gives the same ``ChatFile``. It is written to a temporary name
 beside it and renamed, so a killed write leaves no file that is read; it is written only after
 the whole file tokenized (a bad line writes nothing), and never beside the data file.
@@ -52,6 +58,7 @@ import numpy
 from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig
 from megatron.core.datasets.megatron_dataset import MegatronDataset
 
+from mcore_ext.data import chat_images
 from mcore_ext.userfiles import parse_json_line
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -62,13 +69,26 @@ class ChatDataError(ValueError):
     """A conversation that cannot be trained on: the message names the file and line."""
 
 
+def data_error_line(err: ChatDataError) -> str:
+    """The error's own line, also when a DataLoader worker raised it (torch re-raises it in the
+    main process with the worker's traceback in the message: ``Caught ChatDataError in
+    DataLoader worker process 0. Original Traceback ... ChatDataError: FILE:LINE: ...``)."""
+    text = str(err)
+    marker = f"{ChatDataError.__name__}: "
+    lines = [line for line in text.splitlines() if marker in line]
+    return lines[-1].split(marker, 1)[1] if lines and "Traceback" in text else text
+
+
 @dataclass
 class Conversation:
     """One tokenized conversation: ``ids`` [n] int64 and ``loss`` [n] bool (whether token i is a
-    target that carries loss)."""
+    target that carries loss), its ``images`` (``chat_images.ImageRef``, in placeholder order) and
+    ``where`` it is (FILE:LINE)."""
 
     ids: numpy.ndarray
     loss: numpy.ndarray
+    images: tuple = ()
+    where: str = ""
 
 
 @dataclass
@@ -85,11 +105,13 @@ class ChatFile:
         return len(self.conversations)
 
     def summary(self, seq_length: int) -> str:
-        """One line: conversations, loss tokens, and the over-long ones (said once per file)."""
+        """One line: conversations, loss tokens, images, and the over-long ones (said once per
+        file)."""
         tokens = sum(len(c.ids) for c in self.conversations)
         loss = sum(int(c.loss[1:].sum()) for c in self.conversations)
+        images = sum(len(c.images) for c in self.conversations)
         line = (f"[data] {self.path}: {len(self.conversations)} conversations, {tokens} tokens, "
-                f"{loss} loss tokens")
+                f"{loss} loss tokens" + (f", {images} images" if images else ""))
         if self.truncated or self.dropped:
             line += (f"; longer than seq_length {seq_length}: {self.truncated} truncated, "
                      f"{self.dropped} dropped")
@@ -116,19 +138,26 @@ def messages_of(record, where: str) -> list:
         if message["role"] not in ROLES:
             raise ChatDataError(f"{where}: message {number} has unknown role "
                                 f"{message['role']!r} (expected one of {', '.join(ROLES)})")
-        if not isinstance(message.get("content"), str):
-            raise ChatDataError(f"{where}: message {number} has no string 'content'")
+        if not isinstance(message.get("content"), (str, list)):
+            raise ChatDataError(f"{where}: message {number} has no string 'content' (nor a list "
+                                "of text and image parts)")
     if not any(m["role"] == "assistant" for m in messages):
         raise ChatDataError(f"{where}: no assistant turn (nothing to train on)")
     return messages
 
 
-def tokenize_conversation(messages, hf_tokenizer, loss_on: str, where: str) -> Conversation:
-    """Token ids of the rendered conversation and which of them carry loss (see the module)."""
+def tokenize_conversation(messages, hf_tokenizer, loss_on: str, where: str,
+                          images: Optional[tuple] = None) -> Conversation:
+    """Token ids of the rendered conversation and which of them carry loss (see the module).
+
+    ``images``: (image paths in order, their base folder, the processor) for a conversation
+    with images: the processor renders and tokenizes it (``chat_images.encode``), and the images'
+    tokens carry no loss."""
+    renderer = images[2] if images else hf_tokenizer
 
     def render(prefix, generation_prompt):
         try:
-            return hf_tokenizer.apply_chat_template(
+            return renderer.apply_chat_template(
                 prefix, tokenize=False, add_generation_prompt=generation_prompt)
         except Exception as err:  # jinja's errors and the template's own raise_exception
             raise ChatDataError(f"{where}: the chat template does not render it: "
@@ -148,23 +177,44 @@ def tokenize_conversation(messages, hf_tokenizer, loss_on: str, where: str) -> C
                     "after the conversation before it, so its answer cannot be told apart; "
                     "use data.loss_on=all")
             spans.append((len(begin), len(end)))
-    encoded = hf_tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = numpy.asarray(encoded["input_ids"], dtype=numpy.int64)
+    refs = ()
+    if images:
+        sources, base_dir, processor = images
+        ids, starts, refs = chat_images.encode(text, sources, base_dir, processor, where,
+                                               ChatDataError)
+    else:
+        encoded = hf_tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = numpy.asarray(encoded["input_ids"], dtype=numpy.int64)
+        starts = numpy.asarray([start for start, _ in encoded["offset_mapping"]])
     if loss_on == "all":
         loss = numpy.ones(len(ids), dtype=bool)
     else:
-        starts = numpy.asarray([start for start, _ in encoded["offset_mapping"]])
         loss = numpy.zeros(len(ids), dtype=bool)
         for begin, end in spans:
             loss |= (starts >= begin) & (starts < end)
-    return Conversation(ids, loss)
+    for image in refs:  # placeholders, crop and image start / end / newline tokens
+        loss[image.start:image.end] = False
+    return Conversation(ids, loss, refs, where)
+
+
+def truncate(conversation: Conversation, seq_length: int) -> Conversation:
+    """The first seq_length + 1 tokens (seq_length positions), cut before an image whose tokens
+    would not all be inputs (the model fills an image's placeholders whole or not at all)."""
+    keep = seq_length + 1
+    cut = [image.start for image in conversation.images if image.end > seq_length]
+    keep = min([keep] + cut[:1])
+    return Conversation(conversation.ids[:keep], conversation.loss[:keep],
+                        tuple(i for i in conversation.images if i.end <= seq_length),
+                        conversation.where)
 
 
 def read_chat_file(path: str, hf_tokenizer, seq_length: int, loss_on: str = "assistant",
                    overlong: str = "truncate") -> ChatFile:
     """Every conversation of a JSONL file, tokenized; raises ``ChatDataError`` (file:line) at the
-    first line that cannot be trained on."""
+    first line that cannot be trained on. Conversations with images are rendered by the
+    processor of the tokenizer's folder (``chat_images``), their paths relative to the file."""
     conversations, truncated, dropped, number = [], 0, 0, 0
+    processor = None
     try:
         f = open(path, "rb")  # bytes: a line that is not UTF-8 is named by its number
     except OSError as err:
@@ -175,14 +225,19 @@ def read_chat_file(path: str, hf_tokenizer, seq_length: int, loss_on: str = "ass
             record = parse_json_line(raw, where, ChatDataError)
             if record is None:
                 continue
-            conversation = tokenize_conversation(messages_of(record, where), hf_tokenizer,
-                                                 loss_on, where)
+            messages = messages_of(record, where)
+            sources = chat_images.image_sources(messages, where, ChatDataError)
+            images = None
+            if sources:
+                processor = processor or chat_images.processor_for(
+                    hf_tokenizer.name_or_path, where, ChatDataError)
+                images = (sources, os.path.dirname(path), processor)
+            conversation = tokenize_conversation(messages, hf_tokenizer, loss_on, where, images)
             if len(conversation.ids) - 1 > seq_length:
                 if overlong == "drop":
                     dropped += 1
                     continue
-                keep = seq_length + 1
-                conversation = Conversation(conversation.ids[:keep], conversation.loss[:keep])
+                conversation = truncate(conversation, seq_length)
                 truncated += 1
                 if not conversation.loss[1:].any():  # nothing of the answer left
                     dropped, truncated = dropped + 1, truncated - 1
@@ -192,6 +247,8 @@ def read_chat_file(path: str, hf_tokenizer, seq_length: int, loss_on: str = "ass
             conversations.append(conversation)
     if not conversations:
         raise ChatDataError(f"{path}: no conversation to train on ({number} lines)")
+    if processor is not None:
+        chat_images.stray_placeholders(conversations, processor.image_token_id, ChatDataError)
     return ChatFile(path, conversations, number, truncated, dropped)
 
 
@@ -226,7 +283,7 @@ class ChatDatasetConfig(BlendedMegatronDatasetConfig):
     """The Hugging Face tokenizer (with its chat template) that renders conversations."""
 
 
-CACHE_FORMAT = "mcore_ext chat cache 1"
+CACHE_FORMAT = "mcore_ext chat cache 2"  # 2: line numbers, images, transformers' version
 # A tokenizer directory may be a whole Hugging Face model folder: its weights are not hashed.
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".onnx")
 _FILES: dict = {}
@@ -241,11 +298,15 @@ def _hash_file(digest, path: str) -> None:
 def chat_cache_path(path: str, hf_tokenizer, seq_length: int, loss_on: str, overlong: str,
                     cache_dir: str) -> str:
     """The cache file of ``path`` tokenized so: ``cache_dir/chat-<sha256>.npz``, the hash over
-    the file's bytes, the tokenizer directory's files (not model weights) and chat template,
-    seq_length, loss_on, overlong."""
+    the file's bytes, the tokenizer directory's files (not model weights; its processor's config
+    too) and chat template, transformers' version (its processors expand images), seq_length,
+    loss_on, overlong. Not over the images' bytes: the cache records each image's SHA-256, checked
+    when the image is read for a batch (``chat_images``)."""
+    import transformers
+
     digest = hashlib.sha256()
     for part in (CACHE_FORMAT, type(hf_tokenizer).__name__, str(hf_tokenizer.chat_template),
-                 seq_length, loss_on, overlong):
+                 transformers.__version__, seq_length, loss_on, overlong):
         digest.update(repr(part).encode() + b"\0")
     try:
         _hash_file(digest, path)
@@ -267,12 +328,16 @@ def read_chat_cache(cache_path: str, path: str) -> Optional[ChatFile]:
         with numpy.load(cache_path, allow_pickle=False) as cached:
             meta = json.loads(str(cached["meta"]))
             ids, loss, offsets = cached["ids"], cached["loss"], cached["offsets"]
+            wheres = [f"{path}:{line}" for line in cached["line_numbers"]]
+            images = chat_images.images_from_cache(cached, wheres, os.path.dirname(path))
     except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile):  # absent, or not one
         return None
-    if meta.get("format") != CACHE_FORMAT or offsets[-1] != len(ids) or len(loss) != len(ids):
+    if (meta.get("format") != CACHE_FORMAT or offsets[-1] != len(ids) or len(loss) != len(ids)
+            or len(wheres) != len(offsets) - 1):
         return None
-    conversations = [Conversation(ids[begin:end], loss[begin:end])
-                     for begin, end in zip(offsets[:-1], offsets[1:])]
+    conversations = [Conversation(ids[begin:end], loss[begin:end], refs, where)
+                     for begin, end, refs, where in zip(offsets[:-1], offsets[1:], images,
+                                                        wheres)]
     return ChatFile(path, conversations, meta["lines"], meta["truncated"], meta["dropped"])
 
 
@@ -290,7 +355,10 @@ def write_chat_cache(chat: ChatFile, cache_path: str) -> None:
             numpy.savez(f, meta=numpy.asarray(json.dumps(meta)),
                         ids=numpy.concatenate([c.ids for c in chat.conversations]),
                         loss=numpy.concatenate([c.loss for c in chat.conversations]),
-                        offsets=numpy.concatenate([[0], numpy.cumsum(lengths)]))
+                        offsets=numpy.concatenate([[0], numpy.cumsum(lengths)]),
+                        line_numbers=numpy.asarray(
+                            [int(c.where.rpartition(":")[2] or 0) for c in chat.conversations]),
+                        **chat_images.cache_arrays(chat.conversations))
             f.flush()
             os.fsync(f.fileno())
         os.replace(temporary, cache_path)
@@ -314,6 +382,8 @@ def load_chat_file(path: str, hf_tokenizer, seq_length: int, loss_on: str, overl
     cache_path = (chat_cache_path(path, hf_tokenizer, seq_length, loss_on, overlong, cache_dir)
                   if cache_dir else None)
     chat = read_chat_cache(cache_path, path) if cache_path else None
+    if chat is not None:  # its images still there as they were tokenized (a stat each)
+        chat_images.check_unchanged(chat.conversations, ChatDataError)
     if chat is None:
         if not tokenize:
             return None
@@ -337,7 +407,8 @@ class ChatDataset(MegatronDataset):
     ``self[i]``: ``tokens``, ``labels`` (int64), ``loss_mask`` (float32), ``position_ids``
     (restarting at 0 in every document), each [seq_length], ``lengths`` (int64: the row's
     documents, then its padding if any) and ``padded_lengths`` (the slots each takes, a multiple
-    of ``pad_to_multiple``; they sum to seq_length).
+    of ``pad_to_multiple``; they sum to seq_length). A row with images also has their pixels
+    and ``image_feature_index`` (``chat_images.row_images``): its documents' images in order.
     """
 
     @staticmethod
@@ -386,9 +457,15 @@ class ChatDataset(MegatronDataset):
             position_ids[at:] = numpy.arange(s - at)
             lengths.append(s - at)
             padded.append(s - at)
-        return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask,
-                "position_ids": position_ids, "lengths": numpy.asarray(lengths),
-                "padded_lengths": numpy.asarray(padded)}
+        row = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask,
+               "position_ids": position_ids, "lengths": numpy.asarray(lengths),
+               "padded_lengths": numpy.asarray(padded)}
+        images = [image for doc in self.rows[self.order[idx]] for image in doc.images]
+        if images:  # read, checked and processed here: in the DataLoader's workers
+            processor = chat_images.processor_for(self.config.hf_tokenizer.name_or_path,
+                                                  images[0].where, ChatDataError)
+            row.update(chat_images.row_images(images, tokens, processor, ChatDataError))
+        return row
 
     def _padded(self, length: int) -> int:
         """The slots a document of ``length`` positions takes: a multiple of pad_to_multiple."""

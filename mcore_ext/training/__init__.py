@@ -42,6 +42,7 @@ def main(argv=None) -> int:
         one_line,
     )
     from mcore_ext.cli import is_first_rank, quiet_known_noise, report_error
+    from mcore_ext.data.chat import ChatDataError, data_error_line
     from mcore_ext.hf.adapter import AdapterError
     from mcore_ext.training.faults import die_with_torchrun
 
@@ -79,6 +80,8 @@ def main(argv=None) -> int:
             GateLayoutMismatch, AdapterError) as err:
         # Found on every rank alike, before training: said once, nothing was written.
         return report_error(one_line(err))
+    except ChatDataError as err:  # found when a row was read (an image changed under the run)
+        return report_error(data_error_line(err), seen_by_every_rank=False)
     from mcore_ext.training.faults import SAVED_NOT_FINISHED
 
     return 0 if finished else SAVED_NOT_FINISHED  # same on every rank: StopRequest agreed

@@ -13,6 +13,17 @@ micro-batch of them is one THD sequence (``collate_packed``): its b rows side by
 documents' boundaries in ``cu_seqlens``, so each attends only to itself and its positions restart.
 Under context parallelism every document is padded to a multiple of 2 x CP
 (``cu_seqlens_padded``) and split on its own into 2 x CP chunks, megatron's THD convention.
+
+Chat rows with images (``mcore_ext.data.chat_images``) add, to a micro-batch that has any:
+``pixel_values`` [n, 3, H, W] (each image's global view), ``pixel_values_local`` [crops, 3, h, w]
+(when there are local crops), ``num_local_patches`` [n] (int64) - what the model's processor
+gives for the images, in the order their placeholders come in the micro-batch's tokens - and
+``image_feature_index`` [1, t] (int64: the image-feature row each slot takes, -1 for text).
+Every rank reads the images of its own micro-batch as it reads its tokens: the ranks of a TP
+group and of a CP group read the same rows, hence the same bytes (checked against their SHA-256)
+through the same processor, so they hold equal pixels with no broadcast. ``cp_shard`` leaves the
+pixels whole on every CP rank (the vision tower runs on all the row's images) and splits
+``image_feature_index`` with the tokens, so a CP rank knows which features its placeholders take.
 """
 
 import os
@@ -30,6 +41,7 @@ from mcore_ext.attention.context_parallel import (
     get_batch_on_this_cp_rank,
     get_packed_batch_on_this_cp_rank,
 )
+from mcore_ext.data import chat_images
 from mcore_ext.data.chat import ChatDataset, ChatDatasetConfig
 from mcore_ext.data.preprocess import preprocess, stdlib_sources
 from mcore_ext.data.tokenizers import load_tokenizer
@@ -146,9 +158,14 @@ def collate_packed(samples: list, total_multiple: int = 1) -> dict:
         batch = {key: numpy.pad(value, (0, extra)) for key, value in batch.items()}
         batch["position_ids"][-extra:] = numpy.arange(extra)
         lengths, padded = numpy.append(lengths, extra), numpy.append(padded, extra)
+    images = chat_images.collate(samples) if any("pixel_values" in x for x in samples) else {}
+    if images:
+        batch["image_feature_index"] = numpy.pad(images.pop("image_feature_index"), (0, extra),
+                                                 constant_values=-1)
     batch = {key: torch.from_numpy(value)[None] for key, value in batch.items()}
     batch["cu_seqlens"], batch["cu_seqlens_padded"] = _cumulative(lengths), _cumulative(padded)
     batch["max_seqlen"] = int(padded.max())
+    batch.update(images)  # the pixels: whole, not [1, t]
     return batch
 
 
@@ -251,12 +268,14 @@ def cp_shard(batch: dict) -> dict:
 
     A packed (THD) micro-batch is split per document, as megatron splits one with
     ``cu_seqlens_padded``: every document's 2 x CP chunks r and 2CP-1-r; its ``cu_seqlens*``
-    still describe the whole micro-batch (core attention and RoPE read them so).
+    still describe the whole micro-batch (core attention and RoPE read them so). Images' pixels
+    stay whole; their ``image_feature_index`` is split with the tokens.
     """
     if parallel_state.get_context_parallel_world_size() == 1:
         return batch
     if "cu_seqlens" not in batch:
         return get_batch_on_this_cp_rank(batch)
     padded = batch["cu_seqlens_padded"]
+    keys = ("tokens", "labels", "loss_mask", "position_ids", "image_feature_index")
     return dict(batch, **{key: get_packed_batch_on_this_cp_rank(batch[key], padded, dim=1)
-                          for key in ("tokens", "labels", "loss_mask", "position_ids")})
+                          for key in keys if key in batch})

@@ -249,6 +249,10 @@ DECISIONS = {
         "test_recipe_at_context_parallel_2_trains_packed_conversations"),
     # packed vs one-conversation-per-row SFT (docs/training.md)
     "python benchmarks/bench_sft_packing.py": Skip(BENCHMARK),
+    # the drawn image-caption set (docs/training.md, chat data with images)
+    "python -m mcore_ext.data.shapes /tmp/shapes --count 48": Covered(
+        "tests/unit/test_vl_shapes.py::"
+        "test_the_committed_set_is_what_the_script_draws_from_its_seed"),
     # the memory plan (docs/memory-plan.md)
     "python -m mcore_ext.plan --config configs/step35_flash.yaml --vocab-size 128896 --seq "
     "32768 --recompute full --packed --without-mtp parallelism.tensor_model_parallel_size=8 "
