@@ -28,6 +28,9 @@ PAYLOAD_TYPE = "builtins.eval"
 # The gated QKV layers' byte objects (GPTModel's stacked layers, a shard per layer, or
 # HybridModel's attention layers, one each): the last layer's is crafted.
 SHARDED_OBJECT = re.compile(GATED_QKV + r"\._extra_state/shard_\d+_\d+")
+# A layer's linear_proj extra state, which a Transformer Engine module decodes with pickle.loads.
+LINEAR_PROJ_EXTRA_STATE = re.compile(
+    r"decoder\.layers\.(\d+\.)?self_attention\.linear_proj\._extra_state/shard_\d+_\d+")
 
 
 class Payload:
@@ -86,6 +89,14 @@ def _in_args(value, marker):  # the common state (a one-item list): its Megatron
     return value
 
 
+def _as_te_extra_state(value, marker):
+    """The payload as a Transformer Engine extra state: a uint8 tensor of ``pickle.dumps``,
+    whose module decodes it with ``pickle.loads`` (the restricted read returns the tensor)."""
+    from tests.unit.test_checkpoint_extra_state import as_extra_state
+
+    return as_extra_state(Payload(marker, None))
+
+
 def write_common_pt(directory, change=None):
     """Write the checkpoint's own common state back as a legacy ``common.pt`` beside it (which
     megatron's ``load_common_state_dict`` prefers), ``change``d; the manifest is left alone."""
@@ -104,6 +115,8 @@ CRAFTS = {
     "metadata": lambda d, m: craft_metadata(d, m),
     "common_args": lambda d, m: craft_object(d, "common_state/shard_0_1", m, _in_args),
     "sharded_object": lambda d, m: craft_object(d, SHARDED_OBJECT, m, Payload),
+    # Issue 54.1: a nested pickle, inside an object the restricted read admits (a uint8 tensor).
+    "te_extra_state": lambda d, m: craft_object(d, LINEAR_PROJ_EXTRA_STATE, m, _as_te_extra_state),
     # A legacy common.pt added (megatron's load_common: torch.load with torch's defaults).
     "common_pt": lambda d, m: write_common_pt(d, lambda c: _payload_in_args(c, m)),
 }
@@ -171,7 +184,37 @@ def test_inspect_verify_refuses_a_crafted_checkpoint(crafted, name, monkeypatch)
     assert all(w.startswith("warning: checkpoint ") for w in warnings), err  # common.pt named
     assert code == 2 and line.startswith(f"error: checkpoint file {save}/iter_0000002/"), err
     assert f"holds a pickled {PAYLOAD_TYPE}" in line, line
+    if name == "te_extra_state":  # old code: exit 0, "the metadata and all 14 pickled objects
+        # hold only checkpoint types"
+        assert re.search(r"in decoder\.layers\.\S*linear_proj\._extra_state/shard_\S+ \(a "
+                         "Transformer Engine extra state", line), line
     assert "verified: all" in out  # the CRC32 manifest matches: it is no defence against this
+    assert not os.path.exists(marker)
+
+
+def test_a_te_extra_state_is_refused_by_the_read_before_its_module_decodes_it(crafted):
+    """Issue 54.1: the DCP read every load makes (megatron's torch_dist load, the launcher's,
+    hf export's) of a linear_proj extra state holding a pickle: old code returned the tensor and
+    a Transformer Engine module (``TEStandIn``: TE's decoding) ran the payload; now the read
+    refuses it, naming the key and the type. ``inspect --verify`` says the same
+    (test_inspect_verify_refuses_a_crafted_checkpoint)."""
+    from torch.distributed.checkpoint import FileSystemReader, load
+
+    from mcore_ext.checkpoint import safe_pickle
+    from mcore_ext.checkpoint.errors import CheckpointUnsafeError
+    from tests.unit.test_checkpoint_extra_state import TEStandIn
+
+    save, marker = crafted["te_extra_state"]
+    directory = str(save / "iter_0000002")
+    storage = FileSystemReader(directory).read_metadata().storage_data
+    key = max(i.fqn for i in storage if LINEAR_PROJ_EXTRA_STATE.fullmatch(i.fqn))
+    state = {key: io.BytesIO()}
+    with pytest.raises(CheckpointUnsafeError) as refused, safe_pickle.refusals():
+        load(state, storage_reader=FileSystemReader(directory), no_dist=True)
+        TEStandIn().set_extra_state(state[key])  # what the module does with what the read gave
+    assert str(refused.value).startswith(f"checkpoint file {directory}/") and (
+        f"holds a pickled {PAYLOAD_TYPE} in {key} (a Transformer Engine extra state"
+        in str(refused.value)), refused.value
     assert not os.path.exists(marker)
 
 
@@ -231,7 +274,9 @@ def _launch_each(world_dirs, ft_root, world):
 @pytest.mark.parametrize("world", [1, 2])
 def test_launcher_resume_and_finetune_refuse_a_crafted_checkpoint(run_distributed, crafted,
                                                                   tmp_path, world):
-    dirs = {name: str(save) for name, (save, _) in crafted.items() if name != "base"}
+    # The TE extra state at 1 rank only: the same read as sharded_object's, refused alike at 2.
+    left_out = {"base"} | ({"te_extra_state"} if world == 2 else set())
+    dirs = {name: str(save) for name, (save, _) in crafted.items() if name not in left_out}
     results = run_distributed(_launch_crafted, dirs, str(tmp_path), world_size=world)
     for (name, how) in results[0]:
         save, marker = crafted[name]
