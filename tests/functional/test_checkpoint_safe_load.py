@@ -564,6 +564,52 @@ def test_a_signature_that_is_not_a_string_of_hex_digits_does_not_verify(run_dist
                            "mcore_ext_manifest.json signature does not verify"), line
 
 
+def _from_another_run(directory):
+    """What another run signed with the same key saved as this iteration: the folder's own
+    files under a manifest naming another run id, signed with the key "k3y"."""
+    from mcore_ext.checkpoint import manifest
+
+    entries = manifest.read(str(directory))
+    _with_key("k3y", manifest.write, str(directory), entries, 2, "another-run-of-the-same-key")
+
+
+def _copy_over(save, source, target):
+    """``cp -r save/source save/target`` after removing the target (what the issue did)."""
+    shutil.rmtree(save / target)
+    shutil.copytree(save / source, save / target)
+
+
+@pytest.mark.parametrize("how, problem", [
+    ("another_iteration", "mcore_ext_manifest.json: signed for iteration 1, but the folder is "
+                          "iter_0000002: a checkpoint copied over another iteration's"),
+    ("another_run", "mcore_ext_manifest.json: belongs to run another-run-of-the-same-key, but its "
+                    "save directory {save} is run "),
+])
+def test_a_signed_folder_is_refused_under_another_iterations_name_or_in_another_run(
+        run_distributed, signed, tmp_path, monkeypatch, how, problem):
+    """Issue 54.5: with the key, iteration 1's folder copied over iteration 2's (which the tracker
+    names) passed ``inspect --verify``, and a resume reported iteration 2's folder while training
+    on from iteration 1's state; a folder another run signed with the same key is refused there
+    too. Both: inspect --verify and the launcher's resume refuse it, one line, exit code 2."""
+    save = tmp_path / "save"
+    shutil.copytree(signed["base"], save)
+    if how == "another_iteration":
+        _copy_over(save, "iter_0000001", "iter_0000002")
+    else:
+        _from_another_run(save / "iter_0000002")
+    problem = problem.format(save=save)
+    monkeypatch.setenv(KEY, "k3y")
+    code, out, err = _inspect(save)
+    assert code == 2 and f"CORRUPT: {save / 'iter_0000002'}/{problem}" in out, out
+    monkeypatch.delenv(KEY)
+    (result,) = run_distributed(_with_key, "k3y", _resume, save, 3, ONE_RANK, world_size=1)
+    assert result["code"] == 2, result
+    (line,) = result["stderr"].splitlines()
+    assert line.startswith(f"error: checkpoint {save / 'iter_0000002'} is corrupt: "
+                           f"{problem.replace(':', '', 1)}"), line
+    assert not (save / "iter_0000003").exists()
+
+
 def test_launcher_with_the_key_resumes_a_signed_checkpoint_and_refuses_a_re_crc_ed_one(
         run_distributed, signed, tmp_path):
     shutil.copytree(signed["base"], tmp_path / "good")
