@@ -198,6 +198,18 @@ def verify_checkpoint(directory: str, collective: bool = True) -> list[tuple[str
     return problems
 
 
+def verify_once(directory: str) -> list[tuple[str, str]] | None:
+    """``verify_checkpoint`` (collective), or [] without reading anything when every rank has
+    verified ``directory`` in full before and nothing in it changed since (``_stamp``): what an
+    entry point calls where megatron may read the same directory twice."""
+    done = _stamp(directory) in _verified
+    if dist.is_initialized():
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, done)
+        done = all(everyone)
+    return [] if done else verify_checkpoint(directory)
+
+
 def _read_entries(directory: str):
     """("read", the manifest's entries), or (what verify_checkpoint returns at once, None): a
     problem list when the manifest is unreadable or not signed as required, None when absent."""

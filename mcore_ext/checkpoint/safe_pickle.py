@@ -7,8 +7,8 @@ A distributed checkpoint holds two kinds of pickle besides its tensors (which to
   megatron's ``torch_dist`` loader, ``load_tensors_metadata`` and every DCP load go through it.
   ``MetadataUnpickler`` reads it instead, admitting only what a checkpoint's metadata holds:
   torch's checkpoint-metadata classes (``torch.distributed.checkpoint.metadata`` / ``planner``,
-  ``filesystem._StorageInfo``), ``torch.Size``, dtypes, layouts and memory formats, plain
-  containers, numbers and strings.
+  ``filesystem._StorageInfo``), ``torch.Size``, dtypes, layouts and memory formats, the path a
+  DCP save names (``pathlib.PosixPath``), plain containers, numbers and strings.
 - the byte objects (megatron's common state with Megatron-LM's ``args``, sharded objects such as
   the RNG states, the optimizer's parameter groups and step of some layouts): torch's
   ``DefaultLoadPlanner.load_bytes`` reads them with ``torch.load(weights_only=False)``. Here they
@@ -78,6 +78,10 @@ _METADATA_GLOBALS = {
     ("builtins", "complex"),
     ("builtins", "bytearray"),
     ("collections", "OrderedDict"),
+    # StorageMeta.checkpoint_id: the path torch's FileSystemWriter saved to (DCP's own saves,
+    # Megatron-LM's torch_dcp)
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
 }
 _TORCH_VALUES = (torch.dtype, torch.layout, torch.memory_format)
 

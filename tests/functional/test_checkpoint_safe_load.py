@@ -654,6 +654,35 @@ def test_megatron_lm_entry_verifies_a_launcher_checkpoint_before_loading(
     assert not (tmp_path / "mlm").exists()
 
 
+@pytest.mark.slow  # the same check as tests/unit/test_megatron_lm_verified_loads.py, by torchrun
+def test_megatron_lm_entry_with_the_key_refuses_an_untracked_torch_checkpoint_named_by_step(
+        tmp_path, monkeypatch):
+    """Issue 54.3 as reported: a ``--ckpt-format torch`` save, its tracker removed, ``--load DIR
+    --ckpt-step 2`` with the key: the old code loaded it ("successfully loaded checkpoint ... at
+    iteration 2", exit 0); now one line, refused before megatron reads it."""
+    pytest.importorskip("megatron.training.models.gpt", reason="megatron.training >= 0.19")
+    from tests.functional.test_megatron_lm_checkpoints import MLM
+    from tests.functional.test_megatron_lm_pretrain import MEGATRON_LM
+    from tests.functional.test_pretrain import torchrun
+
+    flags = [*MLM[:MLM.index("--ckpt-format")], "--ckpt-format", "torch", "--save-interval",
+             "1000", "--override-opt_param-scheduler"]
+    save = tmp_path / "legacy"
+    monkeypatch.delenv(KEY, raising=False)
+    made = torchrun(*flags, "--train-iters", "2", "--save", str(save), program=MEGATRON_LM)
+    assert made.returncode == 0, made.stderr[-3000:]
+    (save / "latest_checkpointed_iteration.txt").unlink()
+    monkeypatch.setenv(KEY, "k3y")
+    result = torchrun(*flags, "--train-iters", "3", "--load", str(save), "--ckpt-step", "2",
+                      "--save", str(tmp_path / "next"), program=MEGATRON_LM)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode != 0 and len(errors) == 1, result.stderr[-3000:]
+    assert errors[0].startswith(f"error: checkpoint {save / 'iter_0000002'} is corrupt: "
+                                "mcore_ext_manifest.json missing"), errors
+    assert "successfully loaded" not in result.stdout
+    assert not (tmp_path / "next").exists()
+
+
 def test_a_key_file_that_cannot_be_read_is_one_config_error(tmp_path):
     from tests.functional.test_pretrain import launcher
 
@@ -745,3 +774,4 @@ def test_export_of_a_signed_checkpoint_with_the_key_writes_the_signed_config(
                                 world_size=1)
     assert result["code"] == 0, result
     assert "777" not in (tmp_path / "out" / "config.json").read_text()
+
