@@ -292,6 +292,67 @@ def read_file(directory: str, name: str) -> bytes:
     return data
 
 
+def check_listed(directory: str) -> dict:
+    """With a signing key: the signed entries of ``directory``'s manifest, once its signature and
+    binding verify and every file it lists is there with its recorded size, else
+    CheckpointCorruptError naming the first that is not (a checkpoint up a ``checkpoint.load``
+    chain: what an export reads of it, ``read_file`` checks byte for byte as it reads it; a
+    signed file deleted or cut anywhere in it refuses the export). Without a key: its entries,
+    {} without a manifest."""
+    early, entries = _read_entries(directory)
+    if early != "read":
+        if early is None:
+            return {}
+        raise CheckpointCorruptError(f"checkpoint {directory} is corrupt: {summary(early)}")
+    if signing.key() is None:
+        return entries
+    problems = []
+    for name, entry in sorted(entries.items()):
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            problems.append((name, "missing"))
+        elif (size := os.path.getsize(path)) != entry["size"]:
+            problems.append((name, f"has {size} bytes, {entry['size']} recorded"))
+    if problems:
+        raise CheckpointCorruptError(f"checkpoint {directory} is corrupt: {summary(problems)}")
+    return entries
+
+
+def signed_folder(path: str) -> tuple[str, str] | None:
+    """With a signing key: (the checkpoint directory, ``path`` relative to it) when ``path`` lies
+    in a checkpoint folder with a manifest (an ``hf import``'s ``tokenizer/``), whose signature
+    then covers its files; None otherwise (a folder of the user's), and without a key."""
+    if signing.key() is None:
+        return None
+    real = os.path.realpath(path)
+    parent = real
+    while True:
+        if os.path.isfile(os.path.join(parent, MANIFEST)):
+            return parent, os.path.relpath(real, parent)
+        up = os.path.dirname(parent)
+        if up == parent:
+            return None
+        parent = up
+
+
+def read_signed_folder(path: str, names) -> dict | None:
+    """{name: bytes} of the files of the folder ``path`` that ``names`` keeps (a function of the
+    names present or listed) as signed (``read_file``) when ``path`` lies in a signed checkpoint
+    folder and a key is set: a listed file that is missing, changed or cut, or one there that the
+    manifest does not list, is a CheckpointCorruptError naming it. None when ``path`` lies in no
+    checkpoint or no key is set (the caller reads the folder as it is)."""
+    found = signed_folder(path)
+    if found is None:
+        return None
+    directory, relative = found
+    entries = check_listed(directory)
+    prefix = "" if relative == "." else relative + os.sep
+    listed = {name[len(prefix):] for name in entries
+              if name.startswith(prefix) and os.sep not in name[len(prefix):]}
+    present = {name for name in os.listdir(path) if os.path.isfile(os.path.join(path, name))}
+    return {name: read_file(directory, prefix + name) for name in sorted(names(listed | present))}
+
+
 @contextlib.contextmanager
 def deferred():
     """megatron's reads in the block skip ``check_before_read``: for a look at a checkpoint that

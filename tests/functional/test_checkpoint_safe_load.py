@@ -21,7 +21,7 @@ import shutil
 import pytest
 import torch
 
-from tests.functional.inprocess import TINY_MOCK, launch
+from tests.functional.inprocess import ROOT, TINY_MOCK, launch
 from tests.functional.test_pretrain import GATED_QKV
 
 PAYLOAD_TYPE = "builtins.eval"
@@ -775,3 +775,109 @@ def test_export_of_a_signed_checkpoint_with_the_key_writes_the_signed_config(
     assert result["code"] == 0, result
     assert "777" not in (tmp_path / "out" / "config.json").read_text()
 
+
+SFT_TOKENIZER = ROOT / "configs" / "sft_tiny" / "tokenizer"
+SFT_CHAT = ROOT / "configs" / "sft_tiny" / "chat.jsonl"
+
+
+def _import_and_fine_tune(hf, ckpt, run):
+    """With the key: ``hf import HF CKPT``, then 2 steps of the launcher on chat data from the
+    config the import wrote (its tokenizer/ and its chat template), saved in RUN."""
+    def steps():
+        directory = _import_hf(hf, ckpt)
+        return launch("--config", f"{directory}/config.yaml", "data.source=chat",
+                      f"data.path={SFT_CHAT}", f"checkpoint.load={ckpt}",
+                      "checkpoint.finetune=true", f"checkpoint.save={run}",
+                      "training.micro_batch_size=2", "training.global_batch_size=2",
+                      "training.train_iters=2", "training.eval_interval=null",
+                      "optimizer.lr_warmup_iters=0",
+                      "logging.log_interval=1", "logging.metrics_file=null")
+
+    return _with_key("k3y", steps)
+
+
+@pytest.fixture(scope="module")
+def signed_sft(run_distributed_shared, tmp_path_factory):
+    """The issue's chain, signed: a tiny Step-3.5 folder with a ChatML tokenizer (259 tokens,
+    the model's 257 rows) imported, fine-tuned 2 steps on chat data. (import root, run root)."""
+    from tests.hf import models
+
+    tmp = tmp_path_factory.mktemp("signed_sft")
+    hf = models.write_released(str(tmp / "hf"))
+    for name in os.listdir(SFT_TOKENIZER):
+        shutil.copyfile(SFT_TOKENIZER / name, os.path.join(hf, name))
+    (result,) = run_distributed_shared(_import_and_fine_tune, hf, str(tmp / "ckpt"),
+                                       str(tmp / "run"), world_size=1)
+    assert result["code"] == 0, result
+    return tmp / "ckpt", tmp / "run"
+
+
+@pytest.mark.parametrize("tamper, problem", [
+    (None, None),
+    # The issue's: both; the hf_config.json is what the export reads first.
+    ("template+hf_config", "iter_0000000 is corrupt: hf_config.json missing"),
+    ("template", "iter_0000000 is corrupt: tokenizer/chat_template.jinja digest mismatch"),
+])
+def test_export_with_the_key_refuses_a_signed_file_changed_or_deleted_up_the_chain(
+        run_distributed, signed_sft, tmp_path, tamper, problem):
+    """Issue 54.2: in the import a fine-tuned run came from, the chat template overwritten and
+    hf_config.json deleted: the old code exported (exit 0) the changed template and a config.json
+    of the tokenizer's 259 tokens instead of 257, without bos / eos; find_provenance passed over
+    the missing signed file and the tokenizer folder was copied unchecked. Now one line, exit 2,
+    nothing written; the untouched chain exports its signed config and template."""
+    import json
+
+    ckpt, run = signed_sft  # changed in place (the run's signed config.yaml names them), restored
+    imported = ckpt / "iter_0000000"
+    template, hf_config = imported / "tokenizer" / "chat_template.jinja", imported / "hf_config.json"
+    signed_template, signed_config = template.read_bytes(), hf_config.read_bytes()
+    try:
+        if tamper is not None:  # another template of the same size: its bytes tell
+            other = b"{% for m in messages %}{{ m['content'] }}{% endfor %}"
+            template.write_bytes(other.ljust(len(signed_template)))
+        if tamper == "template+hf_config":
+            hf_config.unlink()
+        (result,) = run_distributed(_export_with_key, run, tmp_path / "out", world_size=1)
+    finally:
+        template.write_bytes(signed_template)
+        hf_config.write_bytes(signed_config)
+    if problem is None:
+        assert result["code"] == 0, result
+        config = json.loads((tmp_path / "out" / "config.json").read_text())
+        assert config["vocab_size"] == 257 and config["eos_token_id"] == 256, config
+        assert (tmp_path / "out" / "chat_template.jinja").read_bytes() == signed_template
+        return
+    assert result["code"] == 2, result
+    errors = [line for line in result["stderr"].splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: checkpoint {ckpt}/{problem}"), (
+        result["stderr"])
+    assert not (tmp_path / "out").exists()
+
+
+def test_resuming_with_the_key_refuses_a_changed_chat_template_of_the_import(
+        run_distributed, signed_sft, tmp_path):
+    """The same files feed training: a chat run with the key whose data.tokenizer is the import's
+    tokenizer/ reads it only as signed. Resuming the fine-tuned run (its own checkpoint: the
+    import is not what it loads, and was not verified) with the import's template changed: the
+    old code resumed and trained on conversations rendered by the changed template (exit 0); now
+    one line, exit 2, nothing saved."""
+    ckpt, run = signed_sft
+    shutil.copytree(run, tmp_path / "run")
+    template = ckpt / "iter_0000000" / "tokenizer" / "chat_template.jinja"
+    signed_template = template.read_bytes()
+    try:
+        template.write_bytes(b"{{ messages }}".ljust(len(signed_template)))
+        (result,) = run_distributed(
+            _with_key, "k3y", launch, "--config", ckpt / "iter_0000000" / "config.yaml",
+            "data.source=chat", f"data.path={SFT_CHAT}", f"checkpoint.load={ckpt}",
+            "checkpoint.finetune=true", f"checkpoint.save={tmp_path / 'run'}",
+            "training.micro_batch_size=2", "training.global_batch_size=2",
+            "training.train_iters=3", "optimizer.lr_warmup_iters=0",
+            "training.eval_interval=null", "logging.metrics_file=null", world_size=1)
+    finally:
+        template.write_bytes(signed_template)
+    assert result["code"] == 2, result
+    (line,) = [x for x in result["stderr"].splitlines() if x.startswith("error: ")]
+    assert "tokenizer/chat_template.jinja digest mismatch" in line and (
+        f"checkpoint {ckpt / 'iter_0000000'} is corrupt" in line), line
+    assert not (tmp_path / "run" / "iter_0000003").exists()
