@@ -383,6 +383,21 @@ def check_before_read(directory: str) -> None:
         raise CheckpointCorruptError(f"checkpoint {directory} is corrupt: {summary(problems)}")
 
 
+def check_unchanged(*directories: str) -> None:
+    """What every read of a checkpoint's files passes after reading (``safe_pickle``'s DCP
+    reads and whole-file reads), with a signing key: one of ``directories`` (the folder the
+    bytes came from; a whole file's parent or grandparent) verified in full and nothing in it
+    changed from the verification to now (``_stamp``: a status-change time moves with every
+    write and never back), so the bytes just read are the bytes verified, else
+    CheckpointCorruptError. Without a key, and in ``deferred`` looks: nothing."""
+    if signing.key() is None or _deferred.get():
+        return
+    if not any(_stamp(directory) in _verified for directory in directories):
+        raise CheckpointCorruptError(
+            f"checkpoint {directories[0]} is not the one verified: a file in it was written, "
+            "replaced, added or removed after its verification (or it was read without one)")
+
+
 def _warn_unlisted_common(directory: str) -> None:
     real = os.path.realpath(directory)
     if real in _warned or not os.path.isfile(os.path.join(directory, COMMON_PT)):

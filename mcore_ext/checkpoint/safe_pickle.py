@@ -148,8 +148,15 @@ def load_object(value, path: str, map_location=None, key: str | None = None):
 def load_file(path, map_location="cpu"):
     """A pickle file of a checkpoint (megatron's legacy ``common.pt``, Megatron-LM's
     ``--ckpt-format torch`` ``model_optim_rng.pt``), read as ``load_object`` reads a byte object,
-    onto the CPU as megatron reads them."""
-    return load_object(os.fspath(path), os.fspath(path), map_location=map_location)
+    onto the CPU as megatron reads them. With a signing key, only from a checkpoint verified and
+    unchanged from its verification until after the read (``manifest.check_unchanged``)."""
+    from mcore_ext.checkpoint import manifest
+
+    path = os.fspath(path)
+    loaded = load_object(path, path, map_location=map_location)
+    folder = os.path.dirname(os.path.abspath(path))
+    manifest.check_unchanged(folder, os.path.dirname(folder))  # iter_N/ or iter_N/mp_rank_*/
+    return loaded
 
 
 # ------------------------------------------------------------------------ nested pickles
@@ -365,10 +372,13 @@ def install() -> None:
         return
     _register_megatron_safe_globals()
 
+    from mcore_ext.checkpoint import manifest
+
     def read_metadata(self, *args, **kwargs):
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as stream:
             metadata = unpickle_metadata(stream, str(path))
+        manifest.check_unchanged(str(self.path))  # with a key: read as verified
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = filesystem.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -379,9 +389,11 @@ def install() -> None:
     def read_data(self, plan, planner):
         token = _reading.set(self)
         try:
-            return original_read_data(self, plan, planner)
+            done = original_read_data(self, plan, planner)
         finally:
             _reading.reset(token)
+        manifest.check_unchanged(str(self.path))  # with a key: what was read is what verified
+        return done
 
     def load_bytes(self, read_item, value):
         current = _reading.get()

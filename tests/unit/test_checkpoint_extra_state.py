@@ -180,8 +180,13 @@ def test_transformer_engine_module_loads_its_fp8_state_and_never_a_payload(tmp_p
     from mcore_ext.checkpoint import safe_pickle
     from mcore_ext.checkpoint.errors import PickleRefused
 
-    if not te.fp8.check_fp8_support()[0]:
-        pytest.skip(f"this GPU has no FP8: {te.fp8.check_fp8_support()[1]}")
+    try:  # TE 2.8+ (quantization), earlier releases (fp8)
+        from transformer_engine.pytorch.quantization import check_fp8_support
+    except ImportError:
+        from transformer_engine.pytorch.fp8 import check_fp8_support
+    supported, why = check_fp8_support()
+    if not supported:
+        pytest.skip(f"this GPU has no FP8: {why}")
     monkeypatch.setenv("NVTE_UNSAFE_PICKLE_EXTRA_STATE", "1")  # TE >= 2.18 refuses by itself
     model = torch.nn.Sequential(te.Linear(32, 32)).cuda()
     with te.fp8_autocast(enabled=True, fp8_recipe=recipe.DelayedScaling()):
