@@ -19,8 +19,9 @@ save published without that rank's entries).
 Without a key the ``EDITABLE`` files are for people to read and edit: recorded, never checked.
 With a key (``signing``) they are signed like the rest, with the folder's iteration and run
 (a folder copied over another iteration's, or from another run of the same key, is refused where
-it lies: ``_binding_problem``), and every file in the folder must be listed: anything added (a ``common.pt``, which megatron's ``load_common_state_dict`` reads in
-preference to the common state the save wrote) refuses the load, naming it. Every megatron load
+it lies: ``_binding_problem``), and every file in the folder must be listed: anything added (a
+``common.pt``, which megatron's ``load_common_state_dict`` reads in preference to the common
+state the save wrote) refuses the load, naming it. Every megatron load
 of a directory passes ``check_before_read`` first (``_mcore_compat.guard_checkpoint_loads``), so
 no load path (the launcher's, ``hf export``'s, the Megatron-LM entry's, a Megatron-Bridge
 process's) reads a checkpoint that does not verify with the key.

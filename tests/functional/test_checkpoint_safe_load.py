@@ -829,7 +829,8 @@ def test_export_with_the_key_refuses_a_signed_file_changed_or_deleted_up_the_cha
 
     ckpt, run = signed_sft  # changed in place (the run's signed config.yaml names them), restored
     imported = ckpt / "iter_0000000"
-    template, hf_config = imported / "tokenizer" / "chat_template.jinja", imported / "hf_config.json"
+    template = imported / "tokenizer" / "chat_template.jinja"
+    hf_config = imported / "hf_config.json"
     signed_template, signed_config = template.read_bytes(), hf_config.read_bytes()
     try:
         if tamper is not None:  # another template of the same size: its bytes tell

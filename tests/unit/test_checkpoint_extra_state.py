@@ -70,7 +70,8 @@ def te_state() -> dict:
     """An FP8 extra state as TE's get_extra_state builds it (without a recipe: TE 1.x's)."""
     return {"scale_fwd": torch.ones(3), "amax_history_fwd": torch.arange(12.0).view(4, 3),
             "scale_bwd": torch.ones(2), "amax_history_bwd": torch.zeros(4, 2),
-            "extra_fp8_variables": {"num_gemms": 1, "fp8_checkpoint": True, "dtype": torch.bfloat16}}
+            "extra_fp8_variables": {"num_gemms": 1, "fp8_checkpoint": True,
+                                    "dtype": torch.bfloat16}}
 
 
 def as_extra_state(obj) -> torch.Tensor:
@@ -87,7 +88,8 @@ def _load_into_models(marker):
     mcore_ext.init_parallel()
     config = builders.gated_config()
     out = {}
-    for name, build in (("gpt", mcore_ext.build_gpt_model), ("hybrid", mcore_ext.build_hybrid_model)):
+    for name, build in (("gpt", mcore_ext.build_gpt_model),
+                        ("hybrid", mcore_ext.build_hybrid_model)):
         model = build(config, vocab_size=64, max_sequence_length=16, backend="sdpa")
         proj = model.get_submodule(LINEAR_PROJ)
         stand_in = TEStandIn()
@@ -134,7 +136,8 @@ def test_decoder_refuses_each_form_of_payload_naming_the_key(tmp_path):
     from mcore_ext.checkpoint import safe_pickle
 
     marker = tmp_path / "PWNED"
-    where = f"checkpoint file ckpt/iter_0000002/__0_0.distcp holds a pickled builtins.eval in {LINEAR_PROJ}._extra_state"
+    where = ("checkpoint file ckpt/iter_0000002/__0_0.distcp holds a pickled builtins.eval in "
+             f"{LINEAR_PROJ}._extra_state")
     assert _refusal(as_extra_state([Payload(marker)])).startswith(where)
     buffer = io.BytesIO()  # older TE: a BytesIO of torch.save
     torch.save({"scale_fwd": Payload(marker)}, buffer)
@@ -200,5 +203,6 @@ def test_transformer_engine_module_loads_its_fp8_state_and_never_a_payload(tmp_p
     model.load_state_dict(state)  # TE's own state: loads
     marker = tmp_path / "PWNED"
     with pytest.raises(PickleRefused, match=r"pickled builtins\.eval in 0\._extra_state"):
-        model.load_state_dict({**state, "0._extra_state": as_extra_state({"recipe": Payload(marker)})})
+        model.load_state_dict({**state,
+                               "0._extra_state": as_extra_state({"recipe": Payload(marker)})})
     assert not marker.exists()
