@@ -628,7 +628,11 @@ def test_launcher_with_the_key_resumes_a_signed_checkpoint_and_refuses_a_re_crc_
     pytest.param("flip", None, "__1_0.distcp checksum mismatch", marks=pytest.mark.slow),
     pytest.param("recrc", "k3y", "mcore_ext_manifest.json signature does not verify",
                  marks=pytest.mark.slow),
-    ("common_pt", "k3y", "common.pt not in the manifest"),  # issue 44.1 on this load path
+    # Issue 44.1 on this load path. Slow since issue 54.3: megatron's own chooser of the folder
+    # is run verified in-process (tests/unit/test_megatron_lm_verified_loads.py), and the entry's
+    # verified_loads is active under torchrun in
+    # test_megatron_lm_entry_reads_a_legacy_torch_checkpoint_restricted.
+    pytest.param("common_pt", "k3y", "common.pt not in the manifest", marks=pytest.mark.slow),
 ])
 def test_megatron_lm_entry_verifies_a_launcher_checkpoint_before_loading(
         signed, tmp_path, monkeypatch, how, key, problem):
