@@ -459,6 +459,51 @@ def check_megatron_training() -> None:
     )
 
 
+def guard_megatron_lm_checkpoint_choice(check):
+    """Make megatron.training call ``check(directory)`` with the checkpoint directory it has
+    chosen to load, before it reads any of it, whichever way it chose it (the tracker of
+    ``--load`` or ``--pretrained-checkpoint``, ``--ckpt-step`` with or without a tracker, a
+    ``release`` tracker) and whatever its format (torch_dist, torch, torch_dcp, fsdp_dtensor):
+    0.19's ``_load_base_checkpoint`` detects the format of that directory
+    (``_get_checkpoint_format``) before reading it, for every rank, at every load (also
+    ``--use-checkpoint-args``' read of the args). Non-persistent checkpoints do not pass there:
+    a global one is megatron's dist_checkpointing load (``guard_checkpoint_loads``). Returns the
+    undo."""
+    from megatron.training import checkpointing
+
+    original = getattr(checkpointing, "_get_checkpoint_format", None)
+    if original is None:
+        raise ImportError(
+            f"megatron.training {megatron_core_version()} has no checkpointing."
+            "_get_checkpoint_format: mcore_ext.megatron_lm cannot verify the checkpoint it "
+            "chooses before reading it")
+
+    def get_checkpoint_format(checkpoint_name, args):
+        check(str(checkpoint_name))
+        return original(checkpoint_name, args)
+
+    checkpointing._get_checkpoint_format = get_checkpoint_format
+    return lambda: setattr(checkpointing, "_get_checkpoint_format", original)
+
+
+def megatron_optimizer_modules() -> list:
+    """megatron-core's optimizer modules that read a whole checkpoint file with ``torch.load``
+    and torch's defaults (``load_parameter_state``: Megatron-LM's ``--ckpt-format torch``
+    ``distrib_optim.pt``), for the Megatron-LM entry to read restricted."""
+    import importlib
+
+    modules = []
+    for name in ("megatron.core.optimizer.distrib_optimizer", "megatron.core.optimizer.optimizer",
+                 "megatron.core.optimizer.layer_wise_optimizer"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if getattr(module, "torch", None) is not None:
+            modules.append(module)
+    return modules
+
+
 def skip_dataset_helper_compilation() -> None:
     """megatron.training compiles megatron/core/datasets/helpers.cpp with ``make`` at start-up; the
     wheel ships it compiled (helpers_cpp) and without the Makefile, so ``make`` fails and

@@ -5,6 +5,9 @@
     <save>/latest_checkpointed_iteration.txt  "10": the latest complete checkpoint ("release":
                                               <save>/release/, as Megatron-LM names a released
                                               model)
+    <save>/mcore_ext_run.json                 {"run": id}: the run whose saves these are, written
+                                              by its first save with a signing key (every
+                                              manifest names it)
     <save>/.saving.iter_N, .replaced.iter_N   a save in progress: never loaded
 
 A directory (a checkpoint iteration, an HF export) is written as ``.saving.<name>`` beside its
@@ -16,14 +19,17 @@ last, also by a rename (``write_tracker``).
 """
 
 import dataclasses
+import json
 import os
 import re
 import shutil
+import uuid
 
 from mcore_ext.checkpoint.errors import CheckpointNotFoundError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
+RUN_FILE = "mcore_ext_run.json"
 # Prefixes of a directory's name while it is written / while it is being replaced.
 SAVING, REPLACED = ".saving.", ".replaced."
 _ITERATION_NAME = re.compile(r"iter_(\d{7,})")
@@ -42,6 +48,38 @@ def latest_iteration(root: str | None) -> int | None:
             return int(f.read().strip())
     except (TypeError, OSError, ValueError):
         return None
+
+
+def iteration_of_name(directory: str) -> int | None:
+    """The iteration a checkpoint directory's name says (``iter_0000010``: 10), or None."""
+    name = _ITERATION_NAME.fullmatch(os.path.basename(os.path.normpath(directory)))
+    return int(name.group(1)) if name else None
+
+
+def read_run(root: str) -> str | None:
+    """The run id of the save directory ``root`` (its ``RUN_FILE``), or None without one;
+    ValueError when the file holds no run id."""
+    path = os.path.join(root, RUN_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        run = json.load(f).get("run")
+    if not (isinstance(run, str) and run):
+        raise ValueError(f"{path} names no run")
+    return run
+
+
+def ensure_run(root: str) -> str:
+    """The run id of ``root``, written (a new random id, atomically) by the run's first signed
+    save."""
+    run = read_run(root)
+    if run is None:
+        run = uuid.uuid4().hex
+        tmp = os.path.join(root, RUN_FILE + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump({"run": run}, f)
+        os.replace(tmp, os.path.join(root, RUN_FILE))
+    return run
 
 
 # ------------------------------------------------------------------------------------ reading
@@ -108,8 +146,7 @@ def find_checkpoint(path: str, as_recovered: bool = False) -> Checkpoint | None:
             raise CheckpointNotFoundError(f"{TRACKER} names {named} but {directory} does not exist")
         return Checkpoint(directory, iteration, root=path)
     if is_checkpoint_dir(path):
-        name = _ITERATION_NAME.fullmatch(os.path.basename(os.path.normpath(path)))
-        return Checkpoint(path, int(name.group(1)) if name else None)
+        return Checkpoint(path, iteration_of_name(path))
     return None
 
 

@@ -1,6 +1,7 @@
 """What a save wrote, so that a load can check it: every file's size and CRC32.
 
-    <iter_N>/mcore_ext_manifest.json   {"format": 1, "checksum": "crc32",
+    <iter_N>/mcore_ext_manifest.json   {"format": 1, "checksum": "crc32", "iteration": N,
+                                        "run": the save directory's run id (directory.RUN_FILE),
                                         "files": {name: {"size": bytes, "crc32": "8 hex digits"}}}
 
 Who computes what: each rank checksums the files it wrote itself, in parallel, right after writing
@@ -16,9 +17,11 @@ the world size; a rank's data file in the folder that the manifest does not list
 save published without that rank's entries).
 
 Without a key the ``EDITABLE`` files are for people to read and edit: recorded, never checked.
-With a key (``signing``) they are signed like the rest, and every file in the folder must be
-listed: anything added (a ``common.pt``, which megatron's ``load_common_state_dict`` reads in
-preference to the common state the save wrote) refuses the load, naming it. Every megatron load
+With a key (``signing``) they are signed like the rest, with the folder's iteration and run
+(a folder copied over another iteration's, or from another run of the same key, is refused where
+it lies: ``_binding_problem``), and every file in the folder must be listed: anything added (a
+``common.pt``, which megatron's ``load_common_state_dict`` reads in preference to the common
+state the save wrote) refuses the load, naming it. Every megatron load
 of a directory passes ``check_before_read`` first (``_mcore_compat.guard_checkpoint_loads``), so
 no load path (the launcher's, ``hf export``'s, the Megatron-LM entry's, a Megatron-Bridge
 process's) reads a checkpoint that does not verify with the key.
@@ -42,7 +45,8 @@ import zlib
 import torch.distributed as dist
 
 from mcore_ext.checkpoint import signing
-from mcore_ext.checkpoint.directory import Checkpoint, iteration_dir, iterations_in
+from mcore_ext.checkpoint.directory import (
+    RUN_FILE, TRACKER, Checkpoint, iteration_dir, iteration_of_name, iterations_in, read_run)
 from mcore_ext.checkpoint.errors import CheckpointCorruptError
 
 MANIFEST = "mcore_ext_manifest.json"
@@ -86,12 +90,20 @@ def describe(directory: str, names) -> dict:
     return entries
 
 
-def write(directory: str, entries: dict) -> None:
-    """Write the manifest of ``entries`` (a rename: never half a manifest)."""
+def write(directory: str, entries: dict, iteration: int | None = None,
+          run: str | None = None) -> None:
+    """Write the manifest of ``entries`` (a rename: never half a manifest), of the checkpoint of
+    ``iteration`` (default: what the folder's name says) of the run ``run`` (its save
+    directory's ``RUN_FILE``; default: the one beside ``directory``, if any)."""
     path = os.path.join(directory, MANIFEST)
-    document = {"format": 1, "checksum": "crc32", "files": dict(sorted(entries.items()))}
+    if iteration is None:
+        iteration = iteration_of_name(directory)
+    if run is None:
+        run = read_run(os.path.dirname(os.path.abspath(directory)))
+    bound = {"iteration": iteration, "run": run}
+    document = {"format": 1, "checksum": "crc32", **bound, "files": dict(sorted(entries.items()))}
     if (secret := signing.key()) is not None:
-        document[signing.FIELD] = signing.signature(document["files"], secret)
+        document[signing.FIELD] = signing.signature(document["files"], secret, bound)
     with open(path + ".tmp", "w") as f:
         json.dump(document, f, indent=1)
     os.replace(path + ".tmp", path)
@@ -187,6 +199,18 @@ def verify_checkpoint(directory: str, collective: bool = True) -> list[tuple[str
     return problems
 
 
+def verify_once(directory: str) -> list[tuple[str, str]] | None:
+    """``verify_checkpoint`` (collective), or [] without reading anything when every rank has
+    verified ``directory`` in full before and nothing in it changed since (``_stamp``): what an
+    entry point calls where megatron may read the same directory twice."""
+    done = _stamp(directory) in _verified
+    if dist.is_initialized():
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, done)
+        done = all(everyone)
+    return [] if done else verify_checkpoint(directory)
+
+
 def _read_entries(directory: str):
     """("read", the manifest's entries), or (what verify_checkpoint returns at once, None): a
     problem list when the manifest is unreadable or not signed as required, None when absent."""
@@ -199,7 +223,36 @@ def _read_entries(directory: str):
         return [(MANIFEST, unsigned)], None
     if entries is None:
         return None, None
+    if (elsewhere := _binding_problem(directory, document)) is not None:
+        return [(MANIFEST, elsewhere)], None
     return "read", entries
+
+
+def _binding_problem(directory: str, document: dict) -> str | None:
+    """With a key: why the signed manifest ``document`` does not belong where ``directory`` lies
+    (the iteration its name says, the run of the save directory it is in), or None. Without a
+    key, or a folder whose name says no iteration in a folder that is no save directory: None."""
+    if signing.key() is None:
+        return None
+    expected = iteration_of_name(directory)
+    if expected is not None and document.get("iteration") != expected:
+        return (f"signed for iteration {document.get('iteration')}, but the folder is "
+                f"{os.path.basename(os.path.normpath(directory))}: a checkpoint copied over "
+                "another iteration's")
+    root = os.path.dirname(os.path.abspath(directory))
+    try:
+        run = read_run(root)
+    except (OSError, ValueError, AttributeError) as err:
+        return f"its save directory's {RUN_FILE} is unreadable ({type(err).__name__}: {err})"
+    if run is None:
+        if os.path.isfile(os.path.join(root, TRACKER)):
+            return (f"its save directory {root} has a {TRACKER} but no {RUN_FILE}: the run it "
+                    "belongs to is not known (saved before runs were signed)")
+        return None
+    if document.get("run") != run:
+        return (f"belongs to run {document.get('run')}, but its save directory {root} is run "
+                f"{run} ({RUN_FILE}): a checkpoint of another run")
+    return None
 
 
 def unlisted_files(directory: str, entries: dict) -> list[tuple[str, str]]:
@@ -228,6 +281,8 @@ def read_file(directory: str, name: str) -> bytes:
         document, why = None, f"{MANIFEST} unreadable ({type(err).__name__}: {err})"
     else:
         unsigned = signing.problem(document)
+        if unsigned is None and document is not None:
+            unsigned = _binding_problem(directory, document)
         entry = None if unsigned else document["files"].get(name)
         why = (f"{MANIFEST} {unsigned}" if unsigned else
                f"{name} not in the manifest (the save did not record it)" if entry is None else
@@ -236,6 +291,67 @@ def read_file(directory: str, name: str) -> bytes:
     if why is not None:
         raise CheckpointCorruptError(f"checkpoint {directory} is corrupt: {why}")
     return data
+
+
+def check_listed(directory: str) -> dict:
+    """With a signing key: the signed entries of ``directory``'s manifest, once its signature and
+    binding verify and every file it lists is there with its recorded size, else
+    CheckpointCorruptError naming the first that is not (a checkpoint up a ``checkpoint.load``
+    chain: what an export reads of it, ``read_file`` checks byte for byte as it reads it; a
+    signed file deleted or cut anywhere in it refuses the export). Without a key: its entries,
+    {} without a manifest."""
+    early, entries = _read_entries(directory)
+    if early != "read":
+        if early is None:
+            return {}
+        raise CheckpointCorruptError(f"checkpoint {directory} is corrupt: {summary(early)}")
+    if signing.key() is None:
+        return entries
+    problems = []
+    for name, entry in sorted(entries.items()):
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            problems.append((name, "missing"))
+        elif (size := os.path.getsize(path)) != entry["size"]:
+            problems.append((name, f"has {size} bytes, {entry['size']} recorded"))
+    if problems:
+        raise CheckpointCorruptError(f"checkpoint {directory} is corrupt: {summary(problems)}")
+    return entries
+
+
+def signed_folder(path: str) -> tuple[str, str] | None:
+    """With a signing key: (the checkpoint directory, ``path`` relative to it) when ``path`` lies
+    in a checkpoint folder with a manifest (an ``hf import``'s ``tokenizer/``), whose signature
+    then covers its files; None otherwise (a folder of the user's), and without a key."""
+    if signing.key() is None:
+        return None
+    real = os.path.realpath(path)
+    parent = real
+    while True:
+        if os.path.isfile(os.path.join(parent, MANIFEST)):
+            return parent, os.path.relpath(real, parent)
+        up = os.path.dirname(parent)
+        if up == parent:
+            return None
+        parent = up
+
+
+def read_signed_folder(path: str, names) -> dict | None:
+    """{name: bytes} of the files of the folder ``path`` that ``names`` keeps (a function of the
+    names present or listed) as signed (``read_file``) when ``path`` lies in a signed checkpoint
+    folder and a key is set: a listed file that is missing, changed or cut, or one there that the
+    manifest does not list, is a CheckpointCorruptError naming it. None when ``path`` lies in no
+    checkpoint or no key is set (the caller reads the folder as it is)."""
+    found = signed_folder(path)
+    if found is None:
+        return None
+    directory, relative = found
+    entries = check_listed(directory)
+    prefix = "" if relative == "." else relative + os.sep
+    listed = {name[len(prefix):] for name in entries
+              if name.startswith(prefix) and os.sep not in name[len(prefix):]}
+    present = {name for name in os.listdir(path) if os.path.isfile(os.path.join(path, name))}
+    return {name: read_file(directory, prefix + name) for name in sorted(names(listed | present))}
 
 
 @contextlib.contextmanager
@@ -268,6 +384,21 @@ def check_before_read(directory: str) -> None:
         raise CheckpointCorruptError(f"checkpoint {directory} is corrupt: {summary(problems)}")
 
 
+def check_unchanged(*directories: str) -> None:
+    """What every read of a checkpoint's files passes after reading (``safe_pickle``'s DCP
+    reads and whole-file reads), with a signing key: one of ``directories`` (the folder the
+    bytes came from; a whole file's parent or grandparent) verified in full and nothing in it
+    changed from the verification to now (``_stamp``: a status-change time moves with every
+    write and never back), so the bytes just read are the bytes verified, else
+    CheckpointCorruptError. Without a key, and in ``deferred`` looks: nothing."""
+    if signing.key() is None or _deferred.get():
+        return
+    if not any(_stamp(directory) in _verified for directory in directories):
+        raise CheckpointCorruptError(
+            f"checkpoint {directories[0]} is not the one verified: a file in it was written, "
+            "replaced, added or removed after its verification (or it was read without one)")
+
+
 def _warn_unlisted_common(directory: str) -> None:
     real = os.path.realpath(directory)
     if real in _warned or not os.path.isfile(os.path.join(directory, COMMON_PT)):
@@ -287,18 +418,24 @@ def _warn_unlisted_common(directory: str) -> None:
 
 
 def _stamp(directory: str) -> tuple:
-    """What identifies one verification of ``directory``: its real path, the key, and every file
-    in it by name, inode, size and status-change time (ctime, which a write, a rename or a
-    ``utime`` moves and nothing can set back): a file added, replaced or rewritten after a
-    verification is verified anew."""
+    """What identifies one verification of ``directory``: its path, the key, the run of its save
+    directory, and every file below it (``tokenizer/`` and Megatron-LM's ``mp_rank_*/`` too) by
+    name, inode, size and status-change time (ctime, which a write, a rename or a ``utime``
+    moves and nothing can set back): a file added, replaced or rewritten after a verification
+    is verified anew."""
     try:
-        with os.scandir(directory) as entries:
-            # A DirEntry caches its stat(): one system call per file.
-            files = tuple(sorted((e.name, e.inode(), e.stat().st_size, e.stat().st_ctime_ns)
-                                 for e in entries))
-    except OSError:
-        files = None
-    return os.path.realpath(directory), signing.key(), files
+        files = []
+        for parent, _, names in os.walk(directory):
+            for name in names:
+                path = os.path.join(parent, name)
+                stat = os.stat(path)
+                files.append((os.path.relpath(path, directory), stat.st_ino, stat.st_size,
+                              stat.st_ctime_ns))
+        files = tuple(sorted(files))
+        run = read_run(os.path.dirname(os.path.abspath(directory)))
+    except (OSError, ValueError, AttributeError):
+        files = run = None
+    return os.path.abspath(directory), os.path.realpath(directory), signing.key(), run, files
 
 
 def newest_verified(root: str, before: int):

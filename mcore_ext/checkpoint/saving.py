@@ -7,7 +7,8 @@
     publish(partial, directory, files=..., root=..., iteration=...)
 
 ``publish`` adds rank 0's ``files`` (config.yaml, ...), the manifest of every rank's files
-(``manifest``), renames the directory into place and then writes the tracker. A save that fails
+(``manifest``: with the iteration and the run of ``root``, ``directory.RUN_FILE``, which the
+run's first save with a signing key writes), renames the directory into place and then writes the tracker. A save that fails
 (or a process killed while saving) never touches the tracked checkpoint, which stays the latest
 one; what a killed save leaves is removed by ``recover`` and never loaded.
 """
@@ -20,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from mcore_ext.checkpoint import directory as layout
-from mcore_ext.checkpoint import manifest
+from mcore_ext.checkpoint import manifest, signing
 from mcore_ext.checkpoint.errors import CheckpointSaveError
 from mcore_ext.runtime import device, raise_unless_all_ok
 
@@ -69,11 +70,19 @@ def publish(partial: str, directory: str, *, files: dict | None = None, root: st
         dist.all_gather_object(everyone, entries)
     if _rank() == 0:
         try:
-            manifest.write(partial, {k: v for entries in everyone for k, v in entries.items()})
+            # The run of the save directory (its first signed save names it), signed with the
+            # iteration.
+            run = None
+            if root is not None:
+                run = layout.ensure_run(root) if signing.key() else layout.read_run(root)
+            if iteration is None:
+                iteration = layout.iteration_of_name(directory)
+            manifest.write(partial, {k: v for entries in everyone for k, v in entries.items()},
+                           iteration=iteration, run=run)
             layout.replace_dir(partial, directory)
             if root is not None:
                 layout.write_tracker(root, iteration)
-        except OSError as err:
+        except (OSError, ValueError) as err:  # ValueError: a RUN_FILE that names no run
             failure = err
     raise_unless_saved(failure, partial, f"publishing {directory} failed")
 

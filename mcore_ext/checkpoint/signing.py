@@ -7,7 +7,8 @@ save and at load:
 
 - each rank records the SHA-256 of its files beside their CRC32 (``manifest.describe``), and
   rank 0 signs the manifest: ``"hmac_sha256"``, HMAC-SHA256 with the key over the manifest's
-  file entries in canonical JSON;
+  file entries, the checkpoint's iteration and the run it belongs to (``BOUND``), in canonical
+  JSON;
 - verification (every load, ``inspect --verify``) refuses a checkpoint whose manifest is missing,
   unsigned, or signed with another key, or whose files' SHA-256 differ.
 
@@ -22,6 +23,9 @@ import os
 
 KEY_ENV = "MCORE_EXT_CHECKPOINT_KEY"
 FIELD = "hmac_sha256"
+# What the signature binds besides the files: the folder's iteration and its run's id (so a
+# folder copied over another iteration's, or from another run, does not verify there).
+BOUND = ("iteration", "run")
 
 
 _key_from_file: bytes | None = None
@@ -47,10 +51,20 @@ def key() -> bytes | None:
     return value.encode() if value else None
 
 
-def signature(entries: dict, secret: bytes) -> str:
-    """HMAC-SHA256 of the file entries ({name: {"size", "crc32", "sha256"}}), hex."""
-    canonical = json.dumps(entries, sort_keys=True, separators=(",", ":")).encode()
+def signature(entries: dict, secret: bytes, bound: dict | None = None) -> str:
+    """HMAC-SHA256 of the file entries ({name: {"size", "crc32", "sha256"}}) and ``bound``
+    ({"iteration", "run"}), hex. Without ``bound``: of the entries alone (manifests signed
+    before the binding, which only verify to be refused as unbound)."""
+    signed = entries if bound is None else {"files": entries, **bound}
+    canonical = json.dumps(signed, sort_keys=True, separators=(",", ":")).encode()
     return hmac.new(secret, canonical, hashlib.sha256).hexdigest()
+
+
+def bound_fields(document: dict) -> dict | None:
+    """The ``BOUND`` fields of a manifest document, or None when it has none (older saves)."""
+    if not any(name in document for name in BOUND):
+        return None
+    return {name: document.get(name) for name in BOUND}
 
 
 def problem(document: dict | None) -> str | None:
@@ -65,11 +79,15 @@ def problem(document: dict | None) -> str | None:
     if recorded is None:
         return f"not signed ({KEY_ENV} is set and only a signed checkpoint loads)"
     entries = document.get("files", {})
+    bound = bound_fields(document)
     # compare_digest takes ASCII strings only: anything else in the field (a number, a
     # non-ASCII string) is simply a signature that does not verify.
     if not (isinstance(recorded, str) and recorded.isascii()
-            and hmac.compare_digest(recorded, signature(entries, secret))):
+            and hmac.compare_digest(recorded, signature(entries, secret, bound))):
         return f"signature does not verify with {KEY_ENV}: tampered with, or signed with another key"
     if any("sha256" not in entry for entry in entries.values()):
         return "signed without SHA-256 digests"
+    if bound is None:
+        return ("signed without the iteration and the run it belongs to (saved before they were "
+                "signed): load it without the key and save it again with it")
     return None

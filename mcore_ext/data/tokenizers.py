@@ -80,5 +80,35 @@ def _broken_file(path: str) -> str | None:
 
 
 def load_tokenizer(name: str):
-    """``"byte"`` or the path of a Hugging Face tokenizer directory."""
-    return ByteTokenizer() if name == "byte" else HFTokenizer(name)
+    """``"byte"`` or the path of a Hugging Face tokenizer directory. With a checkpoint signing
+    key, a directory inside a signed checkpoint (an ``hf import``'s ``tokenizer/``) loads from
+    its files as signed there: read once, each against its signed SHA-256, into a private copy
+    that transformers reads (ValueError naming a file deleted, changed or added)."""
+    if name == "byte":
+        return ByteTokenizer()
+    from mcore_ext.checkpoint import manifest
+
+    from mcore_ext.checkpoint.errors import CheckpointCorruptError
+
+    try:
+        signed = manifest.read_signed_folder(name, lambda names: names) if os.path.isdir(name) \
+            else None
+    except CheckpointCorruptError as err:  # a tokenizer that does not load: its callers' error
+        raise ValueError(f"tokenizer {name!r}: {err}") from None
+    if signed is None:
+        return HFTokenizer(name)
+    import shutil
+    import tempfile
+
+    copy = tempfile.mkdtemp(prefix="mcore_ext_tokenizer-")
+    try:
+        for file, data in signed.items():
+            with open(os.path.join(copy, file), "wb") as f:
+                f.write(data)
+        tokenizer = HFTokenizer(copy)
+    except (OSError, ValueError) as err:  # named by the folder given, not the private copy
+        raise type(err)(str(err).replace(copy, name)) from None
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)
+    tokenizer.unique_identifiers["path"] = os.path.abspath(name)  # the folder named, not the copy
+    return tokenizer

@@ -211,24 +211,37 @@ def find_provenance(directory: str, cfg, name: str = PROVENANCE_NAME) -> dict | 
     """The HF config an imported checkpoint came from (``name``: or another file an import
     writes beside it, e.g. ``step37.SOURCE_NAME``): beside it, or up its ``checkpoint.load``
     chain (a run fine-tuned from an import points there). With a signing key, only as signed
-    (``manifest.read_file``): one in a save directory, outside every checkpoint, is refused."""
+    (``manifest.read_file``), and every checkpoint of the chain up to it intact as signed
+    (``manifest.check_listed``: a signed file deleted anywhere in it, the one sought among them,
+    refuses the export instead of being passed over); one in a save directory, outside every
+    checkpoint, is refused, and so is a ``checkpoint.load`` that holds no checkpoint any more
+    (what the export needs of it cannot be known)."""
+    signed = signing.key() is not None
     seen = set()
     while directory and directory not in seen:
         seen.add(directory)
-        if os.path.exists(os.path.join(directory, name)):
+        listed = manifest.check_listed(directory) if signed else {}
+        if name in listed or os.path.exists(os.path.join(directory, name)):
             return json.loads(manifest.read_file(directory, name))
         outside = os.path.join(os.path.dirname(os.path.abspath(directory)), name)
         if os.path.exists(outside):
-            if signing.key() is not None:
+            if signed:
                 raise CheckpointCorruptError(
                     f"{outside} is outside the signed checkpoint {directory} (no signature "
                     f"covers it, and the export would build its model from it): move it into "
                     f"the checkpoint and sign that again, or export without {signing.KEY_ENV}")
             with open(outside) as f:
                 return json.load(f)
+        load = cfg.checkpoint.load
         try:
-            directory = resolve_iteration_dir(cfg.checkpoint.load) if cfg.checkpoint.load else None
-        except FileNotFoundError:
+            directory = resolve_iteration_dir(load) if load else None
+        except FileNotFoundError as err:
+            if signed:
+                raise CheckpointCorruptError(
+                    f"checkpoint {directory} was trained from checkpoint.load={load} (its "
+                    f"config.yaml), which holds no checkpoint now ({err}): the export cannot "
+                    f"check what it came from; restore it, or export without {signing.KEY_ENV}"
+                    ) from None
             return None
         if directory:
             cfg = _read_launcher_config(directory)
@@ -394,10 +407,17 @@ def _tokenizer_of(cfg) -> dict:
     """The files of the run's Hugging Face tokenizer ({name: bytes}), when ``data.tokenizer`` is
     a folder holding one (an imported checkpoint's ``tokenizer/``, or the folder an SFT run named),
     so that the export is a model transformers loads with its tokenizer; {} for the byte tokenizer
-    or a hub name (nothing on disk to copy)."""
+    or a hub name (nothing on disk to copy). With a signing key, a folder inside a checkpoint (an
+    import's ``tokenizer/``) is read only as signed there (``manifest.read_signed_folder``:
+    each file's bytes against its signed SHA-256 as they are read; one deleted, changed or added
+    refuses the export)."""
     folder = cfg.data.tokenizer
     if not (isinstance(folder, str) and os.path.isdir(folder)):
         return {}
+    signed = manifest.read_signed_folder(
+        folder, lambda names: [n for n in TOKENIZER_FILES if n in names])
+    if signed is not None:
+        return signed
     files = {}
     for name in tokenizer_files(folder):
         with open(os.path.join(folder, name), "rb") as f:

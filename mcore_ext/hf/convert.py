@@ -549,8 +549,14 @@ def save_pretrained(model, hf_dir: str, *, vocab_size: int | None = None,
         from mcore_ext.hf.step37 import stored_name
 
         plan = [(stored_name(n, kept.prefix), d, s) for n, d, s in plan] + kept.plan
-        files = {**kept.files(), **(extra_files or {})}
-    writer = None
+        failure = None
+        if world_rank == 0:  # the writer's: each file checked as read (kept.files)
+            try:
+                files = {**kept.files(), **(extra_files or {})}
+            except HFConfigError as err:
+                failure = err
+        _raise_on_every_rank(failure, world_group)
+    writer, failure = None, None
     if world_rank == 0:
         writer = ShardedSafetensorsWriter(hf_dir, plan, max_shard_bytes, extra_files=files)
         if kept is not None:
@@ -583,17 +589,36 @@ def save_pretrained(model, hf_dir: str, *, vocab_size: int | None = None,
                     writer.write(name, tensor)
             del tensors
         if writer is not None and kept is not None:  # the kept tensors, bit for bit
-            for name, _, _ in kept.plan:
-                writer.write(name, kept.get(name), stored=True)
+            try:
+                for name, _, _ in kept.plan:  # each checked as read, then written (kept.get)
+                    writer.write(name, kept.get(name), stored=True)
+            except HFConfigError as err:
+                failure = err
             kept.close()
-        if writer is not None:
+        if writer is not None and failure is None:
             writer.close()
+        elif writer is not None:
+            writer.abort()
     except BaseException:
         if writer is not None:
             writer.abort()
         raise
+    # Every rank waits for the writer, and raises its refusal of a kept tensor with it.
+    _raise_on_every_rank(failure, world_group)
+
+
+def _raise_on_every_rank(failure: HFConfigError | None, group) -> None:
+    """Collective (with torch.distributed): the first rank's ``failure`` raised on every rank,
+    said once (``on_every_rank``); a barrier when there is none."""
+    failures = [failure]
     if dist.is_initialized():
-        dist.barrier(group=world_group)
+        failures = [None] * dist.get_world_size(group)
+        dist.all_gather_object(failures, None if failure is None else str(failure), group=group)
+    found = next((f for f in failures if f is not None), None)
+    if found is not None:
+        error = HFConfigError(str(found))
+        error.on_every_rank = True
+        raise error
 
 
 class _RenamingWriter:

@@ -15,8 +15,10 @@ the checks of ``convert`` read them unchanged. The project trains the text model
 other tensor (vision tower, projector, anything else) is "kept". ``describe_source`` records, at
 import, the folder, its text prefix and a fingerprint of each kept tensor (dtype, shape, sha256
 of its bytes) and of each other file (tokenizer, processor, generation config: sha256); export
-(``check_source``) refuses in one line a folder that is gone or changed, then copies them bit for
-bit beside the trained text weights, with the folder's own config.json.
+refuses in one line a folder that is gone or whose tensors changed shape (``check_source``, from
+the headers), then copies them bit for bit beside the trained text weights, with the folder's own
+config.json, checking each tensor's and file's bytes against its fingerprint as it reads them to
+write them (``KeptTensors``): what is checked is what is written, whatever changes in between.
 """
 
 import hashlib
@@ -25,6 +27,7 @@ import os
 
 import torch
 
+from mcore_ext.hf.config import HFConfigError
 from mcore_ext.hf.config.step3p7 import WRAPPER_MODEL_TYPE
 from mcore_ext.hf.safetensors_io import INDEX_NAME, SINGLE_NAME, SafetensorsReader
 
@@ -126,11 +129,17 @@ def describe_source(hf_dir: str, view: "TextView | None" = None) -> dict:
             "files": {n: _file_digest(os.path.join(hf_dir, n)) for n in _carried_files(hf_dir)}}
 
 
+def _where(source: dict) -> str:
+    return f"the Step-3.7 folder this checkpoint was imported from ({source['path']})"
+
+
 def check_source(source: dict) -> str | None:
-    """Why the folder an import came from cannot give its kept tensors and files back (gone,
-    a tensor or file missing or changed); None when it can."""
+    """Why the folder an import came from cannot give its kept tensors and files back (gone, a
+    tensor or file missing, a tensor of another dtype or shape); None when it can. Reads only
+    headers: the bytes are checked as the export reads them to write them (``KeptTensors``), so
+    what is checked is what is written."""
     path = source["path"]
-    where = f"the Step-3.7 folder this checkpoint was imported from ({path})"
+    where = _where(source)
     if not os.path.isdir(path):
         return f"{where} is gone: its vision tower and other untrained tensors are copied from it"
     try:
@@ -143,21 +152,21 @@ def check_source(source: dict) -> str | None:
                 return f"{where} has changed: {name} is missing"
             dtype, shape = reader.info(name)
             if (str(dtype).removeprefix("torch."), list(shape)) != (fingerprint["dtype"],
-                                                                     fingerprint["shape"]) \
-                    or _tensor_digest(reader.get(name)) != fingerprint["sha256"]:
+                                                                     fingerprint["shape"]):
                 return f"{where} has changed: {name} is not the tensor it was at import"
     finally:
         reader.close()
-    for name, digest in source["files"].items():
-        file = os.path.join(path, name)
-        if not os.path.isfile(file) or _file_digest(file) != digest:
-            return f"{where} has changed: {name} is {'gone' if not os.path.isfile(file) else 'not the file it was at import'}"
+    for name in source["files"]:
+        if not os.path.isfile(os.path.join(path, name)):
+            return f"{where} has changed: {name} is gone"
     return None
 
 
 class KeptTensors:
     """The kept tensors of a checked source folder, for ``save_pretrained``: their plan entries,
-    written after the text model's, and their bytes as stored."""
+    written after the text model's, and their bytes as stored, each checked against its
+    fingerprint as it is read for writing (HFConfigError naming it when it differs: the folder
+    changed since the import, or since ``check_source``)."""
 
     def __init__(self, source: dict):
         self.source = source
@@ -169,14 +178,29 @@ class KeptTensors:
     def get(self, name: str) -> torch.Tensor:
         if self._reader is None:
             self._reader = SafetensorsReader(self.source["path"])
-        return self._reader.get(name)
+        tensor = self._reader.get(name)
+        fingerprint = self.source["tensors"][name]
+        if (str(tensor.dtype).removeprefix("torch."), list(tensor.shape)) != (
+                fingerprint["dtype"], fingerprint["shape"]) or \
+                _tensor_digest(tensor) != fingerprint["sha256"]:
+            raise HFConfigError(f"{_where(self.source)} has changed: {name} is not the tensor it "
+                                "was at import")
+        return tensor
 
     def files(self) -> dict:
-        """{name: bytes} of the folder's other files, its config.json among them."""
+        """{name: bytes} of the folder's other files, its config.json among them, each checked
+        against its fingerprint as read."""
         out = {"config.json": self.source["config"]}
-        for name in self.source["files"]:
-            with open(os.path.join(self.source["path"], name), "rb") as f:
-                out[name] = f.read()
+        for name, digest in self.source["files"].items():
+            try:
+                with open(os.path.join(self.source["path"], name), "rb") as f:
+                    data = f.read()
+            except OSError:
+                raise HFConfigError(f"{_where(self.source)} has changed: {name} is gone") from None
+            if hashlib.sha256(data).hexdigest() != digest:
+                raise HFConfigError(f"{_where(self.source)} has changed: {name} is not the file "
+                                    "it was at import")
+            out[name] = data
         return out
 
     def close(self):

@@ -27,10 +27,12 @@ default ``--cp-comm-type p2p`` runs as ``all_gather``. Each change is said once;
 run (a per-document mask under CP, ``a2a``) is refused in one line before training
 (``attention_flags``).
 
-A checkpoint megatron.training is about to load (``--load``, ``--ckpt-step``) is verified first as
-the launcher verifies its own (``verified_loads``): one with a manifest (the launcher's) must match
-it, and with a signing key (``MCORE_EXT_CHECKPOINT_KEY``) carry a valid signature; else one line
-naming the file, exit code 2, before megatron reads any of it.
+A checkpoint megatron.training is about to load is verified first as the launcher verifies its
+own, whichever way megatron chose it (``--load``, ``--pretrained-checkpoint``, ``--ckpt-step``
+with or without a tracker) and in every format (``verified_loads``): one with a manifest (the
+launcher's) must match it, and with a signing key (``MCORE_EXT_CHECKPOINT_KEY``) carry a valid
+signature for that folder; else one line naming the file, exit code 2, before megatron reads any
+of it.
 
 On a machine without CUDA it runs on gloo with mcore_ext's CPU adaptations (tests, small runs).
 """
@@ -71,8 +73,7 @@ from megatron.training.utils import (  # noqa: E402
 )
 
 from mcore_ext.attention.context_parallel import get_batch_on_this_cp_rank  # noqa: E402
-from mcore_ext.checkpoint import directory as checkpoint_dirs  # noqa: E402
-from mcore_ext.checkpoint import manifest, safe_pickle  # noqa: E402
+from mcore_ext.checkpoint import manifest, safe_pickle, signing  # noqa: E402
 from mcore_ext.checkpoint.errors import (  # noqa: E402
     CheckpointCorruptError, one_line, refusal_in)
 from mcore_ext.megatron_lm.arguments import add_mcore_ext_args  # noqa: E402
@@ -262,41 +263,62 @@ def check_learning_rate_schedule(args) -> None:
 
 @contextlib.contextmanager
 def verified_loads():
-    """megatron.training's ``load_checkpoint``, each call preceded by the launcher's check of the
-    iteration directory it will read (collective, as the load is): CheckpointCorruptError on
-    every rank when a file differs from the manifest, or a signing key is set and the manifest is
-    missing, unsigned or signed with another key. A checkpoint without a manifest (Megatron-LM's
-    own) loads as before when no key is set. The whole-file pickles of ``--ckpt-format torch``
-    are read restricted, as every other checkpoint pickle (``safe_pickle``)."""
+    """Every checkpoint megatron.training chooses to load is verified first, as the launcher
+    verifies its own, whichever way it chose it (``--load`` or ``--pretrained-checkpoint`` and
+    their tracker, ``--ckpt-step`` with or without one, ``release``) and whatever its format
+    (``_mcore_compat.guard_megatron_lm_checkpoint_choice``; collective, as the load is):
+    CheckpointCorruptError on every rank when a file differs from the manifest, or a signing key
+    is set and the manifest is missing (every Megatron-LM checkpoint: torch, torch_dcp and
+    torch_dist alike), unsigned, signed with another key or for another iteration or run. A
+    checkpoint without a manifest (Megatron-LM's own) loads as before when no key is set. The
+    whole-file pickles of ``--ckpt-format torch`` (``model_optim_rng.pt``, and
+    ``distrib_optim.pt`` through megatron-core's optimizer) are read restricted, as every other
+    checkpoint pickle (``safe_pickle``)."""
     from megatron.training import checkpointing, training
 
     original = training.load_checkpoint
+    optimizer_modules = _mcore_compat.megatron_optimizer_modules()
+    restricted = safe_pickle.TorchWithRestrictedLoad()
 
-    def load_checkpoint(*args, load_arg="load", **kwargs):
-        _verify(getattr(get_args(), load_arg, None))
-        return original(*args, load_arg=load_arg, **kwargs)
+    def load_checkpoint(*args, **kwargs):
+        for module in optimizer_modules:  # for the load only: their training steps keep torch
+            module.torch = restricted
+        try:
+            return original(*args, **kwargs)
+        finally:
+            for module in optimizer_modules:
+                module.torch = torch
 
     training.load_checkpoint = load_checkpoint
-    checkpointing.torch = safe_pickle.TorchWithRestrictedLoad()
+    checkpointing.torch = restricted
+    undo = _mcore_compat.guard_megatron_lm_checkpoint_choice(_verify)
     try:
         yield
     finally:
+        undo()
         training.load_checkpoint = original
         checkpointing.torch = torch
 
 
-def _verify(load_dir) -> None:
-    if not load_dir or not os.path.isfile(os.path.join(load_dir, checkpoint_dirs.TRACKER)):
-        return  # nothing to load: megatron says so (or starts from scratch)
-    step = getattr(get_args(), "ckpt_step", None)
-    found = (checkpoint_dirs.find_checkpoint(load_dir) if not step
-             else checkpoint_dirs.Checkpoint(checkpoint_dirs.iteration_dir(load_dir, step), step))
-    if found is None or not os.path.isdir(found.directory):
+def _verify(directory: str) -> None:
+    """The check of the checkpoint directory megatron.training is about to read (collective)."""
+    if not os.path.isdir(directory):
         return  # megatron names what is missing
-    problems = manifest.verify_checkpoint(found.directory)
+    problems = manifest.verify_once(directory)
     if problems:
         raise CheckpointCorruptError(
-            f"checkpoint {found.directory} is corrupt: {manifest.summary(problems)}")
+            f"checkpoint {directory} is corrupt: {manifest.summary(problems)}")
+
+
+def check_checkpoint_flags(args) -> None:
+    """What megatron would load that nothing here can verify, refused with a signing key:
+    node-local non-persistent checkpoints (``--non-persistent-ckpt-type local``, read by
+    nvidia-resiliency-ext's own manager)."""
+    if signing.key() is not None and getattr(args, "non_persistent_ckpt_type", None) == "local":
+        raise FlagError(
+            f"--non-persistent-ckpt-type local with {signing.KEY_ENV}: megatron reads node-local "
+            "checkpoints through nvidia-resiliency-ext's manager, which nothing here verifies "
+            "against a signed manifest; use --non-persistent-ckpt-type global, or none")
 
 
 def main(argv=None) -> int:
@@ -321,6 +343,7 @@ def main(argv=None) -> int:
             notes = attention_flags(args)
             check_learning_rate_schedule(args)
             check_data_flags(args)
+            check_checkpoint_flags(args)
             if args.hybrid_layer_pattern is not None:
                 model_config = gated_hybrid_config_from_args(
                     args, **given_layer_flags(sys.argv[1:]))

@@ -8,6 +8,7 @@ from megatron.core.models.gpt import GPTModel
 
 from mcore_ext import _mcore_compat
 from mcore_ext.attention import layout as attention_layout
+from mcore_ext.checkpoint.safe_pickle import guard_extra_states
 from mcore_ext.config import GatedTransformerConfig
 from mcore_ext.models.mtp_model import MTPGPTModel
 from mcore_ext.specs import get_gpt_block_spec, get_gpt_mtp_block_spec
@@ -55,6 +56,8 @@ def build_gpt_model(
         mtp_block_spec=mtp_block_spec,
         vp_stage=vp_stage,
     )
+    # A Transformer Engine extra state in a state dict loaded into it is read restricted first.
+    guard_extra_states(model)
     # The attention layout of each batch is made here, once per forward, for every layer.
     return attention_layout.install_on(model)
 

@@ -35,6 +35,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from mcore_ext import _mcore_compat
 from mcore_ext.attention import layout as attention_layout
+from mcore_ext.checkpoint.safe_pickle import guard_extra_states
 from mcore_ext.config import GatedTransformerConfig
 from mcore_ext.layer_kinds import KindTransformerLayer
 from mcore_ext.models.gpt import BUILT_GPT_SETTINGS, stage_ends
@@ -359,6 +360,8 @@ def build_hybrid_model(
         rotary_base=config.rotary_base,
         vp_stage=vp_stage,
     )
+    # A Transformer Engine extra state in a state dict loaded into it is read restricted first.
+    guard_extra_states(model)
     # The attention layout of each batch is made here, once per forward, for every layer.
     return attention_layout.install_on(model)
 

@@ -21,13 +21,16 @@ import shutil
 import pytest
 import torch
 
-from tests.functional.inprocess import TINY_MOCK, launch
+from tests.functional.inprocess import ROOT, TINY_MOCK, launch
 from tests.functional.test_pretrain import GATED_QKV
 
 PAYLOAD_TYPE = "builtins.eval"
 # The gated QKV layers' byte objects (GPTModel's stacked layers, a shard per layer, or
 # HybridModel's attention layers, one each): the last layer's is crafted.
 SHARDED_OBJECT = re.compile(GATED_QKV + r"\._extra_state/shard_\d+_\d+")
+# A layer's linear_proj extra state, which a Transformer Engine module decodes with pickle.loads.
+LINEAR_PROJ_EXTRA_STATE = re.compile(
+    r"decoder\.layers\.(\d+\.)?self_attention\.linear_proj\._extra_state/shard_\d+_\d+")
 
 
 class Payload:
@@ -86,6 +89,14 @@ def _in_args(value, marker):  # the common state (a one-item list): its Megatron
     return value
 
 
+def _as_te_extra_state(value, marker):
+    """The payload as a Transformer Engine extra state: a uint8 tensor of ``pickle.dumps``,
+    whose module decodes it with ``pickle.loads`` (the restricted read returns the tensor)."""
+    from tests.unit.test_checkpoint_extra_state import as_extra_state
+
+    return as_extra_state(Payload(marker, None))
+
+
 def write_common_pt(directory, change=None):
     """Write the checkpoint's own common state back as a legacy ``common.pt`` beside it (which
     megatron's ``load_common_state_dict`` prefers), ``change``d; the manifest is left alone."""
@@ -104,6 +115,8 @@ CRAFTS = {
     "metadata": lambda d, m: craft_metadata(d, m),
     "common_args": lambda d, m: craft_object(d, "common_state/shard_0_1", m, _in_args),
     "sharded_object": lambda d, m: craft_object(d, SHARDED_OBJECT, m, Payload),
+    # Issue 54.1: a nested pickle, inside an object the restricted read admits (a uint8 tensor).
+    "te_extra_state": lambda d, m: craft_object(d, LINEAR_PROJ_EXTRA_STATE, m, _as_te_extra_state),
     # A legacy common.pt added (megatron's load_common: torch.load with torch's defaults).
     "common_pt": lambda d, m: write_common_pt(d, lambda c: _payload_in_args(c, m)),
 }
@@ -171,7 +184,37 @@ def test_inspect_verify_refuses_a_crafted_checkpoint(crafted, name, monkeypatch)
     assert all(w.startswith("warning: checkpoint ") for w in warnings), err  # common.pt named
     assert code == 2 and line.startswith(f"error: checkpoint file {save}/iter_0000002/"), err
     assert f"holds a pickled {PAYLOAD_TYPE}" in line, line
+    if name == "te_extra_state":  # old code: exit 0, "the metadata and all 14 pickled objects
+        # hold only checkpoint types"
+        assert re.search(r"in decoder\.layers\.\S*linear_proj\._extra_state/shard_\S+ \(a "
+                         "Transformer Engine extra state", line), line
     assert "verified: all" in out  # the CRC32 manifest matches: it is no defence against this
+    assert not os.path.exists(marker)
+
+
+def test_a_te_extra_state_is_refused_by_the_read_before_its_module_decodes_it(crafted):
+    """Issue 54.1: the DCP read every load makes (megatron's torch_dist load, the launcher's,
+    hf export's) of a linear_proj extra state holding a pickle: old code returned the tensor and
+    a Transformer Engine module (``TEStandIn``: TE's decoding) ran the payload; now the read
+    refuses it, naming the key and the type. ``inspect --verify`` says the same
+    (test_inspect_verify_refuses_a_crafted_checkpoint)."""
+    from torch.distributed.checkpoint import FileSystemReader, load
+
+    from mcore_ext.checkpoint import safe_pickle
+    from mcore_ext.checkpoint.errors import CheckpointUnsafeError
+    from tests.unit.test_checkpoint_extra_state import TEStandIn
+
+    save, marker = crafted["te_extra_state"]
+    directory = str(save / "iter_0000002")
+    storage = FileSystemReader(directory).read_metadata().storage_data
+    key = max(i.fqn for i in storage if LINEAR_PROJ_EXTRA_STATE.fullmatch(i.fqn))
+    state = {key: io.BytesIO()}
+    with pytest.raises(CheckpointUnsafeError) as refused, safe_pickle.refusals():
+        load(state, storage_reader=FileSystemReader(directory), no_dist=True)
+        TEStandIn().set_extra_state(state[key])  # what the module does with what the read gave
+    assert str(refused.value).startswith(f"checkpoint file {directory}/") and (
+        f"holds a pickled {PAYLOAD_TYPE} in {key} (a Transformer Engine extra state"
+        in str(refused.value)), refused.value
     assert not os.path.exists(marker)
 
 
@@ -231,7 +274,9 @@ def _launch_each(world_dirs, ft_root, world):
 @pytest.mark.parametrize("world", [1, 2])
 def test_launcher_resume_and_finetune_refuse_a_crafted_checkpoint(run_distributed, crafted,
                                                                   tmp_path, world):
-    dirs = {name: str(save) for name, (save, _) in crafted.items() if name != "base"}
+    # The TE extra state at 1 rank only: the same read as sharded_object's, refused alike at 2.
+    left_out = {"base"} | ({"te_extra_state"} if world == 2 else set())
+    dirs = {name: str(save) for name, (save, _) in crafted.items() if name not in left_out}
     results = run_distributed(_launch_crafted, dirs, str(tmp_path), world_size=world)
     for (name, how) in results[0]:
         save, marker = crafted[name]
@@ -519,6 +564,52 @@ def test_a_signature_that_is_not_a_string_of_hex_digits_does_not_verify(run_dist
                            "mcore_ext_manifest.json signature does not verify"), line
 
 
+def _from_another_run(directory):
+    """What another run signed with the same key saved as this iteration: the folder's own
+    files under a manifest naming another run id, signed with the key "k3y"."""
+    from mcore_ext.checkpoint import manifest
+
+    entries = manifest.read(str(directory))
+    _with_key("k3y", manifest.write, str(directory), entries, 2, "another-run-of-the-same-key")
+
+
+def _copy_over(save, source, target):
+    """``cp -r save/source save/target`` after removing the target (what the issue did)."""
+    shutil.rmtree(save / target)
+    shutil.copytree(save / source, save / target)
+
+
+@pytest.mark.parametrize("how, problem", [
+    ("another_iteration", "mcore_ext_manifest.json: signed for iteration 1, but the folder is "
+                          "iter_0000002: a checkpoint copied over another iteration's"),
+    ("another_run", "mcore_ext_manifest.json: belongs to run another-run-of-the-same-key, but its "
+                    "save directory {save} is run "),
+])
+def test_a_signed_folder_is_refused_under_another_iterations_name_or_in_another_run(
+        run_distributed, signed, tmp_path, monkeypatch, how, problem):
+    """Issue 54.5: with the key, iteration 1's folder copied over iteration 2's (which the tracker
+    names) passed ``inspect --verify``, and a resume reported iteration 2's folder while training
+    on from iteration 1's state; a folder another run signed with the same key is refused there
+    too. Both: inspect --verify and the launcher's resume refuse it, one line, exit code 2."""
+    save = tmp_path / "save"
+    shutil.copytree(signed["base"], save)
+    if how == "another_iteration":
+        _copy_over(save, "iter_0000001", "iter_0000002")
+    else:
+        _from_another_run(save / "iter_0000002")
+    problem = problem.format(save=save)
+    monkeypatch.setenv(KEY, "k3y")
+    code, out, err = _inspect(save)
+    assert code == 2 and f"CORRUPT: {save / 'iter_0000002'}/{problem}" in out, out
+    monkeypatch.delenv(KEY)
+    (result,) = run_distributed(_with_key, "k3y", _resume, save, 3, ONE_RANK, world_size=1)
+    assert result["code"] == 2, result
+    (line,) = result["stderr"].splitlines()
+    assert line.startswith(f"error: checkpoint {save / 'iter_0000002'} is corrupt: "
+                           f"{problem.replace(':', '', 1)}"), line
+    assert not (save / "iter_0000003").exists()
+
+
 def test_launcher_with_the_key_resumes_a_signed_checkpoint_and_refuses_a_re_crc_ed_one(
         run_distributed, signed, tmp_path):
     shutil.copytree(signed["base"], tmp_path / "good")
@@ -537,7 +628,11 @@ def test_launcher_with_the_key_resumes_a_signed_checkpoint_and_refuses_a_re_crc_
     pytest.param("flip", None, "__1_0.distcp checksum mismatch", marks=pytest.mark.slow),
     pytest.param("recrc", "k3y", "mcore_ext_manifest.json signature does not verify",
                  marks=pytest.mark.slow),
-    ("common_pt", "k3y", "common.pt not in the manifest"),  # issue 44.1 on this load path
+    # Issue 44.1 on this load path. Slow since issue 54.3: megatron's own chooser of the folder
+    # is run verified in-process (tests/unit/test_megatron_lm_verified_loads.py), and the entry's
+    # verified_loads is active under torchrun in
+    # test_megatron_lm_entry_reads_a_legacy_torch_checkpoint_restricted.
+    pytest.param("common_pt", "k3y", "common.pt not in the manifest", marks=pytest.mark.slow),
 ])
 def test_megatron_lm_entry_verifies_a_launcher_checkpoint_before_loading(
         signed, tmp_path, monkeypatch, how, key, problem):
@@ -561,6 +656,35 @@ def test_megatron_lm_entry_verifies_a_launcher_checkpoint_before_loading(
                                 f"{problem}"), errors
     assert "Traceback" not in result.stderr.split(errors[0])[0], result.stderr[-3000:]
     assert not (tmp_path / "mlm").exists()
+
+
+@pytest.mark.slow  # the same check as tests/unit/test_megatron_lm_verified_loads.py, by torchrun
+def test_megatron_lm_entry_with_the_key_refuses_an_untracked_torch_checkpoint_named_by_step(
+        tmp_path, monkeypatch):
+    """Issue 54.3 as reported: a ``--ckpt-format torch`` save, its tracker removed, ``--load DIR
+    --ckpt-step 2`` with the key: the old code loaded it ("successfully loaded checkpoint ... at
+    iteration 2", exit 0); now one line, refused before megatron reads it."""
+    pytest.importorskip("megatron.training.models.gpt", reason="megatron.training >= 0.19")
+    from tests.functional.test_megatron_lm_checkpoints import MLM
+    from tests.functional.test_megatron_lm_pretrain import MEGATRON_LM
+    from tests.functional.test_pretrain import torchrun
+
+    flags = [*MLM[:MLM.index("--ckpt-format")], "--ckpt-format", "torch", "--save-interval",
+             "1000", "--override-opt_param-scheduler"]
+    save = tmp_path / "legacy"
+    monkeypatch.delenv(KEY, raising=False)
+    made = torchrun(*flags, "--train-iters", "2", "--save", str(save), program=MEGATRON_LM)
+    assert made.returncode == 0, made.stderr[-3000:]
+    (save / "latest_checkpointed_iteration.txt").unlink()
+    monkeypatch.setenv(KEY, "k3y")
+    result = torchrun(*flags, "--train-iters", "3", "--load", str(save), "--ckpt-step", "2",
+                      "--save", str(tmp_path / "next"), program=MEGATRON_LM)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode != 0 and len(errors) == 1, result.stderr[-3000:]
+    assert errors[0].startswith(f"error: checkpoint {save / 'iter_0000002'} is corrupt: "
+                                "mcore_ext_manifest.json missing"), errors
+    assert "successfully loaded" not in result.stdout
+    assert not (tmp_path / "next").exists()
 
 
 def test_a_key_file_that_cannot_be_read_is_one_config_error(tmp_path):
@@ -654,3 +778,111 @@ def test_export_of_a_signed_checkpoint_with_the_key_writes_the_signed_config(
                                 world_size=1)
     assert result["code"] == 0, result
     assert "777" not in (tmp_path / "out" / "config.json").read_text()
+
+
+SFT_TOKENIZER = ROOT / "configs" / "sft_tiny" / "tokenizer"
+SFT_CHAT = ROOT / "configs" / "sft_tiny" / "chat.jsonl"
+
+
+def _import_and_fine_tune(hf, ckpt, run):
+    """With the key: ``hf import HF CKPT``, then 2 steps of the launcher on chat data from the
+    config the import wrote (its tokenizer/ and its chat template), saved in RUN."""
+    def steps():
+        directory = _import_hf(hf, ckpt)
+        return launch("--config", f"{directory}/config.yaml", "data.source=chat",
+                      f"data.path={SFT_CHAT}", f"checkpoint.load={ckpt}",
+                      "checkpoint.finetune=true", f"checkpoint.save={run}",
+                      "training.micro_batch_size=2", "training.global_batch_size=2",
+                      "training.train_iters=2", "training.eval_interval=null",
+                      "optimizer.lr_warmup_iters=0",
+                      "logging.log_interval=1", "logging.metrics_file=null")
+
+    return _with_key("k3y", steps)
+
+
+@pytest.fixture(scope="module")
+def signed_sft(run_distributed_shared, tmp_path_factory):
+    """The issue's chain, signed: a tiny Step-3.5 folder with a ChatML tokenizer (259 tokens,
+    the model's 257 rows) imported, fine-tuned 2 steps on chat data. (import root, run root)."""
+    from tests.hf import models
+
+    tmp = tmp_path_factory.mktemp("signed_sft")
+    hf = models.write_released(str(tmp / "hf"))
+    for name in os.listdir(SFT_TOKENIZER):
+        shutil.copyfile(SFT_TOKENIZER / name, os.path.join(hf, name))
+    (result,) = run_distributed_shared(_import_and_fine_tune, hf, str(tmp / "ckpt"),
+                                       str(tmp / "run"), world_size=1)
+    assert result["code"] == 0, result
+    return tmp / "ckpt", tmp / "run"
+
+
+@pytest.mark.parametrize("tamper, problem", [
+    (None, None),
+    # The issue's: both; the hf_config.json is what the export reads first.
+    ("template+hf_config", "iter_0000000 is corrupt: hf_config.json missing"),
+    ("template", "iter_0000000 is corrupt: tokenizer/chat_template.jinja digest mismatch"),
+])
+def test_export_with_the_key_refuses_a_signed_file_changed_or_deleted_up_the_chain(
+        run_distributed, signed_sft, tmp_path, tamper, problem):
+    """Issue 54.2: in the import a fine-tuned run came from, the chat template overwritten and
+    hf_config.json deleted: the old code exported (exit 0) the changed template and a config.json
+    of the tokenizer's 259 tokens instead of 257, without bos / eos; find_provenance passed over
+    the missing signed file and the tokenizer folder was copied unchecked. Now one line, exit 2,
+    nothing written; the untouched chain exports its signed config and template."""
+    import json
+
+    ckpt, run = signed_sft  # changed in place (the run's signed config.yaml names them), restored
+    imported = ckpt / "iter_0000000"
+    template = imported / "tokenizer" / "chat_template.jinja"
+    hf_config = imported / "hf_config.json"
+    signed_template, signed_config = template.read_bytes(), hf_config.read_bytes()
+    try:
+        if tamper is not None:  # another template of the same size: its bytes tell
+            other = b"{% for m in messages %}{{ m['content'] }}{% endfor %}"
+            template.write_bytes(other.ljust(len(signed_template)))
+        if tamper == "template+hf_config":
+            hf_config.unlink()
+        (result,) = run_distributed(_export_with_key, run, tmp_path / "out", world_size=1)
+    finally:
+        template.write_bytes(signed_template)
+        hf_config.write_bytes(signed_config)
+    if problem is None:
+        assert result["code"] == 0, result
+        config = json.loads((tmp_path / "out" / "config.json").read_text())
+        assert config["vocab_size"] == 257 and config["eos_token_id"] == 256, config
+        assert (tmp_path / "out" / "chat_template.jinja").read_bytes() == signed_template
+        return
+    assert result["code"] == 2, result
+    errors = [line for line in result["stderr"].splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: checkpoint {ckpt}/{problem}"), (
+        result["stderr"])
+    assert not (tmp_path / "out").exists()
+
+
+def test_resuming_with_the_key_refuses_a_changed_chat_template_of_the_import(
+        run_distributed, signed_sft, tmp_path):
+    """The same files feed training: a chat run with the key whose data.tokenizer is the import's
+    tokenizer/ reads it only as signed. Resuming the fine-tuned run (its own checkpoint: the
+    import is not what it loads, and was not verified) with the import's template changed: the
+    old code resumed and trained on conversations rendered by the changed template (exit 0); now
+    one line, exit 2, nothing saved."""
+    ckpt, run = signed_sft
+    shutil.copytree(run, tmp_path / "run")
+    template = ckpt / "iter_0000000" / "tokenizer" / "chat_template.jinja"
+    signed_template = template.read_bytes()
+    try:
+        template.write_bytes(b"{{ messages }}".ljust(len(signed_template)))
+        (result,) = run_distributed(
+            _with_key, "k3y", launch, "--config", ckpt / "iter_0000000" / "config.yaml",
+            "data.source=chat", f"data.path={SFT_CHAT}", f"checkpoint.load={ckpt}",
+            "checkpoint.finetune=true", f"checkpoint.save={tmp_path / 'run'}",
+            "training.micro_batch_size=2", "training.global_batch_size=2",
+            "training.train_iters=3", "optimizer.lr_warmup_iters=0",
+            "training.eval_interval=null", "logging.metrics_file=null", world_size=1)
+    finally:
+        template.write_bytes(signed_template)
+    assert result["code"] == 2, result
+    (line,) = [x for x in result["stderr"].splitlines() if x.startswith("error: ")]
+    assert "tokenizer/chat_template.jinja digest mismatch" in line and (
+        f"checkpoint {ckpt / 'iter_0000000'} is corrupt" in line), line
+    assert not (tmp_path / "run" / "iter_0000003").exists()

@@ -298,3 +298,81 @@ def test_step37_folder_in_transformers_module_names_round_trips(run_distributed,
         logits = [_in_torch_memory(m).eval()(input_ids=tokens).logits for m in (model, source_model)]
         assert torch.equal(*logits)
         assert (logits[0] - expected).abs().max().item() <= TOL
+
+
+KEY = "MCORE_EXT_CHECKPOINT_KEY"
+
+
+def _with_key(fn, *args):
+    os.environ[KEY] = "k3y"
+    try:
+        return fn(*args)
+    finally:
+        del os.environ[KEY]
+
+
+def _export_swapping_between_check_and_write(ckpt, out, shard, name):
+    """``hf export`` (with the key) during which ``name`` in the folder's ``shard`` is replaced
+    right after the export checked the folder (step37.check_source), before it is written."""
+    from safetensors.torch import load_file, save_file
+
+    from mcore_ext.hf import step37
+
+    check = step37.check_source
+
+    def check_then_swap(source):
+        found = check(source)
+        tensors = load_file(shard)
+        tensors[name] = tensors[name] + 1
+        save_file(tensors, shard, metadata={"format": "pt"})
+        return found
+
+    step37.check_source = check_then_swap
+    try:
+        return _with_key(_cli_in_process, "export", ckpt, out)
+    finally:
+        step37.check_source = check
+
+
+def test_step37_export_with_the_key_writes_only_what_it_checked(run_distributed, vl, tmp_path):
+    """Issue 54.4: the export hashed the kept tensors (check_source), then read them again to
+    write them: a vision tensor swapped in between went out under the key (old code: exit 0, the
+    swapped tensor exported). Now each is checked as it is read for writing: one line, exit 2,
+    nothing written. Issue 54.2's Step-3.7 case: the import's signed hf_config.json deleted, the
+    old export of a run fine-tuned from it passed over it and wrote a Step-3.5 model without the
+    vision tower (exit 0); now refused naming it."""
+    source = vl[0]
+    hf_dir, ckpt = str(tmp_path / "vl"), str(tmp_path / "ckpt")
+    shutil.copytree(source, hf_dir)
+    run_distributed(_with_key, _import, hf_dir, ckpt, 1, world_size=1)
+    index = json.load(open(os.path.join(hf_dir, "model.safetensors.index.json")))["weight_map"]
+    name = "vision_model.conv1.weight"
+    code, err = run_distributed(_export_swapping_between_check_and_write, ckpt,
+                                str(tmp_path / "out"), os.path.join(hf_dir, index[name]), name,
+                                world_size=1)[0]
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("error: the Step-3.7 folder this checkpoint was imported from") and (
+        f"has changed: {name} is not the tensor it was at import" in err), err
+    assert not os.path.exists(tmp_path / "out")
+
+    # A run fine-tuned from the import (1 step), then the import's hf_config.json deleted.
+    run = str(tmp_path / "run")
+    (trained,) = run_distributed(_with_key, _fine_tune_one_step, ckpt, run, world_size=1)
+    assert trained["code"] == 0, trained
+    os.remove(os.path.join(ckpt, "iter_0000000", "hf_config.json"))
+    code, err = run_distributed(_with_key, _cli_in_process, "export", run,
+                                str(tmp_path / "out"), world_size=1)[0]
+    assert code == 2 and err.startswith(
+        f"error: checkpoint {ckpt}/iter_0000000 is corrupt: hf_config.json missing"), err
+    assert not os.path.exists(tmp_path / "out")
+
+
+def _fine_tune_one_step(ckpt, run):
+    from tests.functional.inprocess import launch
+
+    return launch("--config", os.path.join(ckpt, "iter_0000000", "config.yaml"),
+                  "data.source=mock", f"checkpoint.load={ckpt}", "checkpoint.finetune=true",
+                  f"checkpoint.save={run}", "training.micro_batch_size=1",
+                  "training.global_batch_size=1", "training.train_iters=1",
+                  "optimizer.lr_warmup_iters=0", "training.eval_interval=null",
+                  "logging.metrics_file=null")

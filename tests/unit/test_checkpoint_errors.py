@@ -319,3 +319,43 @@ def test_a_verified_checkpoint_changed_afterwards_is_verified_again_on_the_next_
     os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     with pytest.raises(CheckpointCorruptError, match="__0_0.distcp checksum mismatch"):
         manifest.check_before_read(str(directory))
+
+
+def test_with_the_key_bytes_changed_between_verification_and_the_read_are_refused(
+        tmp_path, monkeypatch):
+    """Issue 54 (the shape): a load verifies a folder, then torch reads it; a file rewritten in
+    between (the same size, its times put back) was read as it then was. Now every DCP read and
+    whole-file read checks, after reading, that its folder is still the one verified
+    (``manifest.check_unchanged``): refused. The same read of the untouched folder loads."""
+    from torch.distributed.checkpoint import load, save
+
+    from mcore_ext.checkpoint import manifest, safe_pickle
+    from mcore_ext.checkpoint.errors import CheckpointCorruptError
+
+    monkeypatch.setenv("MCORE_EXT_CHECKPOINT_KEY", "k3y")
+    directory = tmp_path / "iter_0000001"
+    save({"w": torch.arange(64.0)}, checkpoint_id=str(directory), no_dist=True)
+    torch.save({"iteration": 1}, directory / "common.pt")
+    manifest.write(str(directory), manifest.describe(str(directory), sorted(os.listdir(directory))))
+
+    def read():
+        state = {"w": torch.zeros(64)}
+        load(state, checkpoint_id=str(directory), no_dist=True)
+        return state["w"], safe_pickle.load_file(directory / "common.pt")
+
+    assert manifest.verify_checkpoint(str(directory), collective=False) == []
+    weights, common = read()
+    assert torch.equal(weights, torch.arange(64.0)) and common == {"iteration": 1}
+
+    (shard,) = directory.glob("*.distcp")
+    stat = shard.stat()
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    shard.write_bytes(bytes(data))
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    with pytest.raises(BaseException, match=f"checkpoint {directory} is not the one verified"):
+        read()  # torch's DCP raises it as a CheckpointException holding the error
+    with pytest.raises(CheckpointCorruptError, match=f"checkpoint {directory} is not the one"):
+        safe_pickle.load_file(directory / "common.pt")
+    monkeypatch.delenv("MCORE_EXT_CHECKPOINT_KEY")
+    read()  # without a key: damage only, which verification (not this read) finds
