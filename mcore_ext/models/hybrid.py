@@ -38,6 +38,7 @@ from mcore_ext.attention import layout as attention_layout
 from mcore_ext.config import GatedTransformerConfig
 from mcore_ext.layer_kinds import KindTransformerLayer
 from mcore_ext.models.gpt import BUILT_GPT_SETTINGS, stage_ends
+from mcore_ext.models.vision_language import with_vision
 from mcore_ext.moe import is_moe_layer
 from mcore_ext.specs import (
     _final_norm,
@@ -45,6 +46,7 @@ from mcore_ext.specs import (
     get_gpt_mtp_block_spec,
     resolve_backend,
 )
+from mcore_ext.vision.config import VisionConfig
 
 ATTENTION, MLP, MOE, PIPE, MTP = "*", "-", "E", "|", "/"
 # The symbols mcore_ext builds; megatron's others (Mamba, GDN, DSA, MLA) are refused by name.
@@ -320,6 +322,7 @@ def build_hybrid_model(
     post_process: Optional[bool] = None,
     vp_stage: Optional[int] = None,
     hybrid_layer_pattern: Optional[str] = None,
+    vision: Optional[VisionConfig] = None,
 ):
     """This rank's megatron ``HybridModel`` for ``config`` on ``backend``, the arguments as
     ``build_gpt_model``'s; ``hybrid_layer_pattern`` defaults to the GPT layers' (``*-`` / ``*E``
@@ -335,7 +338,8 @@ def build_hybrid_model(
     layer is built with its GPT layer's kind config, and the output matches ``build_gpt_model``'s
     for the same weights. With ``mtp_num_layers`` the pattern ends in ``/*-`` per depth and the
     MTP depths (Step-3.5's with ``mtp_step35_heads``) are ``build_gpt_model``'s, on the last
-    pipeline stage (``mtp_logits`` reads their logits).
+    pipeline stage (``mtp_logits`` reads their logits). ``vision``: Step-3.7's vision tower and
+    projector on the first stage, as ``build_gpt_model``'s.
     """
     _mcore_compat.check_hybrid_model()
 
@@ -345,7 +349,10 @@ def build_hybrid_model(
     if config.mtp_num_layers:
         _mcore_compat.check_mtp_supported(getattr(config, "mtp_step35_heads", False))
     pre_process, post_process = stage_ends(pre_process, post_process, vp_stage)
-    model = _mtp_model_class()(
+    model_class, extra = _mtp_model_class(), {}
+    if vision is not None:
+        model_class, extra = with_vision(model_class), {"vision": vision}
+    model = model_class(
         config,
         hybrid_stack_spec=get_hybrid_stack_spec(config, backend, pattern, vocab_size),
         vocab_size=vocab_size,
@@ -358,6 +365,7 @@ def build_hybrid_model(
         rotary_percent=config.rotary_percent,
         rotary_base=config.rotary_base,
         vp_stage=vp_stage,
+        **extra,
     )
     # The attention layout of each batch is made here, once per forward, for every layer.
     return attention_layout.install_on(model)
