@@ -8,24 +8,29 @@ scales, quick-GELU, LayerNorms and biases all random) whose position table is la
 112-pixel global view (8 x 8 patches; a 56-pixel crop interpolates it to 4 x 4) and a projector
 64 -> 32, saved by transformers (the hub's layout: fused, RoPE-permuted ``attn.in_proj_*``). The
 batch (models.vl_inputs, 3 rows of 24 tokens): row 0 holds image 0 (2 local crops, then its
-global view) and image 1 (global view only), row 1 no image, row 2 image 2 (1 crop); 13
-placeholders, the processor's token layout.
+global view) and image 1 (global view only), row 1 no image, row 2 image 2 (1 crop); 15
+placeholders (a crop gives 1 feature, a global view 4), the processor's token layout.
 
 - Logits equal transformers' (fp32, max abs) within 1e-5 at TP 1, TP 2 + SP, EP 2, PP 2 and CP 2,
   both for the 3 rows as a [3, 24] batch and for the same rows packed as 3 THD documents of one
   sequence (transformers' logits of the rows are those of the documents). Under CP 2 each rank
-  holds placeholders of both row 0's images (image 1 is split between the ranks).
+  holds placeholders of both row 0's images (image 1 is split between the ranks). CP 2 runs
+  megatron's HybridModel (what ``hf import`` writes by default from megatron-core 0.19), the
+  others its GPTModel.
 - Gradients (a fixed random weighting of the logits summed) of every tower and projector
   parameter, the tower trained, equal transformers' at TP 1 and TP 2 + SP within 1e-5 x the
   largest gradient (layer scales and norms reduced over TP by their ``sequence_parallel`` mark, as
   ``finalize_model_grads`` does).
-- The tower frozen (the default): it has no gradient, and the projector's gradient is transformers'.
-- A placeholder count that does not match the images' features is refused in one message, on
-  every rank alike.
+- The tower frozen (the default), at CP 2: it has no gradient, and the projector's, summed over
+  the CP ranks (as DDP sums them), is transformers'.
+- A batch one placeholder short of its images' features is refused in one message, at CP 2 on
+  both ranks alike (the one that held the placeholder and the other).
 """
 
+import hashlib
 import json
 import os
+import zlib
 
 import pytest
 import torch
@@ -117,8 +122,10 @@ def _gather_vocab(local):
 
 
 def _vision_grads(model, vision, hf_names):
-    """{transformers' name: gradient} of every tower and projector parameter, gathered over TP
-    (the layers' norms and layer scales first summed over TP under sequence parallelism)."""
+    """{transformers' name: gradient} of every tower and projector parameter that has one,
+    summed over CP (as DDP reduces them), gathered over TP (the layers' norms and layer scales
+    first summed over TP under sequence parallelism, as ``finalize_model_grads`` does), and the
+    names of those without one."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -127,21 +134,45 @@ def _vision_grads(model, vision, hf_names):
     group = ps.get_tensor_model_parallel_group()
     params = {n: p for n, p in model.named_parameters() if vision_layout.is_vision_parameter(n)}
     for param in params.values():
+        if param.grad is None:
+            continue
+        dist.all_reduce(param.grad, group=ps.get_context_parallel_group())
         if getattr(param, "sequence_parallel", False) and model.config.sequence_parallel:
             dist.all_reduce(param.grad, group=group)
-    out = {}
+    out, without = {}, []
     for name, mapping, names in vision_layout.units(vision, hf_names, params):
         grad = params[name].grad
+        if grad is None:
+            without += names
+            continue
         parts = [torch.empty_like(grad) for _ in range(group.size())]
         dist.all_gather(parts, grad.contiguous(), group=group)
         out.update(zip(names, mapping.from_locals(parts)))
-    return out
+    return out, without
+
+
+def _mismatch(model, tokens, positions, packed, images):
+    """The error of a forward whose first placeholder on CP rank 0 is a text token."""
+    from megatron.core import parallel_state as ps
+
+    from mcore_ext.vision.placement import ImageTokenMismatch
+
+    tokens = tokens.clone()
+    if ps.get_context_parallel_rank() == 0:
+        first = (tokens == models.IMAGE_TOKEN).nonzero()[:1]
+        tokens[tuple(first.t())] = 0
+    try:
+        _forward(model, tokens, positions, packed, images)
+    except ImageTokenMismatch as err:
+        return str(err)
+    return None
 
 
 def _parity(hf_dir, inputs, weights, expected, tp=1, pp=1, cp=1, ep=1, sp=False, grads=False,
-            hf_names=()):
+            freeze=False, mismatch=False, architecture="gpt", hf_names=()):
     """Max abs logit difference per case (rows, packed) on this rank, the placeholders this rank
-    held, and with ``grads`` the tower's and projector's gradients (tower trained)."""
+    held; with ``grads`` the tower's and projector's gradients (``freeze``: the tower frozen),
+    with ``mismatch`` the error of a batch short of one placeholder."""
     from megatron.core import parallel_state as ps
 
     import mcore_ext
@@ -151,10 +182,11 @@ def _parity(hf_dir, inputs, weights, expected, tp=1, pp=1, cp=1, ep=1, sp=False,
     mcore_ext.init_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                             context_parallel_size=cp, expert_model_parallel_size=ep)
     with open(os.path.join(hf_dir, "config.json")) as f:
-        vision = vision_config(json.load(f), freeze=False)
+        vision = vision_config(json.load(f), freeze=freeze)
     # megatron 0.19 computes the MTP loss of a forward without labels from its input ids (RL's
     # convention) and back-propagates it: scaled by 0 here, transformers has no MTP.
-    model = load_pretrained(hf_dir, backend="sdpa", vision=vision, sequence_parallel=sp,
+    model = load_pretrained(hf_dir, architecture=architecture, backend="sdpa", vision=vision,
+                            sequence_parallel=sp,
                             context_parallel_size=cp, mtp_loss_scaling_factor=0.0).eval()
     images = {k: inputs[k] for k in ("pixel_values", "pixel_values_local", "num_local_patches")}
     result = {"diff": {}, "placeholders": {}}
@@ -172,6 +204,8 @@ def _parity(hf_dir, inputs, weights, expected, tp=1, pp=1, cp=1, ep=1, sp=False,
                 padded = torch.nn.functional.pad(w, (0, vocab * tp - w.size(-1)))
                 (out * padded[..., tp_rank * vocab:(tp_rank + 1) * vocab]).sum().backward()
                 result["grads"] = _vision_grads(model, vision, hf_names)
+        if mismatch and name == "rows":
+            result["mismatch"] = _mismatch(model, tokens, positions, packed, images)
     return result
 
 
@@ -182,24 +216,29 @@ def _check_logits(results, world, cp=1):
         assert set(diff) == {"rows", "packed"}
         assert max(diff.values()) <= TOL, diff
     if cp > 1:  # both ranks hold some of the placeholders (image 1's are split between them)
-        assert all(0 < r["placeholders"]["rows"] < 13 for r in results), results
-        assert all(0 < r["placeholders"]["packed"] < 13 for r in results), results
+        assert all(0 < r["placeholders"]["rows"] < 15 for r in results), results
+        assert all(0 < r["placeholders"]["packed"] < 15 for r in results), results
 
 
-def _check_grads(got, expected):
+def _check_grads(result, expected, frozen=False):
+    got, without = result
+    tower = {n for n in expected if n.startswith("model.vision_model.")}
+    assert set(without) == (tower if frozen else set()), without
+    expected = {n: g for n, g in expected.items() if n not in without}
     assert set(got) == set(expected), sorted(set(got) ^ set(expected))
+    assert any("multi_modal_projector" in n for n in got)
     scale = max(g.abs().max().item() for g in expected.values())
     assert scale > 1e-2
     worst = max(((got[n] - expected[n]).abs().max().item(), n) for n in expected)
     assert worst[0] <= GRAD_TOL * scale, (worst, scale)
 
 
-# TP 2 + SP and CP 2 (images split between the ranks, BSHD and packed THD) run by default; the
-# layouts the others add nothing to (TP 1: TP 2's path without collectives; EP 2: the tower
-# is dense; PP 2: the tower is stage 0's) are slow.
+# TP 2 + SP (GPTModel) and CP 2 (HybridModel; images split between the ranks, BSHD and packed
+# THD) run by default; the others add little to them (TP 1: TP 2's path without collectives;
+# EP 2: the tower is dense; PP 2: the tower is stage 0's) and are slow.
 LAYOUTS = {
     "tp2_sp": dict(tp=2, sp=True, grads=True),
-    "cp2": dict(cp=2),
+    "cp2_hybrid": dict(cp=2, grads=True, freeze=True, mismatch=True, architecture="hybrid"),
     "tp1": pytest.param(dict(grads=True), marks=pytest.mark.slow),
     "ep2": pytest.param(dict(ep=2), marks=pytest.mark.slow),
     "pp2": pytest.param(dict(pp=2), marks=pytest.mark.slow),
@@ -216,4 +255,118 @@ def test_step37_images_logits_and_vision_grads_match_transformers(run_distribute
     _check_logits(results, world, layout.get("cp", 1))
     if layout.get("grads"):
         for r in results:
-            _check_grads(r["grads"], hf_grads)
+            _check_grads(r["grads"], hf_grads, frozen=layout.get("freeze", False))
+    if layout.get("mismatch"):  # every rank, whether it held the missing placeholder or not
+        for r in results:
+            assert "holds 14 image placeholder token(s) (image_token_id=250) but its images " \
+                   "give 15 feature(s)" in r["mismatch"], r["mismatch"]
+
+
+# ------------------------------------------------------------------------ checkpoint side
+
+
+def _vision_state(model):
+    from mcore_ext.hf import vision_layout
+
+    return {n: p.detach().clone() for n, p in model.named_parameters()
+            if vision_layout.is_vision_parameter(n)}
+
+
+def _fresh(hf_dir):
+    """The model of the folder with every vision parameter zeroed (a load must fill them)."""
+    from mcore_ext.hf import load_pretrained
+
+    model = load_pretrained(hf_dir, backend="sdpa", vision=True)
+    with torch.no_grad():
+        for param in _vision_state(model):
+            model.get_parameter(param).zero_()
+    return model
+
+
+def _load(model, directory):
+    from mcore_ext import checkpoint
+
+    state = checkpoint.load({"model": model.sharded_state_dict()}, directory)
+    model.load_state_dict(state["model"])
+    return model
+
+
+def _checkpoint_vision(hf_dir, directory, key_file):
+    """Save the model at TP 2 with a signing key, load it at TP 2 and at TP 1 (the vision weights,
+    against the folder's at each layout), then flip one byte of a tower layer's weights in its
+    data file and record the file's new size, CRC32 and SHA-256 in the manifest: the signed load
+    refuses it. Returns (TP 2 / TP 1 mismatches, the refusal, the file changed)."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint import FileSystemReader
+
+    import mcore_ext
+    from mcore_ext import checkpoint
+    from mcore_ext.checkpoint import manifest, saving, signing
+    from mcore_ext.hf import load_pretrained
+
+    signing.use_key_file(key_file)
+    try:
+        mcore_ext.init_parallel(tensor_model_parallel_size=2)
+        model = load_pretrained(hf_dir, backend="sdpa", vision=True)
+        partial = saving.begin(directory)
+        checkpoint.save({"model": model.sharded_state_dict()}, partial)
+        saving.publish(partial, directory)
+        expected = _vision_state(model)
+        got = _vision_state(_load(_fresh(hf_dir), directory))
+        wrong = [n for n in expected if not torch.equal(got[n], expected[n])]
+        mcore_ext.destroy_parallel()
+
+        mcore_ext.init_parallel(tensor_model_parallel_size=1)  # 2 data-parallel ranks
+        expected = _vision_state(load_pretrained(hf_dir, backend="sdpa", vision=True))
+        got = _vision_state(_load(_fresh(hf_dir), directory))
+        wrong += [n for n in expected if not torch.equal(got[n], expected[n])]
+
+        # megatron stacks a block's layers into one tensor per parameter (layer index first)
+        tensor = "vision_model.decoder.layers.self_attention.linear_qkv.weight"
+        where = None
+        if dist.get_rank() == 0:
+            metadata = FileSystemReader(directory).read_metadata()
+            where = next(info for index, info in metadata.storage_data.items()
+                         if index.fqn == tensor and index.offset[0] == 1)  # layer 1's rows
+            path = os.path.join(directory, where.relative_path)
+            with open(path, "r+b") as f:
+                f.seek(where.offset + where.length // 2)
+                byte = f.read(1)
+                f.seek(-1, 1)
+                f.write(bytes([byte[0] ^ 0x10]))
+            # What one without the key can do: record the changed file's size and checksums.
+            data = open(path, "rb").read()
+            manifest_path = os.path.join(directory, manifest.MANIFEST)
+            document = json.load(open(manifest_path))
+            document["files"][where.relative_path].update(
+                size=len(data), crc32=f"{zlib.crc32(data):08x}",
+                sha256=hashlib.sha256(data).hexdigest())
+            with open(manifest_path, "w") as f:
+                json.dump(document, f)
+        dist.barrier()
+        refused = None
+        try:
+            _load(_fresh(hf_dir), directory)
+        except Exception as err:  # noqa: BLE001 - the refusal is the result
+            refused = f"{type(err).__name__}: {err}"
+        return wrong, refused, where and where.relative_path
+    finally:
+        signing.use_key_file(None)
+
+
+def test_step37_vision_weights_save_reshard_tp2_to_tp1_and_are_signed(run_distributed,
+                                                                     vl_images, tmp_path):
+    """The tower's and projector's weights go through megatron's sharded checkpoint: saved at
+    TP 2, loaded at TP 2 and at TP 1 bit for bit (TP-split layers and projector, replicated
+    convolutions), and a signed checkpoint covers them: one byte of a tower layer's weights
+    flipped in its data file, the file's checksums rewritten in the manifest, and the load is
+    refused (the signature does not verify)."""
+    key = tmp_path / "key"
+    key.write_text("step37-vision-key\n")
+    directory = str(tmp_path / "ckpt")
+    results = run_distributed(_checkpoint_vision, vl_images[0], directory, str(key),
+                              world_size=2)
+    for wrong, refused, _ in results:
+        assert wrong == []
+        assert refused is not None and "signature does not verify" in refused, refused
+    assert results[0][2].endswith(".distcp"), results[0][2]
