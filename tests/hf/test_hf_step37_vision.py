@@ -317,9 +317,11 @@ def _checkpoint_vision(hf_dir, directory, key_file):
         mcore_ext.destroy_parallel()
 
         mcore_ext.init_parallel(tensor_model_parallel_size=1)  # 2 data-parallel ranks
-        expected = _vision_state(load_pretrained(hf_dir, backend="sdpa", vision=True))
+        reference = load_pretrained(hf_dir, backend="sdpa", vision=True)
+        expected = _vision_state(reference)
         got = _vision_state(_load(_fresh(hf_dir), directory))
         wrong += [n for n in expected if not torch.equal(got[n], expected[n])]
+        lora_result = _lora(reference)
 
         # megatron stacks a block's layers into one tensor per parameter (layer index first)
         tensor = "vision_model.decoder.layers.self_attention.linear_qkv.weight"
@@ -349,24 +351,52 @@ def _checkpoint_vision(hf_dir, directory, key_file):
             _load(_fresh(hf_dir), directory)
         except Exception as err:  # noqa: BLE001 - the refusal is the result
             refused = f"{type(err).__name__}: {err}"
-        return wrong, refused, where and where.relative_path
+        return wrong, refused, where and where.relative_path, lora_result
     finally:
         signing.use_key_file(None)
 
 
-def test_step37_vision_weights_save_reshard_tp2_to_tp1_and_are_signed(run_distributed,
-                                                                     vl_images, tmp_path):
+def _lora(model):
+    """(adapters added, trainable parameters, vision parameters) of LoRA all-linear on
+    ``model``."""
+    from mcore_ext import lora
+
+    vision = list(_vision_state(model))
+    added = lora.apply_lora(model, lora.LoraConfig(rank=2, alpha=4, targets=["all-linear"]))
+    return added, [n for n, p in model.named_parameters() if p.requires_grad], vision
+
+
+@pytest.fixture(scope="module")
+def vision_checkpoint(run_distributed_shared, vl_images, tmp_path_factory):
+    """``_checkpoint_vision``'s results on 2 ranks (one run for the tests below)."""
+    tmp = tmp_path_factory.mktemp("vision_ckpt")
+    key = tmp / "key"
+    key.write_text("step37-vision-key\n")
+    return run_distributed_shared(_checkpoint_vision, vl_images[0], str(tmp / "ckpt"), str(key),
+                                  world_size=2)
+
+
+def test_step37_vision_weights_save_reshard_tp2_to_tp1_and_are_signed(vision_checkpoint):
     """The tower's and projector's weights go through megatron's sharded checkpoint: saved at
     TP 2, loaded at TP 2 and at TP 1 bit for bit (TP-split layers and projector, replicated
     convolutions), and a signed checkpoint covers them: one byte of a tower layer's weights
     flipped in its data file, the file's checksums rewritten in the manifest, and the load is
     refused (the signature does not verify)."""
-    key = tmp_path / "key"
-    key.write_text("step37-vision-key\n")
-    directory = str(tmp_path / "ckpt")
-    results = run_distributed(_checkpoint_vision, vl_images[0], directory, str(key),
-                              world_size=2)
-    for wrong, refused, _ in results:
+    for wrong, refused, _, _ in vision_checkpoint:
         assert wrong == []
         assert refused is not None and "signature does not verify" in refused, refused
-    assert results[0][2].endswith(".distcp"), results[0][2]
+    assert vision_checkpoint[0][2].endswith(".distcp"), vision_checkpoint[0][2]
+
+
+def test_step37_lora_adapts_the_text_model_alone(vision_checkpoint):
+    """LoRA (all-linear) on the vision-language model (TP 1, in the run above): adapters on the
+    text model's layers (MTP included), none in the tower or projector, which stay frozen with
+    the rest."""
+    added, trainable, vision = vision_checkpoint[0][3]
+    assert vision and added
+    assert not [n for n in added if n.startswith(("vision_model", "vision_projection"))]
+    assert any(n.startswith("decoder.layers.0.self_attention") for n in added)
+    assert any(n.startswith("mtp.") for n in added)
+    assert not set(vision) & set(trainable)
+    assert all(".lora_" in n or "_lora." in n for n in trainable), trainable[:4]
+
