@@ -34,7 +34,8 @@ class ImageTokenMismatch(ValueError):
     """The placeholders of a micro-batch and its images' features do not match in number."""
 
 
-def merge_features(global_features: torch.Tensor, local_features, num_local_patches) -> torch.Tensor:
+def merge_features(global_features: torch.Tensor, local_features,
+                   num_local_patches) -> torch.Tensor:
     """[n, h] features in transformers' order: per image, its crops' features then its global
     view's. ``global_features`` [images, t_g, h]; ``local_features`` [crops, t_l, h] or None;
     ``num_local_patches``: crops per image (a list or tensor of ints; None: no crops)."""

@@ -118,3 +118,70 @@ def test_placeholders_are_numbered_row_major():
     order, total = placeholder_order(ids, 9)
     assert total == 4
     assert order.tolist() == [[-1, 0, 1, -1], [-1, -1, -1, -1], [2, -1, -1, 3]]
+
+
+# ------------------------------------------------------------------ the launcher's model
+
+
+def _launcher_vl_step(architecture):
+    """The launcher's model (build_model: DDP around the vision-language model) of a tiny config
+    with model.vision (tower trained) at TP 2 + SP: one forward / backward with images and
+    megatron's finalize_model_grads. Returns what each rank saw."""
+    import mcore_ext
+    from mcore_ext._cpu_compat import cuda_to_cpu
+    from mcore_ext.training.config import load_config
+    from mcore_ext.training.loop import build_model
+
+    cfg = load_config(None, [
+        "data.source=mock", "model.num_layers=2", "model.hidden_size=32",
+        "model.num_attention_heads=4", "model.seq_length=16", "model.attention_backend=sdpa",
+        f"model.architecture={architecture}", "parallelism.tensor_model_parallel_size=2",
+        "parallelism.sequence_parallel=true", "model.vision.hidden_size=16",
+        "model.vision.num_layers=1", "model.vision.num_attention_heads=2",
+        "model.vision.ffn_hidden_size=32", "model.vision.image_size=56",
+        "model.vision.image_token_id=7", "model.vision.freeze=false"], world_size=2)
+    mcore_ext.init_parallel(tensor_model_parallel_size=2)
+    with cuda_to_cpu():  # as the launcher runs (megatron's DDP asks for CUDA streams)
+        return _step(build_model(cfg, vocab_size=128))
+
+
+def _step(model):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    inner = model.module
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(8, 128, (2, 16), generator=gen)
+    tokens[0, 3:7] = 7  # one 56-pixel image: 4 x 4 patches -> 1 feature; 3 more crops
+    pixels = torch.randn(1, 3, 56, 56, generator=gen)
+    crops = torch.randn(3, 3, 56, 56, generator=gen)
+    positions = torch.arange(16).expand_as(tokens)
+    losses = model(tokens, positions, None, labels=tokens, pixel_values=pixels,
+                   pixel_values_local=crops, num_local_patches=torch.tensor([3]))
+    losses.sum().backward()
+    inner.config.finalize_model_grads_func([model])
+    grads = {n: p.main_grad.clone() for n, p in inner.named_parameters()
+             if n.startswith(("vision_model.", "vision_projection.")) and p.requires_grad}
+    same = {}
+    for name, grad in grads.items():  # replicated over TP: the same gradient on both ranks
+        if grad.shape != inner.get_parameter(name).shape or "linear_" in name or \
+                "encoder" in name:
+            continue
+        other = grad.clone()
+        dist.broadcast(other, src=dist.get_global_rank(ps.get_tensor_model_parallel_group(), 0),
+                       group=ps.get_tensor_model_parallel_group())
+        same[name] = torch.equal(other, grad)
+    return type(inner).__name__, {n: g.abs().sum().item() for n, g in grads.items()}, same
+
+
+@pytest.mark.parametrize("architecture", ["hybrid"])
+def test_launcher_builds_and_steps_the_vision_language_model(run_distributed, architecture):
+    """model.vision in a launcher config builds the vision-language model inside megatron's DDP
+    (TP 2 + SP, the tower trained): a step with an image and its crops gives every tower and
+    projector parameter a gradient, and after megatron's finalize_model_grads the parameters
+    TP replicates (convolutions, positions, norms, layer scales: the latter two summed over the
+    sequence-parallel ranks) hold the same gradient on both ranks."""
+    for name, grads, same in run_distributed(_launcher_vl_step, architecture, world_size=2):
+        assert name.startswith("VisionLanguage"), name
+        assert grads and all(v > 0 for v in grads.values()), grads
+        assert any("layer_scale" in n for n in same) and all(same.values()), same
