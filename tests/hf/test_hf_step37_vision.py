@@ -272,11 +272,11 @@ def _vision_state(model):
             if vision_layout.is_vision_parameter(n)}
 
 
-def _fresh(hf_dir):
+def _fresh(hf_dir, architecture="hybrid"):
     """The model of the folder with every vision parameter zeroed (a load must fill them)."""
     from mcore_ext.hf import load_pretrained
 
-    model = load_pretrained(hf_dir, backend="sdpa", vision=True)
+    model = load_pretrained(hf_dir, architecture=architecture, backend="sdpa", vision=True)
     with torch.no_grad():
         for param in _vision_state(model):
             model.get_parameter(param).zero_()
@@ -291,27 +291,28 @@ def _load(model, directory):
     return model
 
 
-def _checkpoint_vision(hf_dir, directory, key_file):
-    """Save the model at TP 2 with a signing key, load it at TP 2 and at TP 1 (the vision weights,
-    against the folder's at each layout), then flip one byte of a tower layer's weights in its
-    data file and record the file's new size, CRC32 and SHA-256 in the manifest: the signed load
-    refuses it. Returns (TP 2 / TP 1 mismatches, the refusal, the file changed)."""
+def _checkpoint_vision(hf_dir, ckpt, key_file):
+    """``hf import --vision`` at TP 2 with a signing key; the checkpoint loaded at TP 2 into the
+    folder's model and at TP 1 into the launcher's model of its config.yaml (the vision weights
+    against the folder's at each layout); ``hf export`` of it refused; then one byte of a tower
+    layer's weights flipped in its data file and the file's new size, CRC32 and SHA-256
+    recorded in the manifest: the signed load refuses it. Returns (mismatches, the export's
+    refusal, the load's refusal, the file changed, LoRA's results on the TP 1 model)."""
     import torch.distributed as dist
     from torch.distributed.checkpoint import FileSystemReader
 
     import mcore_ext
-    from mcore_ext import checkpoint
-    from mcore_ext.checkpoint import manifest, saving, signing
-    from mcore_ext.hf import load_pretrained
+    from mcore_ext.checkpoint import manifest, signing
+    from mcore_ext.hf import HFConfigError, load_pretrained
+    from mcore_ext.hf.checkpoint import export_checkpoint, import_checkpoint
+    from mcore_ext.training.config import load_config
+    from mcore_ext.training.loop import build_model, padded_vocab_size
 
     signing.use_key_file(key_file)
     try:
         mcore_ext.init_parallel(tensor_model_parallel_size=2)
-        model = load_pretrained(hf_dir, backend="sdpa", vision=True)
-        partial = saving.begin(directory)
-        checkpoint.save({"model": model.sharded_state_dict()}, partial)
-        saving.publish(partial, directory)
-        expected = _vision_state(model)
+        directory = import_checkpoint(hf_dir, ckpt, vision=True)  # HybridModel (0.19's)
+        expected = _vision_state(load_pretrained(hf_dir, backend="sdpa", vision=True))
         got = _vision_state(_load(_fresh(hf_dir), directory))
         wrong = [n for n in expected if not torch.equal(got[n], expected[n])]
         mcore_ext.destroy_parallel()
@@ -319,9 +320,18 @@ def _checkpoint_vision(hf_dir, directory, key_file):
         mcore_ext.init_parallel(tensor_model_parallel_size=1)  # 2 data-parallel ranks
         reference = load_pretrained(hf_dir, backend="sdpa", vision=True)
         expected = _vision_state(reference)
-        got = _vision_state(_load(_fresh(hf_dir), directory))
+        cfg = load_config(os.path.join(directory, "config.yaml"),
+                          ["parallelism.tensor_model_parallel_size=1", "data.source=mock"],
+                          world_size=2)
+        with mcore_ext.cuda_to_cpu():
+            launcher = build_model(cfg, padded_vocab_size(models.VOCAB, cfg)).module
+        got = _vision_state(_load(launcher, directory))
         wrong += [n for n in expected if not torch.equal(got[n], expected[n])]
-        lora_result = _lora(reference)
+        try:
+            export_checkpoint(ckpt, os.path.join(ckpt, "..", f"out{dist.get_rank()}"))
+            exported = None
+        except HFConfigError as err:
+            exported = str(err)
 
         # megatron stacks a block's layers into one tensor per parameter (layer index first)
         tensor = "vision_model.decoder.layers.self_attention.linear_qkv.weight"
@@ -351,7 +361,8 @@ def _checkpoint_vision(hf_dir, directory, key_file):
             _load(_fresh(hf_dir), directory)
         except Exception as err:  # noqa: BLE001 - the refusal is the result
             refused = f"{type(err).__name__}: {err}"
-        return wrong, refused, where and where.relative_path, lora_result
+        return (wrong, exported, refused, where and where.relative_path,
+                _lora(reference), type(launcher).__name__)
     finally:
         signing.use_key_file(None)
 
@@ -372,27 +383,32 @@ def vision_checkpoint(run_distributed_shared, vl_images, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vision_ckpt")
     key = tmp / "key"
     key.write_text("step37-vision-key\n")
-    return run_distributed_shared(_checkpoint_vision, vl_images[0], str(tmp / "ckpt"), str(key),
-                                  world_size=2)
+    return run_distributed_shared(_checkpoint_vision, vl_images[0], str(tmp / "ckpt"),
+                                  str(key), world_size=2)
 
 
-def test_step37_vision_weights_save_reshard_tp2_to_tp1_and_are_signed(vision_checkpoint):
-    """The tower's and projector's weights go through megatron's sharded checkpoint: saved at
-    TP 2, loaded at TP 2 and at TP 1 bit for bit (TP-split layers and projector, replicated
-    convolutions), and a signed checkpoint covers them: one byte of a tower layer's weights
-    flipped in its data file, the file's checksums rewritten in the manifest, and the load is
-    refused (the signature does not verify)."""
-    for wrong, refused, _, _ in vision_checkpoint:
+def test_step37_vision_weights_import_reshard_tp2_to_tp1_and_are_signed(vision_checkpoint):
+    """The tower's and projector's weights go through megatron's sharded checkpoint: ``hf import
+    --vision`` at TP 2 (config.yaml's model.vision), loaded at TP 2 and, into the launcher's
+    model of that config.yaml (HybridModel, what import writes by default), at TP 1 bit for bit
+    (TP-split layers and projector, replicated convolutions); a signed checkpoint covers them:
+    one byte of a tower layer's weights flipped in its data file, the file's checksums rewritten
+    in the manifest, and the load is refused (the signature does not verify). Its export is
+    refused in one message until the vision export is written (the folder's untrained projector
+    would be exported)."""
+    for wrong, exported, refused, _, _, launcher in vision_checkpoint:
         assert wrong == []
+        assert launcher == "VisionLanguageMTPHybridModel"
+        assert "exporting them is not supported yet" in exported, exported
         assert refused is not None and "signature does not verify" in refused, refused
-    assert vision_checkpoint[0][2].endswith(".distcp"), vision_checkpoint[0][2]
+    assert vision_checkpoint[0][3].endswith(".distcp"), vision_checkpoint[0][3]
 
 
 def test_step37_lora_adapts_the_text_model_alone(vision_checkpoint):
     """LoRA (all-linear) on the vision-language model (TP 1, in the run above): adapters on the
     text model's layers (MTP included), none in the tower or projector, which stay frozen with
     the rest."""
-    added, trainable, vision = vision_checkpoint[0][3]
+    added, trainable, vision = vision_checkpoint[0][4]
     assert vision and added
     assert not [n for n in added if n.startswith(("vision_model", "vision_projection"))]
     assert any(n.startswith("decoder.layers.0.self_attention") for n in added)
