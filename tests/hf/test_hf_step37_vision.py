@@ -416,3 +416,63 @@ def test_step37_lora_adapts_the_text_model_alone(vision_checkpoint):
     assert not set(vision) & set(trainable)
     assert all(".lora_" in n or "_lora." in n for n in trainable), trainable[:4]
 
+
+
+# ------------------------------------------------------------------------------ bf16 (GPU)
+
+
+@pytest.fixture(scope="module")
+def vl_images_bf16(tmp_path_factory):
+    """(folder of a bf16 tiny Step-3.7 with images, inputs, transformers' logits on its weights in
+    fp32 and in bf16). The text model is the dense one (tiny_config): MoE routing may flip on
+    near-tied experts in any bf16 run (test_hf_moe sets such tokens aside), which is not what
+    this checks."""
+    config = models.tiny_vl_images_config(text_config=models.tiny_config())
+    model = models.build_vl_images(config).to(torch.bfloat16)
+    directory = models.save_vl(model, str(tmp_path_factory.mktemp("step37") / "vl_bf16"),
+                               mtp=False)
+    inputs = models.vl_inputs()
+    with torch.no_grad():
+        in_bf16 = model(**inputs).logits.float()
+        in_fp32 = model.float()(**inputs).logits
+    return directory, inputs, in_fp32, in_bf16
+
+
+def _bf16_logits(hf_dir, inputs, device):
+    import mcore_ext
+    from mcore_ext.hf import load_pretrained
+
+    mcore_ext.init_parallel()
+    model = load_pretrained(hf_dir, backend="sdpa", vision=True, device=device).eval()
+    ids = inputs["input_ids"].to(device)
+    images = {k: inputs[k].to(device)
+              for k in ("pixel_values", "pixel_values_local", "num_local_patches")}
+    with torch.no_grad():
+        out = model(ids, torch.arange(ids.size(1), device=device).expand_as(ids), None,
+                    **images)
+    assert out.dtype == torch.bfloat16
+    return out[..., : models.VOCAB].float().cpu()
+
+
+def check_bf16(logits, expected, transformers_bf16):
+    """test_hf_parity's bf16 bounds (u = 2^-8 per rounding, about 40 rounded stages adding like a
+    random walk; the tower adds 2 layers and 3 linear maps): RMS difference <= 8 u x RMS, max <=
+    16 u x max|logits|, and no more than 1.5 x transformers' own bf16 run's RMS difference."""
+    from tests import reference
+
+    u = reference.BF16_UNIT_ROUNDOFF
+    rms = lambda t: t.square().mean().sqrt().item()
+    diff = logits - expected
+    assert diff.abs().max() <= 16 * u * expected.abs().max(), diff.abs().max()
+    assert rms(diff) <= 8 * u * rms(expected), rms(diff)
+    assert 0 < rms(diff) <= 1.5 * rms(transformers_bf16 - expected), (
+        rms(diff), rms(transformers_bf16 - expected))
+
+
+@pytest.mark.gpu
+def test_step37_images_in_bf16_on_cuda_within_bf16_rounding(run_distributed, vl_images_bf16):
+    """A bf16 Step-3.7 folder with images on one GPU (the tower's SDPA on CUDA kernels): logits
+    within bf16 rounding of transformers' fp32 run on the same bf16 weights (check_bf16)."""
+    directory, inputs, expected, transformers_bf16 = vl_images_bf16
+    (logits,) = run_distributed(_bf16_logits, directory, inputs, "cuda", world_size=1)
+    check_bf16(logits, expected, transformers_bf16)
