@@ -101,15 +101,6 @@ class VisionConfig:
         """Width of the tower's output (two convolutions, each doubling the channels)."""
         return 4 * self.hidden_size
 
-    @staticmethod
-    def tokens_per_view(side: int, patch_size: int = 14) -> int:
-        """Features (placeholder tokens) an image view of ``side`` x ``side`` pixels gives: its
-        patch grid, halved twice (3 x 3 convolutions of stride 2, padding 1)."""
-        grid = side // patch_size
-        for _ in range(2):
-            grid = (grid + 1) // 2
-        return grid * grid
-
 
 def tower_transformer_config(vision: VisionConfig, text: TransformerConfig) -> TransformerConfig:
     """The megatron config of the tower's layers: ``vision``'s shape, the text model's tensor
