@@ -314,7 +314,8 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> list:
     ``linear_fc2`` (down_proj), the MTP layers' among them; with ``EXPERT_TARGETS`` every local
     routed expert's ``linear_fc1`` and ``linear_fc2``. Refused: routed-expert targets on a model
     without them, on experts other than ``SequentialMLP`` or at expert TP > 1, and Transformer
-    Engine's layernorm-fused linears.
+    Engine's layernorm-fused linears. A vision-language model's tower and projector
+    (``vision_model``, ``vision_projection``) get no adapter: they stay frozen with the rest.
     """
     from megatron.core.transformer.attention import SelfAttention
     from megatron.core.transformer.mlp import MLP
@@ -331,6 +332,8 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> list:
                         "model has none (model.num_moe_experts is not set)")
     added = []
     for name, module in list(model.named_modules()):
+        if VISION_MODULES & set(name.split(".")):
+            continue
         if isinstance(module, SelfAttention):
             added += _adapt_attention(name, module, cfg)
         elif isinstance(module, MLP) and not _inside_experts(name):
@@ -338,6 +341,10 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> list:
         elif isinstance(module, MoELayer) and expert_targets:
             added += _adapt_experts(f"{name}.experts", module.experts, expert_targets, cfg)
     return added
+
+
+# The vision side of mcore_ext.models.vision_language: not part of the text model LoRA adapts.
+VISION_MODULES = frozenset({"vision_model", "vision_projection"})
 
 
 def _model_config(model):

@@ -31,6 +31,9 @@ def main(argv=None) -> int:
     imp.add_argument("--seq-length", type=int, default=None,
                      help="the launcher's model.seq_length (default: min(max positions, 4096))")
     imp.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    imp.add_argument("--vision", action="store_true",
+                     help="a Step-3.7 folder: import its vision tower and projector too (the "
+                          "vision-language model; config.yaml's model.vision, tower frozen)")
     imp.add_argument("--architecture", choices=["gpt", "hybrid"], default=None,
                      help="the launcher's model.architecture of the checkpoint: megatron's "
                           "GPTModel or HybridModel (default: the one the installed "
@@ -124,7 +127,7 @@ def _run(args) -> str:
                 args.hf_dir, args.ckpt_dir, dtype=_DTYPES[args.dtype],
                 seq_length=args.seq_length,
                 make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                architecture=args.architecture)
+                architecture=args.architecture, vision=args.vision)
         from mcore_ext.hf.checkpoint import export_checkpoint
 
         export_checkpoint(args.ckpt_dir, args.hf_dir, vocab_size=args.vocab_size,

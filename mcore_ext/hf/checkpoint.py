@@ -122,7 +122,8 @@ def copy_tokenizer(hf_dir: str, names: list[str], target: str) -> None:
 
 def import_checkpoint(hf_dir: str, ckpt_dir: str, *, dtype: torch.dtype | None = None,
                       seq_length: int | None = None, make_vocab_size_divisible_by: int = 128,
-                      backend: str = "sdpa", architecture: str | None = None) -> str:
+                      backend: str = "sdpa", architecture: str | None = None,
+                      vision: bool = False) -> str:
     """HF directory -> ``<ckpt_dir>/iter_0000000`` (call after ``init_parallel``, any TP / PP).
 
     Refuses (before writing anything) a ``ckpt_dir`` that already holds a checkpoint, and any
@@ -133,19 +134,21 @@ def import_checkpoint(hf_dir: str, ckpt_dir: str, *, dtype: torch.dtype | None =
     depths), ``gpt`` its GPTModel; None: the one the installed megatron-core recommends
     (``run_config.schema.recommended_architecture``). Either class is built once and filled from
     the HF folder, whose config and safetensors headers are read once (``HFFolder``): a rank
-    holds one model.
+    holds one model. ``vision`` (a Step-3.7 folder): the vision-language model, its tower and
+    projector in the checkpoint and ``model.vision`` (the folder's ``VisionConfig``, the tower
+    frozen) in the config.
     Returns the iteration directory.
     """
     folder = HFFolder(hf_dir)
     try:
         return _import(folder, ckpt_dir, dtype, seq_length, make_vocab_size_divisible_by,
-                       backend, architecture)
+                       backend, architecture, vision)
     finally:
         folder.close()
 
 
 def _import(folder, ckpt_dir, dtype, seq_length, make_vocab_size_divisible_by, backend,
-            architecture) -> str:
+            architecture, vision) -> str:
     hf_dir, raw, spec, file_dtype = folder.directory, folder.raw, folder.spec, folder.dtype
     check_parallel(spec, parallel_state.get_tensor_model_parallel_world_size())
     from mcore_ext.run_config import PretrainConfig, build
@@ -164,16 +167,24 @@ def _import(folder, ckpt_dir, dtype, seq_length, make_vocab_size_divisible_by, b
     tokenizer = tokenizer_files(hf_dir)
     data = {"tokenizer": os.path.join(os.path.abspath(directory), TOKENIZER_DIR)
             } if tokenizer else {}
+    if vision:
+        from mcore_ext.hf.config.step3p7 import vision_config
+
+        if not step37.is_step37(raw):
+            raise HFConfigError(f"{hf_dir}: --vision needs a Step-3.7 folder (model_type "
+                                f"'step3p7'), its model_type is {raw.get('model_type')!r}")
+        vision = vision_config(raw)
     cfg = build(PretrainConfig, {
         "model": {**launcher_model_section(spec, seq_length, make_vocab_size_divisible_by),
-                  "architecture": architecture},
+                  "architecture": architecture,
+                  **({"vision": dataclasses.asdict(vision)} if vision else {})},
         "training": {"precision": precision_of(dtype)},
         "data": data,
         "checkpoint": {"load": os.path.abspath(ckpt_dir), "finetune": True},
     })
     model = load_pretrained(folder, architecture=architecture, backend=backend, dtype=dtype,
                             make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-                            max_sequence_length=seq_length)
+                            max_sequence_length=seq_length, vision=vision or False)
     partial = saving.begin(directory)
     state = {
         "model": model.sharded_state_dict(),
@@ -286,6 +297,11 @@ def export_checkpoint(ckpt_dir: str, hf_dir: str, *, vocab_size: int | None = No
         raise CheckpointCorruptError(
             f"checkpoint {directory} is corrupt: {manifest.summary(problems)}")
     cfg = _read_launcher_config(directory)
+    if cfg.model.vision is not None:
+        raise HFConfigError(f"{directory}: its model has a vision tower and projector "
+                            "(model.vision, hf import --vision): exporting them is not "
+                            "supported yet, and the folder's untrained ones would be written "
+                            "in their place")
     adapters = lora.LoraConfig(rank=cfg.lora.rank, alpha=cfg.lora.alpha,
                                dropout=cfg.lora.dropout, targets=cfg.lora.targets)
     if adapter and not adapters.enabled:

@@ -172,6 +172,12 @@ class HFFolder:
             reader.close()
             raise
 
+    @property
+    def vision_reader(self) -> SafetensorsReader:
+        """All of the folder's tensors (a Step-3.7 folder's vision side among them)."""
+        text = self.source.reader
+        return getattr(text, "reader", text)
+
     def close(self):
         self.source.close()
 
@@ -240,6 +246,7 @@ def load_pretrained(
     make_vocab_size_divisible_by: int = 1,
     max_sequence_length: int | None = None,
     device: torch.device | str | None = None,
+    vision=False,
     **config_overrides,
 ):
     """A megatron ``GPTModel`` (``architecture`` ``hybrid``: megatron's ``HybridModel`` of
@@ -255,6 +262,12 @@ def load_pretrained(
     ``mcore_ext.device()``, this rank's GPU where CUDA exists, else the CPU).
     Raises ``HFConfigError`` / ``SafetensorsError`` before building anything when the directory
     is incomplete or does not match its config.
+
+    ``vision`` (a Step-3.7 folder): True builds the vision-language model
+    (``mcore_ext.models.vision_language``: the tower and projector on the first stage, filled
+    from the folder, ``vision_layout``) with the folder's ``VisionConfig``; a ``VisionConfig``
+    is used as given (its ``freeze``, say), checked against the folder's shapes. False: the text
+    model alone, the vision tensors left in the folder.
     """
     from mcore_ext.models import build_gpt_model, build_hybrid_model, padded_vocab_size
 
@@ -264,6 +277,7 @@ def load_pretrained(
     folder = hf_dir if isinstance(hf_dir, HFFolder) else HFFolder(hf_dir)
     spec, reader, file_dtype = folder.spec, folder.source, folder.dtype
     try:
+        vision = _vision_config(folder, vision)
         tp = parallel_state.get_tensor_model_parallel_world_size()
         check_parallel(spec, tp)
         check_expert_parallel(spec, parallel_state.get_expert_model_parallel_world_size(),
@@ -279,9 +293,12 @@ def load_pretrained(
                 max_sequence_length=max_sequence_length or spec.max_position_embeddings,
                 backend=backend,
                 share_embeddings_and_output_weights=spec.tie_word_embeddings,
+                **({"vision": vision} if vision is not None else {}),
             )
         model.to(dtype)  # torch norms are built in fp32; the launcher's Float16Module casts too
         load_into(model, reader, spec, vocab)
+        if vision is not None:
+            load_vision_into(model, folder.vision_reader, vision)
     finally:
         # The open shard's mapped pages go now, not after the caller's save (an HFFolder keeps
         # its headers and reopens a shard if read again).
@@ -291,6 +308,61 @@ def load_pretrained(
     return model
 
 
+def _vision_config(folder: "HFFolder", vision):
+    """The ``VisionConfig`` to build (None: the text model alone), checked against the folder:
+    every vision tensor present (``vision_layout``)."""
+    from mcore_ext.hf import step37, vision_layout
+    from mcore_ext.hf.config import step3p7
+    from mcore_ext.vision import VisionConfig
+
+    if vision is False or vision is None:
+        return None
+    if not step37.is_step37(folder.raw):
+        raise HFConfigError(f"{folder.directory}: vision=True needs a Step-3.7 folder (model_type "
+                            f"{step3p7.WRAPPER_MODEL_TYPE!r}), its model_type is "
+                            f"{folder.raw.get('model_type')!r}")
+    config = vision if isinstance(vision, VisionConfig) else step3p7.vision_config(folder.raw)
+    names = set(folder.vision_reader.names)
+    everything = {n for entry in vision_layout.units(config, names, _AllNames())
+                  for n in entry[2]}
+    missing = sorted(everything - names)
+    if missing:
+        raise HFConfigError(f"{folder.directory}: {len(missing)} vision tensor(s) its config needs "
+                            f"are missing, e.g. {missing[:4]}")
+    return config
+
+
+class _AllNames:
+    """Every name is a parameter (for listing all of a config's vision tensors)."""
+
+    def __contains__(self, name):
+        return True
+
+
+def load_vision_into(model, reader, vision) -> None:
+    """Copy this rank's slices of the folder's vision tensors into the tower and projector (on
+    the first pipeline stage; nothing elsewhere), in the model's dtype."""
+    from mcore_ext.hf import vision_layout
+
+    params = {n: p for n, p in model.named_parameters() if vision_layout.is_vision_parameter(n)}
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    units = list(vision_layout.units(vision, reader.names, params))
+    unmapped = sorted(set(params) - {name for name, *_ in units})
+    if unmapped:
+        raise HFConfigError(f"{len(unmapped)} vision parameter(s) have no place in the Step-3.7 "
+                            f"layout: {unmapped[:4]}")
+    with torch.no_grad():
+        for name, mapping, hf_names in units:
+            param = params[name]
+            local = mapping.to_local([reader.get(n) for n in hf_names], rank, tp)
+            if tuple(local.shape) != tuple(param.shape):
+                raise HFConfigError(f"{name}: this rank's slice of {list(hf_names)} has shape "
+                                    f"{tuple(local.shape)}, the model's parameter "
+                                    f"{tuple(param.shape)}")
+            param.copy_(local)
+
+
 def load_into(model, reader, spec: Step35Config, vocab: int) -> None:
     """Copy this rank's slices of the HF tensors into ``model``'s parameters, one at a time
     (routed experts: only this rank's experts' rows of the stacked tensors)."""
@@ -298,7 +370,7 @@ def load_into(model, reader, spec: Step35Config, vocab: int) -> None:
         reader = HFSource(reader, spec)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     rank = parallel_state.get_tensor_model_parallel_rank()
-    params = _named_params(model)
+    params = _named_params(model, vision=False)
     # Parameters start uninitialised (perform_initialization=False): every one must be written.
     units = _mapped_units(model, spec, vocab, params, "load")
     with torch.no_grad():
@@ -326,10 +398,13 @@ def _is_hybrid(model) -> bool:
     return getattr(model, "hybrid_layer_pattern", None) is not None
 
 
-def _named_params(model) -> dict:
+def _named_params(model, vision: bool = True) -> dict:
     """{name: tensor} of ``model``'s parameters and expert-bias buffers, under GPTModel's names
-    (a HybridModel's translated: the layout tables name GPT layers)."""
-    params = dict(model.named_parameters())
+    (a HybridModel's translated: the layout tables name GPT layers). ``vision=False`` leaves out
+    a vision-language model's tower and projector (``load_vision_into`` fills them)."""
+    from mcore_ext.hf.vision_layout import is_vision_parameter
+
+    params = {n: p for n, p in model.named_parameters() if vision or not is_vision_parameter(n)}
     params.update((n, b) for n, b in model.named_buffers()
                   if n.endswith(layout.MEGATRON_FP32_NAMES))  # the router's expert bias
     if not _is_hybrid(model):

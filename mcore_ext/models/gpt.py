@@ -11,7 +11,9 @@ from mcore_ext.attention import layout as attention_layout
 from mcore_ext.checkpoint.safe_pickle import guard_extra_states
 from mcore_ext.config import GatedTransformerConfig
 from mcore_ext.models.mtp_model import MTPGPTModel
+from mcore_ext.models.vision_language import with_vision
 from mcore_ext.specs import get_gpt_block_spec, get_gpt_mtp_block_spec
+from mcore_ext.vision.config import VisionConfig
 
 
 def build_gpt_model(
@@ -24,6 +26,7 @@ def build_gpt_model(
     pre_process: Optional[bool] = None,
     post_process: Optional[bool] = None,
     vp_stage: Optional[int] = None,
+    vision: Optional[VisionConfig] = None,
 ) -> GPTModel:
     """This rank's megatron ``GPTModel`` for ``config`` on ``backend`` (see ``get_gpt_block_spec``).
 
@@ -34,7 +37,9 @@ def build_gpt_model(
     mcore_ext/mtp_layers.py; ``vocab_size`` also sizes their heads). ``pre_process`` /
     ``post_process`` (embedding / output layer on this rank) default to whether this is the
     first / last pipeline stage. Each forward first makes the batch's attention layout
-    (``mcore_ext.attention.layout``), shared by every layer.
+    (``mcore_ext.attention.layout``), shared by every layer. With ``vision`` the model also takes
+    images: Step-3.7's vision tower and projector on the first stage
+    (``mcore_ext.models.vision_language``).
     """
     pre_process, post_process = stage_ends(pre_process, post_process, vp_stage)
     mtp_block_spec, model_class = None, GPTModel
@@ -42,6 +47,9 @@ def build_gpt_model(
         _mcore_compat.check_mtp_supported(getattr(config, "mtp_step35_heads", False))
         mtp_block_spec = get_gpt_mtp_block_spec(config, backend, vocab_size)
         model_class = MTPGPTModel
+    extra = {}
+    if vision is not None:
+        model_class, extra = with_vision(model_class), {"vision": vision}
     model = model_class(
         config,
         transformer_layer_spec=get_gpt_block_spec(config, backend, vp_stage=vp_stage),
@@ -55,6 +63,7 @@ def build_gpt_model(
         rotary_base=config.rotary_base,
         mtp_block_spec=mtp_block_spec,
         vp_stage=vp_stage,
+        **extra,
     )
     # A Transformer Engine extra state in a state dict loaded into it is read restricted first.
     guard_extra_states(model)

@@ -39,6 +39,7 @@ from mcore_ext.checkpoint.safe_pickle import guard_extra_states
 from mcore_ext.config import GatedTransformerConfig
 from mcore_ext.layer_kinds import KindTransformerLayer
 from mcore_ext.models.gpt import BUILT_GPT_SETTINGS, stage_ends
+from mcore_ext.models.vision_language import with_vision
 from mcore_ext.moe import is_moe_layer
 from mcore_ext.specs import (
     _final_norm,
@@ -46,6 +47,7 @@ from mcore_ext.specs import (
     get_gpt_mtp_block_spec,
     resolve_backend,
 )
+from mcore_ext.vision.config import VisionConfig
 
 ATTENTION, MLP, MOE, PIPE, MTP = "*", "-", "E", "|", "/"
 # The symbols mcore_ext builds; megatron's others (Mamba, GDN, DSA, MLA) are refused by name.
@@ -321,6 +323,7 @@ def build_hybrid_model(
     post_process: Optional[bool] = None,
     vp_stage: Optional[int] = None,
     hybrid_layer_pattern: Optional[str] = None,
+    vision: Optional[VisionConfig] = None,
 ):
     """This rank's megatron ``HybridModel`` for ``config`` on ``backend``, the arguments as
     ``build_gpt_model``'s; ``hybrid_layer_pattern`` defaults to the GPT layers' (``*-`` / ``*E``
@@ -336,7 +339,8 @@ def build_hybrid_model(
     layer is built with its GPT layer's kind config, and the output matches ``build_gpt_model``'s
     for the same weights. With ``mtp_num_layers`` the pattern ends in ``/*-`` per depth and the
     MTP depths (Step-3.5's with ``mtp_step35_heads``) are ``build_gpt_model``'s, on the last
-    pipeline stage (``mtp_logits`` reads their logits).
+    pipeline stage (``mtp_logits`` reads their logits). ``vision``: Step-3.7's vision tower and
+    projector on the first stage, as ``build_gpt_model``'s.
     """
     _mcore_compat.check_hybrid_model()
 
@@ -346,7 +350,10 @@ def build_hybrid_model(
     if config.mtp_num_layers:
         _mcore_compat.check_mtp_supported(getattr(config, "mtp_step35_heads", False))
     pre_process, post_process = stage_ends(pre_process, post_process, vp_stage)
-    model = _mtp_model_class()(
+    model_class, extra = _mtp_model_class(), {}
+    if vision is not None:
+        model_class, extra = with_vision(model_class), {"vision": vision}
+    model = model_class(
         config,
         hybrid_stack_spec=get_hybrid_stack_spec(config, backend, pattern, vocab_size),
         vocab_size=vocab_size,
@@ -359,6 +366,7 @@ def build_hybrid_model(
         rotary_percent=config.rotary_percent,
         rotary_base=config.rotary_base,
         vp_stage=vp_stage,
+        **extra,
     )
     # A Transformer Engine extra state in a state dict loaded into it is read restricted first.
     guard_extra_states(model)

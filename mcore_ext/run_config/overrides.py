@@ -2,7 +2,8 @@
 
 Nothing here knows the launcher's keys: ``build`` works on any dataclass of section dataclasses.
 Values are checked against the fields' annotations (int, float, bool, str, Optional, Literal,
-list);
+list, and a dataclass: a mapping of its own keys, ``section.key.subkey=value`` on the command
+line, e.g. ``model.vision.freeze=false``);
 an unknown section or key, or a value of the wrong type, is a ``ConfigError`` naming the key and
 value, with a "did you mean" when a close name exists.
 """
@@ -50,21 +51,27 @@ def read_yaml(path: str) -> dict:
 
 
 def apply_overrides(raw: dict, overrides) -> dict:
-    """``raw`` with each ``section.key=value`` of ``overrides`` set (values parsed as YAML)."""
+    """``raw`` with each ``section.key=value`` (or ``section.key.subkey=value``) of
+    ``overrides`` set (values parsed as YAML)."""
     for item in overrides:
-        section, key, value = _parse_override(item)
-        if raw.get(section) is None:
-            raw[section] = {}
-        if not isinstance(raw[section], dict):
-            raise ConfigError(f"section {section!r} in the YAML is not a mapping")
-        raw[section][key] = value
+        path, value = _parse_override(item)
+        mapping = raw
+        for depth, name in enumerate(path[:-1]):
+            if mapping.get(name) is None:
+                mapping[name] = {}
+            if not isinstance(mapping[name], dict):
+                what = "section" if depth == 0 else "key"
+                raise ConfigError(f"{what} {'.'.join(path[:depth + 1])!r} in the YAML is not a "
+                                  "mapping")
+            mapping = mapping[name]
+        mapping[path[-1]] = value
     return raw
 
 
-def _parse_override(item: str) -> tuple[str, str, object]:
+def _parse_override(item: str) -> tuple[tuple, object]:
     key, sep, text = item.partition("=")
-    section, dot, name = key.partition(".")
-    if not sep or not dot or not section or not name or "." in name:
+    path = tuple(part.strip() for part in key.split("."))
+    if not sep or len(path) < 2 or not all(path):
         raise ConfigError(
             f"override {item!r} is not of the form section.key=value (e.g. training.train_iters=20)"
         )
@@ -72,7 +79,7 @@ def _parse_override(item: str) -> tuple[str, str, object]:
         value = yaml.safe_load(text)
     except (yaml.YAMLError, RecursionError):
         value = text  # e.g. a path with a colon: keep the text as it is
-    return section.strip(), name.strip(), value
+    return path, value
 
 
 def build(root: type, raw: dict):
@@ -127,9 +134,34 @@ def _unknown(key: str, valid: list[str], kind: str = "key") -> str:
     return f"{message}; valid {kind}s: {', '.join(valid)}" if kind == "section" else message
 
 
+def _build_nested(key: str, value, cls):
+    """A dataclass-typed key: ``cls(**value)`` from a mapping of its keys, each type-checked
+    (unknown keys and ``cls``'s own validation errors name the key)."""
+    if isinstance(value, cls):
+        return value
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key}={value!r} has type {type(value).__name__}, expected a mapping "
+                          f"of keys ({', '.join(f.name for f in dataclasses.fields(cls))})")
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for name, item in value.items():
+        if name not in hints:
+            close = difflib.get_close_matches(str(name), list(hints), n=1)
+            raise ConfigError(f"unknown config key {key}.{name!r}"
+                              + (f"; did you mean {key + '.' + close[0]!r}?" if close else
+                                 f"; valid keys: {', '.join(hints)}"))
+        values[name] = _check_type(f"{key}.{name}", item, hints[name])
+    try:
+        return cls(**values)
+    except ValueError as err:
+        raise ConfigError(f"{key}: {err}") from None
+
+
 def _check_type(key: str, value, hint):
-    """``value`` if it fits ``hint`` (int, float, bool, str, Optional, Literal, list), else an
-    error."""
+    """``value`` if it fits ``hint`` (int, float, bool, str, Optional, Literal, list, a
+    dataclass), else an error."""
+    if dataclasses.is_dataclass(hint):
+        return _build_nested(key, value, hint)
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin is list:
         if not isinstance(value, list):

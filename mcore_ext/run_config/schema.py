@@ -12,6 +12,8 @@ from typing import Literal, Optional, Union
 
 import yaml
 
+from mcore_ext.vision.config import VisionConfig
+
 
 class ConfigError(ValueError):
     """A configuration the launcher refuses to run: the message says what to change."""
@@ -210,6 +212,13 @@ class ModelConfig:
 
     recompute_num_layers: int = 1
     """With full recompute: layers per group (uniform) or recomputed layers per stage (block)."""
+
+    vision: Optional[VisionConfig] = None
+    """Step-3.7-Flash's vision tower and projector in front of the text model (a mapping of
+    mcore_ext.vision.VisionConfig's keys: its shape, projector_bias, image_token_id, and freeze,
+    default true: the tower frozen, the projector trained); null = a text model. ``hf import
+    --vision`` of a Step-3.7 folder writes it; the micro-batches then carry images
+    (docs/design.md#step-37-flash-with-images)."""
 
 
 @dataclass

@@ -119,6 +119,7 @@ def build_model(cfg, vocab_size: int) -> DistributedDataParallel:
         max_sequence_length=cfg.model.seq_length,
         backend=cfg.model.attention_backend,
         share_embeddings_and_output_weights=not cfg.model.untie_embeddings_and_output_weights,
+        **({"vision": cfg.model.vision} if cfg.model.vision is not None else {}),
     )
     gpt.to(device())
     # Before DDP and the optimizer: frozen base weights get no gradient buffer, optimizer state

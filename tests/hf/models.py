@@ -492,3 +492,82 @@ def add_tensors(directory, tensors, filename) -> dict:
 def write_config(directory, config) -> None:
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
+
+
+# ----------------------------------------------------------- Step-3.7 with images (parity)
+
+IMAGE_TOKEN = 250  # <im_patch>; 251-254 stand for <patch_start>, <patch_end>, <im_start>, <im_end>
+PATCH_START, PATCH_END, IM_START, IM_END = 251, 252, 253, 254
+GLOBAL_SIDE, CROP_SIDE = 112, 56  # pixels of the global view and of a local crop
+VL_SEQ = 24
+LOCAL_PATCHES = [2, 0, 1]  # crops of the 3 images: row 0 holds images 0 and 1, row 2 image 2
+
+
+def tiny_vl_images_config(text_config=None, vision_layers=2):
+    """tiny_vl_config for runs with images: a 2-layer vision tower of width 16 (2 heads of 8)
+    whose position table is laid out for GLOBAL_SIDE (8 x 8 patches: the global view uses it as
+    is, a CROP_SIDE crop interpolates it), and the placeholder IMAGE_TOKEN inside the vocabulary."""
+    from transformers import Step3p7Config, Step3p7VisionConfig
+
+    text = text_config or tiny_moe_config()
+    vision = Step3p7VisionConfig(hidden_size=16, num_hidden_layers=vision_layers,
+                                 num_attention_heads=2, image_size=GLOBAL_SIDE, patch_size=14,
+                                 mlp_ratio=2.0)
+    return Step3p7Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                         tie_word_embeddings=False, image_token_id=IMAGE_TOKEN)
+
+
+VISION_SCALE = 0.25  # the vision weights' build() scale x this: features of the text's size
+LM_HEAD_SCALE = 0.5  # logits within about +-3
+
+
+def build_vl_images(config=None, seed=0):
+    """build_vl of tiny_vl_images_config, its vision weights (norms aside) scaled by
+    VISION_SCALE so that image features (about 0.5) are the size of the token embeddings, and
+    lm_head by LM_HEAD_SCALE: fp32 rounding differences (of CP's attention above all, which sums
+    in its own order) stay well inside the absolute 1e-5 the parity tests allow."""
+    model = build_vl(config or tiny_vl_images_config(), seed=seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.startswith(("model.vision_model.", "model.multi_modal_projector.")) \
+                    and "norm" not in name:
+                param.mul_(VISION_SCALE)
+        model.lm_head.weight.mul_(LM_HEAD_SCALE)
+    return model
+
+
+def tokens_per_view(side, patch=14):
+    """Features of a side x side view: its patch grid halved twice (two stride-2 convolutions)."""
+    grid = side // patch
+    for _ in range(2):
+        grid = (grid + 1) // 2
+    return grid * grid
+
+
+def image_placeholders(crops):
+    """The tokens Step3p7Processor.replace_image_token writes for an image with ``crops`` local
+    crops: per crop <patch_start> <im_patch> x t_local <patch_end>, then <im_start> <im_patch> x
+    t_global <im_end> (no crop grid of several rows here, so no <patch_newline>)."""
+    out = []
+    for _ in range(crops):
+        out += [PATCH_START] + [IMAGE_TOKEN] * tokens_per_view(CROP_SIDE) + [PATCH_END]
+    return out + [IM_START] + [IMAGE_TOKEN] * tokens_per_view(GLOBAL_SIDE) + [IM_END]
+
+
+def vl_inputs(seed=3):
+    """A batch of 3 rows of VL_SEQ tokens: row 0 holds image 0 (2 crops + global view) and image 1
+    (global view only), row 1 no image, row 2 image 2 (1 crop + global view); text tokens drawn
+    below the special ones. {"input_ids" [3, s], "pixel_values" [3, 3, 112, 112],
+    "pixel_values_local" [3, 3, 56, 56], "num_local_patches" [3]}: transformers' names."""
+    gen = torch.Generator().manual_seed(seed)
+    text = lambda n: torch.randint(0, IMAGE_TOKEN, (n,), generator=gen).tolist()
+    rows = [text(2) + image_placeholders(2) + text(1) + image_placeholders(0),
+            text(VL_SEQ),
+            text(5) + image_placeholders(1)]
+    rows = [r + text(VL_SEQ - len(r)) for r in rows]
+    assert all(len(r) == VL_SEQ for r in rows), [len(r) for r in rows]
+    return {"input_ids": torch.tensor(rows),
+            "pixel_values": torch.randn(3, 3, GLOBAL_SIDE, GLOBAL_SIDE, generator=gen),
+            "pixel_values_local": torch.randn(sum(LOCAL_PATCHES), 3, CROP_SIDE, CROP_SIDE,
+                                              generator=gen),
+            "num_local_patches": torch.tensor(LOCAL_PATCHES)}

@@ -1,6 +1,7 @@
 """The launcher's config: precedence, validation messages, resolution, shipped configs."""
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -410,3 +411,38 @@ def test_architecture_left_out_follows_the_loaded_checkpoint_else_megatron(
         assert own.model.architecture == expected, name
     assert loaded("hybrid", "model.architecture=gpt") == "gpt"
     assert loaded("gpt", "model.architecture=hybrid") == "hybrid" or recommended == "gpt"
+
+
+def test_vision_section_nests_and_is_checked_by_key(tmp_path):
+    """model.vision: a mapping of VisionConfig's keys in the YAML, section.key.subkey=value on
+    the command line; unknown keys, wrong types, VisionConfig's own checks and a tower TP cannot
+    split are errors naming the key; config.yaml holds it and reads back."""
+    from mcore_ext.vision import VisionConfig
+
+    path = write(tmp_path, MOCK + "model:\n  vision:\n    hidden_size: 32\n"
+                           "    num_attention_heads: 2\n")
+    cfg = load_config(path, ["model.vision.freeze=false", "model.vision.ffn_hidden_size=64"],
+                      world_size=1)
+    assert cfg.model.vision == VisionConfig(hidden_size=32, num_attention_heads=2,
+                                            ffn_hidden_size=64, freeze=False)
+    assert load_config(write(tmp_path, cfg.to_yaml()), world_size=1).to_dict() == cfg.to_dict()
+    assert load_config(write(tmp_path, MOCK), ["model.vision.freeze=true"],
+                       world_size=1).model.vision == VisionConfig()
+    assert load_config(write(tmp_path, MOCK), world_size=1).model.vision is None
+    for override, said in (
+            ("model.vision.freez=false", "unknown config key model.vision.'freez'; did you mean "
+                                         "'model.vision.freeze'"),
+            ("model.vision.num_layers=two", "model.vision.num_layers='two' has type str"),
+            ("model.vision=3", "model.vision=3 has type int, expected a mapping of keys"),
+            ("model.vision.num_attention_heads=5", "model.vision: VisionConfig.hidden_size=1536 "
+                                                   "is not divisible by num_attention_heads=5"),
+            ("model.vision.image_size=100", "not a multiple of patch_size=14")):
+        with pytest.raises(ConfigError, match=re.escape(said)):
+            load_config(write(tmp_path, MOCK), [override], world_size=1)
+    with pytest.raises(ConfigError, match=re.escape(
+            "model.vision.num_attention_heads=6 is not divisible by "
+            "parallelism.tensor_model_parallel_size=4")):
+        load_config(write(tmp_path, MOCK), [
+            "model.vision.num_attention_heads=6", "model.vision.hidden_size=48",
+            "parallelism.tensor_model_parallel_size=4", "model.num_attention_heads=4"],
+            world_size=4)

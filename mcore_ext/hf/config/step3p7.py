@@ -144,3 +144,89 @@ def rope_from_parameters(c: dict, kinds: list) -> Optional[tuple[dict, dict]]:
         theta[kind] = float(p.get("rope_theta", 10000.0))
         partial[kind] = float(p.get("partial_rotary_factor", 1.0))
     return theta, partial
+
+
+# ------------------------------------------------------------------------------ vision side
+
+# Every key a Step-3.7 vision_config may hold: what ``vision_config`` reads (the release's and
+# transformers' spellings) and keys without effect on the function or the weights. Any other is
+# refused by name, as for text_config.
+VISION_KEYS = frozenset({
+    "model_type", "hidden_size", "width", "num_hidden_layers", "layers", "num_attention_heads",
+    "heads", "intermediate_size", "mlp_ratio", "num_channels", "image_size", "patch_size",
+    "hidden_act", "layer_norm_eps", "rope_parameters", "rope_theta", "layer_scale_init_value",
+    "ls_init_value", "attention_dropout", "max_position_embeddings",
+    # no effect on the function or the weights
+    "initializer_range", "dtype", "torch_dtype", "transformers_version", "_name_or_path",
+    "architectures", "return_dict", "output_hidden_states", "output_attentions",
+    "chunk_size_feed_forward", "id2label", "label2id", "is_encoder_decoder", "problem_type",
+    "tokenizer_class", "prefix", "bos_token_id", "pad_token_id", "eos_token_id", "sep_token_id",
+    "decoder_start_token_id", "task_specific_params", "finetuning_task", "tie_encoder_decoder",
+    "is_decoder", "add_cross_attention", "cross_attention_hidden_size", "pruned_heads",
+    "torchscript", "tie_word_embeddings",
+})
+_VISION_ALIASES = (("hidden_size", "width"), ("num_hidden_layers", "layers"),
+                   ("num_attention_heads", "heads"), ("layer_scale_init_value", "ls_init_value"))
+_VISION_DEFAULTS = {"hidden_size": 1536, "num_hidden_layers": 47, "num_attention_heads": 16,
+                    "num_channels": 3, "image_size": 728, "patch_size": 14,
+                    "layer_norm_eps": 1e-5, "layer_scale_init_value": 0.1,
+                    "mlp_ratio": 8960 / 1536}
+
+
+def vision_config(raw: dict, freeze: bool = True):
+    """The ``mcore_ext.vision.VisionConfig`` of a Step-3.7 config.json (``Step3p7Config``: its
+    ``vision_config`` dict and ``projector_bias`` / ``image_token_id``), transformers'
+    defaults for keys left out. The MLP width is transformers' ``int(hidden_size x
+    mlp_ratio)`` (an ``intermediate_size`` that disagrees is refused). Unknown keys, a hidden
+    act other than quick_gelu and a RoPE other than axial are refused by name."""
+    from mcore_ext.vision.config import VisionConfig
+
+    if raw.get("model_type") != WRAPPER_MODEL_TYPE:
+        raise HFConfigError(f"model_type={raw.get('model_type')!r}: only a {WRAPPER_MODEL_TYPE!r} "
+                            "config has a vision tower")
+    c = raw.get("vision_config")
+    c = {} if c is None else c
+    if not isinstance(c, dict):
+        raise HFConfigError(f"vision_config={c!r}: expected a dict")
+    unknown = sorted(k for k in c if k not in VISION_KEYS)
+    if unknown:
+        raise HFConfigError(f"vision_config.{unknown[0]}={c[unknown[0]]!r}: not a setting of the "
+                            "Step-3.7 vision tower this conversion reads; refused rather than "
+                            "dropped")
+    for names in _VISION_ALIASES:
+        given = {n: c[n] for n in names if c.get(n) is not None}
+        if len(set(map(str, given.values()))) > 1:
+            raise HFConfigError("vision_config: " + ", ".join(f"{k}={v!r}" for k, v in given.items())
+                                + " disagree (one setting, two spellings)")
+
+    def get(name):
+        for alias in next((a for a in _VISION_ALIASES if a[0] == name), (name,)):
+            if c.get(alias) is not None:
+                return c[alias]
+        return _VISION_DEFAULTS[name]
+
+    if c.get("hidden_act", "quick_gelu") != "quick_gelu":
+        raise HFConfigError(f"vision_config.hidden_act={c['hidden_act']!r}: the Step-3.7 tower "
+                            "converted uses quick_gelu")
+    rope = c.get("rope_parameters") or {}
+    if rope.get("rope_type", "axial") != "axial":
+        raise HFConfigError(f"vision_config.rope_parameters.rope_type={rope['rope_type']!r}: the "
+                            "Step-3.7 tower uses axial 2-D RoPE")
+    hidden = int(get("hidden_size"))
+    ffn = int(hidden * float(get("mlp_ratio")))
+    if c.get("intermediate_size") is not None and int(c["intermediate_size"]) != ffn:
+        raise HFConfigError(f"vision_config.intermediate_size={c['intermediate_size']!r} but "
+                            f"int(hidden_size x mlp_ratio) = {ffn}: transformers builds the "
+                            "latter")
+    try:
+        return VisionConfig(
+            hidden_size=hidden, num_layers=int(get("num_hidden_layers")),
+            num_attention_heads=int(get("num_attention_heads")), ffn_hidden_size=ffn,
+            num_channels=int(get("num_channels")), image_size=int(get("image_size")),
+            patch_size=int(get("patch_size")), layernorm_epsilon=float(get("layer_norm_eps")),
+            rotary_base=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
+            layer_scale_init=float(get("layer_scale_init_value")),
+            projector_bias=bool(raw.get("projector_bias", False)),
+            image_token_id=int(raw.get("image_token_id", 151679)), freeze=freeze)
+    except ValueError as err:
+        raise HFConfigError(f"vision_config: {err}") from None

@@ -195,6 +195,8 @@ def validate(cfg: PretrainConfig, world_size: int) -> None:
     _validate_lora(cfg)
     if o.type == "muon":
         _validate_muon(cfg)
+    if m.vision is not None:
+        _validate_vision(m.vision, p.tensor_model_parallel_size)
 
     # Last, let megatron's own config reject what it does not support (gate x TP, GQA, ...).
     from mcore_ext.run_config.megatron_configs import transformer_config
@@ -256,6 +258,16 @@ def _validate_lora(cfg: PretrainConfig) -> None:
     if m.attention_backend == "te":
         raise ConfigError("lora.rank > 0 with model.attention_backend=te: Transformer Engine "
                           "fuses the norm into linear_qkv / linear_fc1; use sdpa or local")
+
+
+def _validate_vision(vision, tp: int) -> None:
+    """The tower's layers split over TP as the text model's: heads and MLP width."""
+    for key, value in (("num_attention_heads", vision.num_attention_heads),
+                       ("ffn_hidden_size", vision.ffn_hidden_size)):
+        if value % tp:
+            raise ConfigError(f"model.vision.{key}={value} is not divisible by "
+                              f"parallelism.tensor_model_parallel_size={tp} (the vision tower's "
+                              "layers are split over TP)")
 
 
 def _validate_muon(cfg: PretrainConfig) -> None:
