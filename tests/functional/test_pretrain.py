@@ -205,10 +205,23 @@ def test_gate_statistics_are_the_gates_of_every_layer_and_rank(tmp_path, run_dis
         launch, *TINY_MOCK, "parallelism.tensor_model_parallel_size=2", "training.train_iters=2",
         "model.head_wise_attn_gate_init_weight_scale=0", f"model.head_wise_attn_gate_init_bias={bias}",
         "logging.gate_statistics=true", f"logging.metrics_file={metrics}", "checkpoint.save=null",
-        "checkpoint.load=null", world_size=2, timeout=300)[0]
+        "checkpoint.load=null", "logging.attention_probe=2", world_size=2, timeout=300)[0]
     assert result["code"] == 0, result
-    first = json.loads(metrics.read_text().splitlines()[0])
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    first = next(r for r in records if r["kind"] == "train")
     gate = 1 / (1 + math.exp(-bias))
+    # The attention probe (logging.attention_probe) sees the same gates on its probe batch at
+    # the start (iteration 0) and every 2 steps: one record each, a field on the log line.
+    probes = [r for r in records if r["kind"] == "probe"]
+    assert [r["iteration"] for r in probes] == [0, 2], probes
+    assert list(probes[0]["layers"]) == ["1", "2"]
+    for layer in probes[0]["layers"].values():
+        assert layer["gate_mean_per_head"] == pytest.approx([gate] * 4, abs=1e-6), layer
+    assert probes[0]["gate_mean"] == pytest.approx(gate, abs=1e-6)
+    assert f"[probe] iteration 0 | sink share {probes[0]['first_token_share']:.3f} rate " \
+           in result["stdout"]
+    assert f" | sink share {probes[1]['first_token_share']:.3f} rate " in next(
+        line for line in result["stdout"].splitlines() if line.startswith("[") and " 2/2 " in line)
     assert first["gate_mean"] == pytest.approx(gate, abs=1e-6)
     assert first["gate_closed"] == (1.0 if gate < 0.1 else 0.0)
     assert list(first["gate_mean_per_layer"]) == ["1", "2"]
