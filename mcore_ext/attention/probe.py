@@ -67,8 +67,8 @@ def attention_layers(model) -> dict:
         parent = name.rpartition(".")[0]
         layer = modules.get(parent)
         key = str(getattr(layer, "gpt_layer_number", module.layer_number))
-        if ".mtp." in f".{name}.":
-            key = f"mtp{name.split('layers.')[-1].split('.')[0]}"
+        if ".mtp." in f".{name}.":  # mtp.layers.<depth>. ... (a hybrid depth's has layers inside)
+            key = f"mtp{name.split('mtp.layers.', 1)[1].split('.')[0]}"
         layers = [layer] if layer is not None else []
         number = getattr(layer, "gpt_layer_number", None)
         if number is not None:  # a hybrid attention layer: its MLP layer is a sibling

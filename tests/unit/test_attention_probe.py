@@ -464,3 +464,26 @@ def test_probe_record_goes_to_tensorboard_per_layer_and_to_the_log_line():
     assert scalars["probe/gate_mean_layer_1"] == (0.25, 6)
     assert not any("per_head" in tag for tag in scalars)
     assert loop._probe_field(record) == "sink share 0.400 rate 0.50 max act 30"
+
+
+def _layer_keys(architecture):
+    import mcore_ext
+
+    mcore_ext.init_parallel()
+    config = builders.gated_config(num_layers=2, num_query_groups=2, ffn_hidden_size=48,
+                                   normalization="RMSNorm", mtp_num_layers=2,
+                                   mtp_step35_heads=False)
+    build = getattr(mcore_ext, f"build_{architecture}_model")
+    from mcore_ext.attention.probe import attention_layers
+
+    layers = attention_layers(build(config, vocab_size=VOCAB, max_sequence_length=SEQ))
+    return {key: len(modules) for key, (_, modules) in layers.items()}
+
+
+@pytest.mark.parametrize("architecture, per_layer", [("gpt", 1), ("hybrid", 2)])
+def test_every_mtp_depth_has_its_own_key(run_distributed, architecture, per_layer):
+    """The probe's (and logging.gate_statistics') layer keys: GPT layer numbers, then mtpN per
+    MTP depth; a hybrid layer's attention and MLP layers both measured as its residual stream.
+    Before, a hybrid model's depths were all mtp0 (the index inside a depth's stack)."""
+    keys = run_distributed(_layer_keys, architecture, world_size=1)[0]
+    assert keys == {"1": per_layer, "2": per_layer, "mtp0": per_layer, "mtp1": per_layer}, keys
