@@ -263,6 +263,7 @@ def _bf16_runs(tmp, data, layout):
         "--config", TINY, f"data.prefix={data}", "training.precision=bf16",
         "training.train_iters=30", "training.eval_interval=null", "logging.log_interval=1",
         "training.micro_batch_size=4", "training.global_batch_size=8", *BF16_LAYOUTS[layout],
+        "logging.attention_probe=10",
     ]
 
     def run(name, *overrides):
@@ -303,6 +304,17 @@ def test_bf16_resume_is_exact(bf16_runs):
     stdout = bf16_runs["second"].stdout
     assert "resumed from" in stdout and "(iteration 15)" in stdout
     assert "RNG not restored" not in stdout
+    # The attention probe in bf16 (megatron's Float16Module): the resumed run measures its
+    # starting weights, then the same figures as the uninterrupted run, to the last bit.
+    probes = {name: {r["iteration"]: r for r in map(json.loads, (
+        bf16_runs["tmp"] / f"{name}.jsonl").read_text().splitlines()) if r["kind"] == "probe"}
+        for name in ("full", "first", "second")}
+    assert sorted(probes["full"]) == [0, 10, 20, 30] and sorted(probes["first"]) == [0, 10]
+    assert sorted(probes["second"]) == [15, 20, 30], probes["second"].keys()
+    for name, step in (("first", 10), ("second", 20), ("second", 30)):
+        got, want = (dict(r, time_s=None) for r in (probes[name][step], probes["full"][step]))
+        assert got == want, (name, step)
+    assert 0 < probes["full"][30]["first_token_share"] < 1
 
 
 @pytest.mark.slow  # fp16 (megatron's loss scaler; bf16 is what these models train in)
