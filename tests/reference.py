@@ -27,6 +27,17 @@ def attention(q_SBND, k_SBGD, v_SBGD, allowed_BNQK=None, scale=None):
     return out_SBND.reshape(out_SBND.size(0), out_SBND.size(1), -1)
 
 
+def attention_probs(q_BNQD, k_BGKD, allowed_QK, scale=None):
+    """softmax(Q K^T * scale) over the allowed keys, in fp64: [b, n, sq, sk]; a query row with no
+    allowed key is all 0. GQA by repeating K per group."""
+    n, g = q_BNQD.size(1), k_BGKD.size(1)
+    k_BNKD = k_BGKD.double().repeat_interleave(n // g, dim=1)
+    scale = scale if scale is not None else q_BNQD.size(-1) ** -0.5
+    scores_BNQK = torch.einsum("bnqd,bnkd->bnqk", q_BNQD.double(), k_BNKD) * scale
+    scores_BNQK = scores_BNQK.masked_fill(~allowed_QK, float("-inf"))
+    return torch.softmax(scores_BNQK, dim=-1).nan_to_num(0.0)
+
+
 def causal(sq, sk):
     """[sq, sk]: query i sees key j iff j <= i + (sk - sq) (aligned bottom-right)."""
     i = torch.arange(sq).unsqueeze(1)

@@ -491,6 +491,15 @@ class LoggingConfig:
     layer (metrics file and TensorBoard; the log line shows the first two). Needs
     model.head_wise_attn_gate."""
 
+    attention_probe: Optional[int] = None
+    """Every this many steps and at the start (the weights a run starts from), measure attention sinks and massive
+    activations on a fixed probe batch (the validation split's first micro-batch): per layer the
+    mean attention share of the first token (and of each packed document's first token), the
+    sink rate (share of heads above 0.3), the mean gate per head, the largest |activation| of the
+    residual stream and of the attention output (metrics file as kind "probe", TensorBoard; the
+    log line shows one short field); null = never. Gate on or off, every backend and layout
+    (docs/training.md#attention-probe)."""
+
 
 @dataclass
 class PretrainConfig:

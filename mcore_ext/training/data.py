@@ -84,6 +84,8 @@ def build_datasets(cfg, tokenizer):
     """(train, valid) megatron datasets sized for the whole run."""
     d, t = cfg.data, cfg.training
     valid_samples = t.eval_iters * t.global_batch_size if t.eval_interval else 0
+    if cfg.logging.attention_probe:  # its probe batch: the validation split's first micro-batch
+        valid_samples = max(valid_samples, t.micro_batch_size)
     sizes = [t.train_iters * t.global_batch_size, valid_samples, 0]
     if d.source == "chat":
         return _build_chat_datasets(cfg, tokenizer, sizes)
@@ -245,6 +247,13 @@ def batch_iterator(dataset, cfg, start_sample: int = 0):
         collate_fn=_collate_fn(cfg),
     )
     return iter(loader)
+
+
+def first_micro_batch(dataset, cfg) -> dict:
+    """The first micro_batch_size samples of ``dataset`` as one micro-batch, the same on every
+    rank (the attention probe's batch: every data-parallel replica runs it)."""
+    samples = [dataset[i] for i in range(cfg.training.micro_batch_size)]
+    return (_collate_fn(cfg) or torch.utils.data.default_collate)(samples)
 
 
 def _collate_fn(cfg):

@@ -24,6 +24,7 @@ from megatron.core.utils import unwrap_model
 from mcore_ext import _mcore_compat, lora
 from mcore_ext._cpu_compat import cuda_to_cpu
 from mcore_ext.cli import gpt_deprecation_notice
+from mcore_ext.attention.probe import AttentionProbe, attention_layers, layer_order
 from mcore_ext.moe import is_moe_layer
 from mcore_ext.config import GatedTransformerConfig
 from mcore_ext.runtime import destroy_parallel, device, init_parallel
@@ -33,6 +34,7 @@ from mcore_ext.training.data import (
     batch_iterator,
     build_datasets,
     cp_shard,
+    first_micro_batch,
     packed_seq_params,
     prepare_tokenizer_and_data,
 )
@@ -322,6 +324,8 @@ class _Trainer:
         self.tensorboard = self._tensorboard()
         self.gate_statistics = _attach_gate_statistics(self.model) \
             if cfg.logging.gate_statistics else None
+        self.attention_probe = AttentionProbe(self.model) if cfg.logging.attention_probe else None
+        self.probe_batch = None  # the validation split's first micro-batch, read at first use
         params = sum(p.numel() for p in self.model.parameters())
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         adapters = lora_config(cfg)
@@ -352,6 +356,9 @@ class _Trainer:
             self._print(run_complete(self.iteration, t.train_iters))
             return True
         self._print(f"[train] iterations {first} .. {t.train_iters}")
+        probe_interval = self.cfg.logging.attention_probe
+        if self.attention_probe is not None:  # the weights the run starts from
+            self._print(f"[probe] iteration {self.iteration} | {_probe_field(self._probe())}")
         window = _Window()
         self.eta = _Eta(first)
         requested = None  # why every rank stops early (faults.StopRequest), if one asked
@@ -361,9 +368,15 @@ class _Trainer:
             it, last = self.iteration, self.iteration == t.train_iters
             window.add(loss, _mean_mtp_losses(self.cfg.model.mtp_num_layers,
                                               self.cfg.num_microbatches))
+            probed = None
+            if self.attention_probe is not None and _every(probe_interval, it):
+                with window.paused():  # not step time: the record says what it took
+                    probed = self._probe()
             if it == first or last or _every(log_interval, it):
-                self._log(window, grad_norm, ok)
+                self._log(window, grad_norm, ok, probed)
                 window = _Window()
+            elif probed is not None:
+                self._print(f"[probe] iteration {it} | {_probe_field(probed)}")
             requested = self.stop_request.agreed() if self.stop_request else None
             stop = requested is not None or _every(t.exit_interval, it)
             with window.paused():  # evaluation and saving are not step time
@@ -443,6 +456,33 @@ class _Trainer:
         )
         self._record({"kind": "valid", "iteration": self.iteration, "loss": loss})
 
+    def _probe(self) -> dict:
+        """The attention probe (``logging.attention_probe``, mcore_ext.attention.probe) on the
+        validation split's first micro-batch: one forward pass through megatron's schedule with
+        the probe's hooks, in eval mode as evaluation runs; every rank's figures combined into one
+        "probe" record (metrics file, TensorBoard), returned. Collective over every rank."""
+        cfg = self.cfg
+        started = time.perf_counter()
+        if self.probe_batch is None:
+            self.probe_batch = first_micro_batch(self.valid_data, cfg)
+        packed = cfg.data.source == "chat" or cfg.data.document_masking
+        self.model.eval()
+        with torch.no_grad(), self.attention_probe.recording():
+            self.forward_backward(
+                forward_step_func=_forward_step,
+                data_iterator=iter([self.probe_batch]),
+                model=[self.model],
+                num_microbatches=1,
+                forward_only=True,
+                **schedule_shape(cfg.model.seq_length, cfg.training.micro_batch_size, packed),
+            )
+        self.model.train()
+        figures = self.attention_probe.gather()
+        record = {"kind": "probe", "iteration": self.iteration, **figures,
+                  "time_s": time.perf_counter() - started}
+        self._record(record)
+        return record
+
     def _mean_loss(self, losses) -> float:
         """Mean loss over the global batch, on every rank: the mean of the micro-batch means, or
         with per-token losses ([sum, tokens] per micro-batch) the global sum over the tokens.
@@ -478,7 +518,7 @@ class _Trainer:
 
     # --------------------------------------------------------------------------- logging
 
-    def _log(self, window, grad_norm, ok):
+    def _log(self, window, grad_norm, ok, probed=None):
         cfg, t = self.cfg, self.cfg.training
         elapsed = window.elapsed()
         steps = window.steps
@@ -527,6 +567,7 @@ class _Trainer:
                       if name in record)
             + ("" if "gate_mean" not in record else
                f" | gate mean {record['gate_mean']:.3f} closed {record['gate_closed']:.3f}")
+            + ("" if probed is None else f" | {_probe_field(probed)}")
             + (" | step skipped (fp16 overflow)" if not ok else "")
         )
 
@@ -536,7 +577,8 @@ class _Trainer:
         if self.tensorboard:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and key != "iteration":
-                    self.tensorboard.add_scalar(f"{record['kind']}/{key}", value, self.iteration)
+                    self.tensorboard.add_scalar(f"{record['kind']}/{key}", value,
+                                                record["iteration"])
                 elif key == "gate_mean_per_layer":
                     for layer, mean in value.items():
                         self.tensorboard.add_scalar(f"{record['kind']}/gate_mean_layer_{layer}",
@@ -545,6 +587,13 @@ class _Trainer:
                     for depth, loss in enumerate(value, start=1):
                         self.tensorboard.add_scalar(f"{record['kind']}/mtp_{depth}_loss", loss,
                                                     self.iteration)
+                elif key == "layers":  # the probe's figures per layer (per-head lists left out)
+                    for layer, figures in value.items():
+                        for name, figure in figures.items():
+                            if isinstance(figure, (int, float)):
+                                self.tensorboard.add_scalar(
+                                    f"{record['kind']}/{name}_layer_{layer}", figure,
+                                    record["iteration"])
 
     def _tensorboard(self):
         if not (self.rank0 and self.cfg.logging.tensorboard_dir):
@@ -635,19 +684,23 @@ class _Eta:
 def _attach_gate_statistics(model) -> dict:
     """A GateStatistics on every gated attention of this rank's model, by its layer: the GPT
     layer number (a hybrid model's attention layer counted as the GPT layer it stands for),
-    ``mtpN`` for the N-th MTP depth's."""
-    from mcore_ext.attention.gated import GateStatistics, HeadWiseGatedSelfAttention
+    ``mtpN`` for the N-th MTP depth's (``attention_layers``, the probe's keys too)."""
+    from mcore_ext.attention.gated import GateStatistics
 
-    modules = dict(unwrap_model(model).named_modules())
     stats = {}
-    for name, module in modules.items():
-        if isinstance(module, HeadWiseGatedSelfAttention) and module.head_wise_attn_gate:
-            layer = modules.get(name.rpartition(".")[0])
-            key = str(getattr(layer, "gpt_layer_number", module.layer_number))
-            if ".mtp." in f".{name}.":
-                key = f"mtp{name.split('layers.')[-1].split('.')[0]}"
+    for key, (module, _) in attention_layers(model).items():
+        if getattr(module, "head_wise_attn_gate", False):
             module.gate_statistics = stats[key] = GateStatistics()
     return stats
+
+
+def _probe_field(record: dict) -> str:
+    """The attention probe's short field of the log line: the first token's mean attention
+    share, the sink rate and the residual stream's largest |activation| over the decoder."""
+    if "first_token_share" not in record:
+        return "probe: no attention layer measured"
+    return (f"sink share {record['first_token_share']:.3f} rate {record['sink_rate']:.2f} "
+            f"max act {record['max_activation']:.3g}")
 
 
 def _gate_statistics(stats: dict) -> dict:
@@ -669,8 +722,7 @@ def _gate_statistics(stats: dict) -> dict:
         "gate_mean": sum(t for t, _, _ in layers.values()) / count,
         "gate_closed": sum(c for _, c, _ in layers.values()) / count,
         "gate_mean_per_layer": {key: t / n for key, (t, _, n) in sorted(
-            layers.items(), key=lambda kv: (kv[0].startswith("mtp"), int(kv[0].lstrip("mtp"))))
-            if n},
+            layers.items(), key=lambda kv: layer_order(kv[0])) if n},
     }
 
 

@@ -205,10 +205,23 @@ def test_gate_statistics_are_the_gates_of_every_layer_and_rank(tmp_path, run_dis
         launch, *TINY_MOCK, "parallelism.tensor_model_parallel_size=2", "training.train_iters=2",
         "model.head_wise_attn_gate_init_weight_scale=0", f"model.head_wise_attn_gate_init_bias={bias}",
         "logging.gate_statistics=true", f"logging.metrics_file={metrics}", "checkpoint.save=null",
-        "checkpoint.load=null", world_size=2, timeout=300)[0]
+        "checkpoint.load=null", "logging.attention_probe=2", world_size=2, timeout=300)[0]
     assert result["code"] == 0, result
-    first = json.loads(metrics.read_text().splitlines()[0])
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    first = next(r for r in records if r["kind"] == "train")
     gate = 1 / (1 + math.exp(-bias))
+    # The attention probe (logging.attention_probe) sees the same gates on its probe batch at
+    # the start (iteration 0) and every 2 steps: one record each, a field on the log line.
+    probes = [r for r in records if r["kind"] == "probe"]
+    assert [r["iteration"] for r in probes] == [0, 2], probes
+    assert list(probes[0]["layers"]) == ["1", "2"]
+    for layer in probes[0]["layers"].values():
+        assert layer["gate_mean_per_head"] == pytest.approx([gate] * 4, abs=1e-6), layer
+    assert probes[0]["gate_mean"] == pytest.approx(gate, abs=1e-6)
+    assert f"[probe] iteration 0 | sink share {probes[0]['first_token_share']:.3f} rate " \
+           in result["stdout"]
+    assert f" | sink share {probes[1]['first_token_share']:.3f} rate " in next(
+        line for line in result["stdout"].splitlines() if line.startswith("[") and " 2/2 " in line)
     assert first["gate_mean"] == pytest.approx(gate, abs=1e-6)
     assert first["gate_closed"] == (1.0 if gate < 0.1 else 0.0)
     assert list(first["gate_mean_per_layer"]) == ["1", "2"]
@@ -250,6 +263,7 @@ def _bf16_runs(tmp, data, layout):
         "--config", TINY, f"data.prefix={data}", "training.precision=bf16",
         "training.train_iters=30", "training.eval_interval=null", "logging.log_interval=1",
         "training.micro_batch_size=4", "training.global_batch_size=8", *BF16_LAYOUTS[layout],
+        "logging.attention_probe=10",
     ]
 
     def run(name, *overrides):
@@ -290,6 +304,17 @@ def test_bf16_resume_is_exact(bf16_runs):
     stdout = bf16_runs["second"].stdout
     assert "resumed from" in stdout and "(iteration 15)" in stdout
     assert "RNG not restored" not in stdout
+    # The attention probe in bf16 (megatron's Float16Module): the resumed run measures its
+    # starting weights, then the same figures as the uninterrupted run, to the last bit.
+    probes = {name: {r["iteration"]: r for r in map(json.loads, (
+        bf16_runs["tmp"] / f"{name}.jsonl").read_text().splitlines()) if r["kind"] == "probe"}
+        for name in ("full", "first", "second")}
+    assert sorted(probes["full"]) == [0, 10, 20, 30] and sorted(probes["first"]) == [0, 10]
+    assert sorted(probes["second"]) == [15, 20, 30], probes["second"].keys()
+    for name, step in (("first", 10), ("second", 20), ("second", 30)):
+        got, want = (dict(r, time_s=None) for r in (probes[name][step], probes["full"][step]))
+        assert got == want, (name, step)
+    assert 0 < probes["full"][30]["first_token_share"] < 1
 
 
 @pytest.mark.slow  # fp16 (megatron's loss scaler; bf16 is what these models train in)

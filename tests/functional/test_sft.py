@@ -48,7 +48,7 @@ def recipe_runs(tmp_path_factory, run_distributed_shared):
 
 def _recipe_args(tmp, name):
     return ["--config", RECIPE, "model.architecture=gpt", f"training.train_iters={STEPS}",
-            "training.eval_interval=8",
+            "training.eval_interval=8", "logging.attention_probe=4",
             "logging.log_interval=1", "checkpoint.save_interval=4",
             f"data.cache_dir={tmp / 'cache'}", f"logging.metrics_file={tmp / name}.jsonl"]
 
@@ -149,6 +149,52 @@ def test_sft_checkpoint_resumes_at_expert_parallel_2_and_at_micro_batch_1(recipe
     for got, want in ((micro1[5][1], tp1[5][1]), (micro1[6][0], tp1[6][0]),
                       (micro1[6][1], tp1[6][1])):
         assert got == pytest.approx(want, abs=1e-3, rel=0), (micro1, tp1)
+
+
+def _probe_records(path) -> dict:
+    return {r["iteration"]: r for r in map(json.loads, Path(path).read_text().splitlines())
+            if r["kind"] == "probe"}
+
+
+def _same_probe_figures(got, want, where, tol=1e-5):
+    """Every figure of two probe records (nested per layer, per head) within ``tol``."""
+    for key, value in want.items():
+        if key in ("iteration", "time_s"):
+            continue
+        if isinstance(value, dict):
+            assert got[key].keys() == value.keys(), (where, key)
+            _same_probe_figures(got[key], value, f"{where}/{key}", tol)
+        elif isinstance(value, (list, float)):
+            assert got[key] == pytest.approx(value, abs=tol, rel=tol), (where, key)
+        else:
+            assert got[key] == value, (where, key)
+
+
+def test_attention_probe_gives_the_same_figures_at_every_layout(recipe_runs):
+    """logging.attention_probe=4 on packed conversations (Step-3.5: full and sliding layers, the
+    gate, MoE, the MTP depth): the step-4 weights, measured by the uninterrupted TP 2 + SP run
+    after its step 4 and by every run resumed from its checkpoint before its first step (TP 2 +
+    SP again; TP 1 x DP 2, where the first replica measures; EP 2), give the same figures: the
+    first token's and each document's first token's share, the sink rate, every head's share,
+    gate and output maximum, the residual and attention maxima, per layer and MTP depth (fp32,
+    1e-5: reductions in another order; the same run resumed: the same floats)."""
+    tmp = recipe_runs["tmp"]
+    full = _probe_records(tmp / "full.jsonl")
+    assert sorted(full) == [0, 4, 8], full
+    at4 = full[4]
+    assert list(at4["layers"]) == ["1", "2", "3", "4", "mtp0"], at4["layers"].keys()
+    assert 0 < at4["doc_first_token_share"] and 0 < at4["first_token_share"] < 1, at4
+    assert all(len(f["gate_mean_per_head"]) == 6 for k, f in at4["layers"].items()
+               if k != "1")  # the sliding layers' 6 heads (the full layer has 4)
+    out = recipe_runs["full"].stdout
+    assert "[probe] iteration 0 | sink share " in out, out
+    assert f"| sink share {at4['first_token_share']:.3f} rate {at4['sink_rate']:.2f}" in out
+    same = _probe_records(tmp / "same.jsonl")
+    assert sorted(same) == [4, 8], same
+    for step in (4, 8):  # the exact resume measures the same floats
+        _same_probe_figures(same[step], full[step], f"same {step}", tol=0)
+    for name in ("tp1", "ep2"):
+        _same_probe_figures(_probe_records(tmp / f"{name}.jsonl")[4], at4, name)
 
 
 def test_bad_chat_line_under_torchrun_is_one_error_before_training(tmp_path):

@@ -50,8 +50,12 @@ def moe_runs(tmp_path_factory, stdlib_prefix):
 
 
 def _train_records(path) -> dict:
+    return _records(path, "train")
+
+
+def _records(path, kind) -> dict:
     lines = Path(path).read_text().splitlines()
-    return {r["iteration"]: r for r in map(json.loads, lines) if r["kind"] == "train"}
+    return {r["iteration"]: r for r in map(json.loads, lines) if r["kind"] == kind}
 
 
 def _losses(record) -> list:
@@ -130,7 +134,8 @@ def _pp_runs(tmp, data, names):
     """The runs ``names`` of ``pp_runs`` on this rank, each as a finished torchrun's fields."""
     common = ["--config", MOE_TINY, f"data.prefix={data}", "training.eval_interval=null",
               "logging.log_interval=1", "optimizer.lr_warmup_iters=1", "training.train_iters=3",
-              "model.moe_layer_freq=[0,0,1,1]", "parallelism.expert_model_parallel_size=1"]
+              "model.moe_layer_freq=[0,0,1,1]", "parallelism.expert_model_parallel_size=1",
+              "logging.attention_probe=3"]
     pp2 = "parallelism.pipeline_model_parallel_size=2"
     step1 = tmp / "start" / "iter_0000001"
     runs = {
@@ -165,6 +170,27 @@ def test_moe_balancing_loss_logs_with_mtp_and_a_pipeline_stage_without_moe(pp_ru
         assert got["load_balancing_loss"] == pytest.approx(expected["load_balancing_loss"],
                                                            rel=1e-5), (step, expected, got)
         assert _losses(got) == pytest.approx(_losses(expected), rel=1e-5), (step, expected, got)
+
+
+def test_attention_probe_at_pp2_gives_pp1_figures(pp_runs):
+    """logging.attention_probe on the step-1 weights, measured at the start of the PP 2 and PP 1
+    runs that load them (and of the PP 1 run that resumes them): each stage measures its layers
+    (the MTP depth on the last), the figures are PP 1's within 1e-5 (fp32)."""
+    tmp = pp_runs["tmp"]
+    pp2, pp1, resumed = (_records(f"{tmp / name}.jsonl", "probe")
+                         for name in ("pp2", "pp1", "pp1_resume"))
+    assert sorted(pp2) == sorted(pp1) == [0, 3] and sorted(resumed) == [1, 3], (pp2, pp1)
+    want = pp1[0]
+    assert list(want["layers"]) == ["1", "2", "3", "4", "mtp0"], want["layers"].keys()
+    for got, where in ((pp2[0], "pp2"), (resumed[1], "pp1 resumed")):
+        assert got["layers"].keys() == want["layers"].keys(), where
+        for key in ("first_token_share", "sink_rate", "max_activation", "max_attn_output",
+                    "gate_mean"):
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), (where, key)
+        for layer, figures in want["layers"].items():
+            for key, value in figures.items():
+                assert got["layers"][layer][key] == pytest.approx(value, rel=1e-5, abs=1e-6), (
+                    where, layer, key)
 
 
 def test_moe_checkpoint_of_a_pipeline_stage_without_moe_resumes_at_pp1(pp_runs):

@@ -73,6 +73,11 @@ DECISIONS = {
     "python benchmarks/bench_convergence.py --preset cpu --seeds 3 --json out.json --png out.png":
         Covered("tests/functional/test_convergence_bench.py::"
                 "test_convergence_benchmark_runs_variants_from_identical_weights"),
+    "python benchmarks/bench_sinks.py --preset cpu --seeds 2 --json out.json --png out.png":
+        Covered("tests/functional/test_sinks_bench.py::"
+                "test_sinks_benchmark_measures_both_variants_from_identical_weights"),
+    "torchrun --nproc_per_node=2 launch/pretrain.py --config configs/tiny_cpu.yaml "
+    "logging.attention_probe=100": Check(),
     # README: the two commands and the venv
     "bash scripts/pretrain.sh": Run(
         tiny="RUN_DIR={tmp}/run bash scripts/pretrain.sh training.train_iters=2 "

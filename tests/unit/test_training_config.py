@@ -446,3 +446,16 @@ def test_vision_section_nests_and_is_checked_by_key(tmp_path):
             "model.vision.num_attention_heads=6", "model.vision.hidden_size=48",
             "parallelism.tensor_model_parallel_size=4", "model.num_attention_heads=4"],
             world_size=4)
+
+
+def test_attention_probe_needs_an_interval_and_a_validation_split(tmp_path):
+    with pytest.raises(ConfigError, match=r"logging.attention_probe=0 must be at least 1 \(or null\)"):
+        load_config(write(tmp_path, MOCK), ["logging.attention_probe=0"], world_size=1)
+    text = f"data:\n  source: stdlib\n  prefix: {tmp_path / 'stdlib'}\n  split: 100,0,0\n"
+    with pytest.raises(ConfigError, match=r"logging.attention_probe=100 measures the validation "
+                                          r"split's first micro-batch, but data.split='100,0,0'"):
+        load_config(write(tmp_path, text), ["training.eval_interval=null",
+                                            "logging.attention_probe=100"], world_size=1)
+    cfg = load_config(write(tmp_path, text.replace("100,0,0", "98,2,0")),
+                      ["training.eval_interval=null", "logging.attention_probe=100"], world_size=1)
+    assert cfg.logging.attention_probe == 100

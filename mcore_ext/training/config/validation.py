@@ -42,7 +42,8 @@ def validate(cfg: PretrainConfig, world_size: int) -> None:
     if cfg.logging.gate_statistics and not m.head_wise_attn_gate:
         raise ConfigError("logging.gate_statistics=true records the head-wise gate's values: it "
                           "needs model.head_wise_attn_gate=true (it is false)")
-    for key in ("training.exit_interval", "training.eval_interval", "checkpoint.save_interval"):
+    for key in ("training.exit_interval", "training.eval_interval", "checkpoint.save_interval",
+                "logging.attention_probe"):
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
         if value is not None and value < 1:
@@ -135,6 +136,11 @@ def validate(cfg: PretrainConfig, world_size: int) -> None:
         )
 
     _validate_data(d, t)
+    if cfg.logging.attention_probe and d.source != "mock" and _validation_weight(d.split) == 0:
+        raise ConfigError(
+            f"logging.attention_probe={cfg.logging.attention_probe} measures the validation "
+            f"split's first micro-batch, but data.split={d.split!r} has no validation part; give "
+            "it one (e.g. 98,2,0) or set logging.attention_probe=null")
     if d.source == "chat":
         _validate_chat(cfg)
     if d.document_masking:
@@ -376,6 +382,16 @@ def _validate_data(d: DataConfig, t: TrainingConfig) -> None:
         )
 
 
+def _validation_weight(split: str) -> float:
+    """data.split's validation weight (0 when it has none; a malformed split is refused by
+    ``_validate_data``)."""
+    weights = split.split(",")
+    try:
+        return float(weights[1]) if len(weights) > 1 else 0.0
+    except ValueError:
+        return 0.0
+
+
 def chat_cache_dir(d: DataConfig) -> str:
     """Where chat data's tokenized conversations are cached: data.cache_dir, else
     runs/data/cache (never beside the user's file)."""
@@ -435,7 +451,8 @@ def _validate_chat(cfg: PretrainConfig) -> None:
 
 
 def _refuse_empty_splits(cfg: PretrainConfig, count: int) -> None:
-    """A split the run reads (training; validation when evaluation is on) that megatron's
+    """A split the run reads (training; validation when evaluation or the attention probe is
+    on) that megatron's
     builder would leave without a conversation: it gives split i the conversations
     [round(begin_i x count), round(end_i x count)) of the file."""
     from megatron.core.datasets.blended_megatron_dataset_config import (
@@ -444,7 +461,7 @@ def _refuse_empty_splits(cfg: PretrainConfig, count: int) -> None:
     d, t = cfg.data, cfg.training
     matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(d.split))
     read = [("training", matrix[0])]
-    if t.eval_interval and t.eval_iters > 0:
+    if (t.eval_interval and t.eval_iters > 0) or cfg.logging.attention_probe:
         read.append(("validation", matrix[1]))
     for name, bookends in read:
         begin, end = ((int(round(x * count)) for x in bookends) if bookends else (0, 0))
