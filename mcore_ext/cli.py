@@ -22,6 +22,11 @@ SAVED_NOT_FINISHED = 16
 # of a job step, and torchrun's agent passes its copy on): mcore_ext.training.faults,
 # mcore_ext.torchrun.
 SIGNAL_REPEAT_WINDOW_S = 5.0
+# The signals that stop a run to be resumed (checkpoint.exit_on_signal): what a scheduler sends
+# before a time limit or a preemption (Slurm's --signal: TERM by default, USR1 / USR2 are common
+# choices) and an operator's Ctrl-C. python -m mcore_ext.torchrun passes each on to its workers
+# (mcore_ext.training.faults, mcore_ext.torchrun, launch/slurm/job.sh).
+STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
 
 # The first rank to exit makes torchrun's agent stop the others: had another rank left first, the
 # agent could stop the first rank before it printed the message (seen under load: no line at
