@@ -60,6 +60,13 @@ def _main(argv, signals) -> int:
     from mcore_ext.hf.adapter import AdapterError
     from mcore_ext.training.faults import die_with_torchrun, fault_point
 
+    def usage_error(message) -> int:
+        # The ranks but the first wait there for the agent to stop them (SIGTERM, once the first
+        # has said it and exited): a stop signal ends this rank again, one recorded already now.
+        if not is_first_rank():
+            signals.release()
+        return report_error(message)
+
     die_with_torchrun()  # a SIGKILL of torchrun ends its ranks too
     quiet_known_noise()
     fault_point("config")
@@ -74,7 +81,7 @@ def _main(argv, signals) -> int:
 
         start = checkpointing.start_point(cfg)
     except (ConfigError, CheckpointNotFoundError) as err:
-        return report_error(str(err))  # every rank finds the same error: the first says it
+        return usage_error(str(err))  # every rank finds the same error: the first says it
     if args.check:
         print(cfg.to_yaml(), end="")
         return 0
@@ -97,7 +104,7 @@ def _main(argv, signals) -> int:
     except (CheckpointNotFoundError, CheckpointLoadError, CheckpointFormatError,
             GateLayoutMismatch, AdapterError) as err:
         # Found on every rank alike, before training: said once, nothing was written.
-        return report_error(one_line(err))
+        return usage_error(one_line(err))
     from mcore_ext.training.faults import SAVED_NOT_FINISHED
 
     return 0 if finished else SAVED_NOT_FINISHED  # same on every rank: StopRequest agreed

@@ -11,6 +11,10 @@ and the optimizer step, in an evaluation, and in a checkpoint save after the ran
 Which rank dies at which point, and at which iteration, is drawn from ``MCORE_EXT_FAULT_SEED``
 (default 12), so that both ranks die across the tests and a failure reproduces with the seed.
 
+Stop signals (``checkpoint.exit_on_signal``) come from the test or from a rank at a named point
+(``MCORE_EXT_SIGNAL_AT``), to ``python -m mcore_ext.torchrun`` (which passes them on) or to one
+rank, at every moment from the agent's start to after the last step.
+
 All runs span ``train_iters=400`` (so the data order and schedule are the same whatever the
 interruption) and stop at 16 by ``exit_interval``, checkpointing and evaluating every 4 steps;
 every resumed run must reproduce the uninterrupted run's losses exactly.
