@@ -16,10 +16,11 @@ mistake, a run that saved to be resumed, and signals.
   signal at least ``cli.SIGNAL_REPEAT_WINDOW_S`` after the first gets torchrun's handling (an
   operator who insists); within it, it is the same request (Slurm signals every process of a
   step at once).
-- The launcher's workers (``launch/pretrain.py``, whose ``main`` records the stop signals from
-  its first line) start with the stop signals blocked: one that comes while they import (several
-  seconds: torch, megatron) waits, pending, for their handler instead of ending them. Other
-  programs start as under torchrun (a program that never unblocked them would never see one).
+- The workers of the launcher (``launch/pretrain.py``) and of the Megatron-LM entry (``-m
+  mcore_ext.megatron_lm.pretrain_gpt``), whose ``main`` records the stop signals from its first
+  line, start with the stop signals blocked: one that comes while they import (several seconds:
+  torch, megatron) waits, pending, for their handler instead of ending them. Other programs
+  start as under torchrun (a program that never unblocked them would never see one).
   The agent's own imports: ``python launch/torchrun.py`` holds the signals from its first line
   (``python -m`` imports the whole package before this module runs).
 
@@ -40,6 +41,7 @@ _FORWARDED = STOP_SIGNALS
 # over (mcore_ext.training.faults.ExitSignalHandler unblocks them).
 _LAUNCHER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch",
                          "pretrain.py")
+_HOLDING_MODULES = ("mcore_ext.megatron_lm.pretrain_gpt",)  # its main: cli.ExitSignalHandler
 
 
 class _NotUsageErrors(logging.Filter):
@@ -108,8 +110,10 @@ def _send(signum, pids) -> None:
 
 def _holds_signals(args) -> bool:
     """Whether the workers of this torchrun command take the stop signals over as they start."""
-    if args.no_python or args.module:
+    if args.no_python:
         return False
+    if args.module:
+        return args.training_script in _HOLDING_MODULES
     return os.path.realpath(args.training_script) == os.path.realpath(_LAUNCHER)
 
 

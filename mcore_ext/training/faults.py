@@ -42,7 +42,6 @@ import os
 import queue
 import signal
 import sys
-import threading
 import time
 
 import torch
@@ -52,6 +51,8 @@ from mcore_ext.checkpoint.errors import CheckpointSaveError
 # The launcher's exit code after such a stop; ``python -m mcore_ext.torchrun`` passes it through
 # (torchrun: 1) and launch/slurm/ requeues the job on it.
 from mcore_ext.cli import SAVED_NOT_FINISHED, SIGNAL_REPEAT_WINDOW_S, STOP_SIGNALS  # noqa: F401
+# Shared with the Megatron-LM entry (mcore_ext.megatron_lm), which holds the signals the same way.
+from mcore_ext.cli import ExitSignalHandler  # noqa: F401
 from mcore_ext.runtime import raise_unless_all_ok  # noqa: F401  (data.py, tests import it here)
 
 _PR_SET_PDEATHSIG = 1
@@ -115,68 +116,6 @@ def install_checkpoint_writer_queue(async_save: bool) -> None:
 
 
 # ---------------------------------------------------------------------------------- preemption
-
-
-class ExitSignalHandler:
-    """Record the stop signals (``cli.STOP_SIGNALS``) instead of dying; ``StopRequest`` tells
-    all ranks at a step boundary.
-
-    Entering unblocks them: ``python -m mcore_ext.torchrun`` starts the launcher with them
-    blocked, so one that arrives while it imports is pending, not fatal, and is recorded here.
-    ``release()`` hands them back to the previous handlers (a run without exit_on_signal), a
-    recorded one included. On exit the previous handlers return, or with ``ignore_on_exit``
-    (a process's own entry point, whose exit code is decided) later ones are ignored.
-
-    A second signal, at least ``REPEAT_WINDOW_S`` after the first, restores the previous handlers
-    and re-sends itself: an operator who insists (a second Ctrl-C) still ends the process at
-    once. Signals within the window are one request: SLURM signals every process and torchrun
-    forwards the SIGTERM it got, so a rank receives two SIGTERMs milliseconds apart.
-    Handlers are installed from the main thread only (Python runs them there).
-    """
-
-    SIGNALS = tuple(getattr(signal, name) for name in STOP_SIGNALS)
-    REPEAT_WINDOW_S = SIGNAL_REPEAT_WINDOW_S
-
-    def __init__(self, ignore_on_exit: bool = False):
-        self.received: int = 0
-        self._received_at = 0.0
-        self._previous = {}
-        self.ignore_on_exit = ignore_on_exit
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
-            # Held for this process by its torchrun agent until now: delivered (recorded) here.
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, self.SIGNALS)
-        return self
-
-    def __exit__(self, *exc):
-        if self.ignore_on_exit and self._previous:
-            for sig in self._previous:
-                signal.signal(sig, signal.SIG_IGN)
-            self._previous = {}
-        self._restore()
-
-    def release(self):
-        """The previous handlers again; a signal recorded meanwhile is sent to them now."""
-        received = self.received
-        self._restore()
-        if received:
-            os.kill(os.getpid(), received)
-
-    def _restore(self):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous = {}
-
-    def _handle(self, signum, frame):
-        now = time.monotonic()
-        if not self.received:
-            self.received, self._received_at = signum, now
-        elif now - self._received_at >= self.REPEAT_WINDOW_S:
-            self._restore()
-            os.kill(os.getpid(), signum)
 
 
 class StoppedBeforeTraining(Exception):

@@ -72,6 +72,18 @@ with ExitSignalHandler() as handler:
     os.kill(os.getpid(), signal.SIGUSR2)
     handler.release()
 print("released", caught, flush=True)
+# hand_over (the Megatron-LM entry): megatron's handler, installed over this one for its
+# --exit-signal (SIGTERM), gets a signal recorded before as SIGTERM, and any later stop signal.
+megatron = []
+with ExitSignalHandler() as handler:
+    os.kill(os.getpid(), signal.SIGUSR2)
+    signal.signal(signal.SIGTERM, lambda signum, frame: megatron.append(signum))
+    handler.hand_over(signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGUSR1)
+print("handed over", megatron, flush=True)
+for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+    signal.signal(sig, signal.SIG_DFL)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 with ExitSignalHandler() as handler:
     # SLURM's SIGTERM and torchrun's forwarded copy, milliseconds apart: one request.
     os.kill(os.getpid(), signal.SIGTERM)
@@ -90,8 +102,8 @@ def test_held_signals_are_recorded_and_a_repeated_signal_within_the_window_is_on
         [sys.executable, "-c", _SIGNALS], cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     lines = result.stdout.split("\n")
-    assert lines[:3] == ["held 10", "released [12]", "alive 15"], (result.stdout,
-                                                                    result.stderr[-2000:])
+    assert lines[:4] == ["held 10", "released [12]", "handed over [15, 15]", "alive 15"], (
+        result.stdout, result.stderr[-2000:])
     assert "still alive" not in result.stdout
     assert result.returncode == -2, result.stderr[-2000:]  # SIGINT's default action
 
@@ -342,10 +354,10 @@ def test_exit_duration_saves_and_exits_16_then_the_same_command_resumes(run_dist
     assert sorted(losses(tmp_path / "metrics.jsonl")) == [1, 2, 3]
 
 
-def test_the_agent_script_holds_the_stop_signals_and_holds_them_for_the_launcher():
+def test_the_agent_script_holds_the_stop_signals_and_holds_them_for_the_entry_points():
     """launch/torchrun.py blocks, before its imports, the signals mcore_ext.torchrun forwards;
-    the agent holds them for the launcher's workers only (another program would never see
-    them)."""
+    the agent holds them for the workers of the launcher and the Megatron-LM entry only (another
+    program would never see them)."""
     import importlib.util
     import signal
 
@@ -364,3 +376,5 @@ def test_the_agent_script_holds_the_stop_signals_and_holds_them_for_the_launcher
                                                "x.yaml"]))
     assert not torchrun._holds_signals(parse_args(["--nproc_per_node=2", "train.py"]))
     assert not torchrun._holds_signals(parse_args(["-m", "--nproc_per_node=2", "mcore_ext.hf"]))
+    assert torchrun._holds_signals(parse_args(["-m", "--nproc_per_node=2",
+                                               "mcore_ext.megatron_lm.pretrain_gpt"]))
