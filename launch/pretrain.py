@@ -13,4 +13,4 @@ from mcore_ext.training import main  # noqa: E402
 
 # Guarded: megatron's checkpoint writer starts a spawn-context process that re-imports this file.
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(entry_point=True))

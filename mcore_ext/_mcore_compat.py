@@ -517,6 +517,27 @@ def skip_dataset_helper_compilation() -> None:
     dataset_utils.compile_helpers = lambda: None
 
 
+@contextlib.contextmanager
+def after_megatron_signal_handler(callback):
+    """Within: ``callback(exit_signal)`` right after megatron.training installs its
+    ``--exit-signal-handler`` handler (``global_vars._set_signal_handler``, called by
+    ``set_global_variables`` in ``initialize_megatron``, 0.19), so that a signal recorded before
+    can be handed to it."""
+    from megatron.training import global_vars
+
+    original = global_vars._set_signal_handler
+
+    def _set_signal_handler(exit_signal):
+        original(exit_signal)
+        callback(exit_signal)
+
+    global_vars._set_signal_handler = _set_signal_handler
+    try:
+        yield
+    finally:
+        global_vars._set_signal_handler = original
+
+
 def escape_help_percent_signs(parser) -> None:
     """Escape the ``%`` of a flag's help that argparse cannot format (it formats every help with
     ``%``: ``--help`` raised ValueError: unsupported format character)."""

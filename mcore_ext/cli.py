@@ -1,4 +1,5 @@
-"""A user's mistake in an entry point: one ``error:`` line, printed once, exit code 2.
+"""A user's mistake in an entry point: one ``error:`` line, printed once, exit code 2; and the
+exit codes and stop signals every entry point shares (``ExitSignalHandler``).
 
 Every entry point (the YAML launcher, ``python -m mcore_ext.hf``, the Megatron-LM entry) checks
 what a user gave it before its first collective, so under torchrun every rank finds the same
@@ -9,7 +10,9 @@ code 1; ``python -m mcore_ext.torchrun`` (same flags) exits 2 quietly instead.
 
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 import warnings
 
@@ -22,6 +25,11 @@ SAVED_NOT_FINISHED = 16
 # of a job step, and torchrun's agent passes its copy on): mcore_ext.training.faults,
 # mcore_ext.torchrun.
 SIGNAL_REPEAT_WINDOW_S = 5.0
+# The signals that stop a run to be resumed (checkpoint.exit_on_signal): what a scheduler sends
+# before a time limit or a preemption (Slurm's --signal: TERM by default, USR1 / USR2 are common
+# choices) and an operator's Ctrl-C. python -m mcore_ext.torchrun passes each on to its workers
+# (mcore_ext.training.faults, mcore_ext.torchrun, launch/slurm/job.sh).
+STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
 
 # The first rank to exit makes torchrun's agent stop the others: had another rank left first, the
 # agent could stop the first rank before it printed the message (seen under load: no line at
@@ -103,3 +111,85 @@ def quiet_known_noise() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropMessages) for f in logger.filters):
             logger.addFilter(_DropMessages(*prefixes))
+
+
+class ExitSignalHandler:
+    """Record the stop signals (``STOP_SIGNALS``) instead of dying, from an entry point's first
+    line: the launcher's ``training.faults.StopRequest`` tells all ranks at a boundary; the
+    Megatron-LM entry hands a recorded one over to megatron.training's handler (``hand_over``).
+
+    Entering unblocks them: ``python -m mcore_ext.torchrun`` starts these entries with them
+    blocked, so one that arrives while they import is pending, not fatal, and is recorded here.
+    ``release()`` hands them back to the previous handlers (a run that does not save on a
+    signal), a recorded one included. On exit the previous handlers return, or with
+    ``ignore_on_exit`` (a process's own entry point, whose exit code is decided) later ones are
+    ignored.
+
+    A second signal, at least ``REPEAT_WINDOW_S`` after the first, restores the previous handlers
+    and re-sends itself: an operator who insists (a second Ctrl-C) still ends the process at
+    once. Signals within the window are one request: SLURM signals every process and torchrun
+    forwards the SIGTERM it got, so a rank receives two SIGTERMs milliseconds apart.
+    Handlers are installed from the main thread only (Python runs them there).
+    """
+
+    SIGNALS = tuple(getattr(signal, name) for name in STOP_SIGNALS)
+    REPEAT_WINDOW_S = SIGNAL_REPEAT_WINDOW_S
+
+    def __init__(self, ignore_on_exit: bool = False):
+        self.received: int = 0
+        self._received_at = 0.0
+        self._previous = {}
+        self.ignore_on_exit = ignore_on_exit
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            # Held for this process by its torchrun agent until now: delivered (recorded) here.
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, self.SIGNALS)
+        return self
+
+    def __exit__(self, *exc):
+        if self.ignore_on_exit and self._previous:
+            for sig in self._previous:
+                signal.signal(sig, signal.SIG_IGN)
+            self._previous = {}
+        self._restore()
+
+    def release(self):
+        """The previous handlers again; a signal recorded meanwhile is sent to them now."""
+        received = self.received
+        self._restore()
+        if received:
+            os.kill(os.getpid(), received)
+
+    def _restore(self):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def hand_over(self, target: int) -> None:
+        """Another handler now records ``target`` (megatron.training's, installed over this one
+        for its ``--exit-signal``): the other stop signals are passed on to it as ``target``, and
+        one recorded here is sent to it now."""
+        target = int(target)
+
+        def relay(signum, frame):
+            os.kill(os.getpid(), target)
+
+        for sig in self._previous:
+            if sig != target:
+                signal.signal(sig, relay)
+        self._previous = {}
+        if self.received:
+            os.kill(os.getpid(), target)
+
+    def _handle(self, signum, frame):
+        now = time.monotonic()
+        if not self.received:
+            self.received, self._received_at = signum, now
+        elif now - self._received_at >= self.REPEAT_WINDOW_S:
+            self._restore()
+            if signal.getsignal(signum) == self._handle:  # nothing else to go back to
+                signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)

@@ -110,7 +110,10 @@ def main(argv=None) -> int:
     except ValueError as err:  # the input (a bad line names its file:line) or the tokenizer
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except (ImportError, OSError) as err:
+    except ImportError as err:  # a Hugging Face tokenizer without transformers: what to install
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     print(

@@ -22,17 +22,25 @@ class ByteTokenizer:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
+def auto_tokenizer_class(path: str):
+    """transformers' ``AutoTokenizer``, for the tokenizer directory ``path``; ImportError naming
+    what to install when transformers (an optional dependency) cannot be imported."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as err:  # not installed, or installed without what it needs
+        raise ImportError(
+            f"tokenizer {path!r} is a Hugging Face tokenizer directory, which needs the "
+            f"transformers package (pip install transformers), and it cannot be imported here "
+            f"({type(err).__name__}: {err}); or use the built-in 'byte' tokenizer"
+        ) from None
+    return AutoTokenizer
+
+
 class HFTokenizer:
     """A Hugging Face tokenizer from a local directory (needs the optional ``transformers``)."""
 
     def __init__(self, path: str):
-        try:
-            from transformers import AutoTokenizer
-        except ImportError:
-            raise ImportError(
-                f"tokenizer {path!r} is a Hugging Face tokenizer directory, which needs "
-                "`pip install transformers`; or use the built-in 'byte' tokenizer"
-            ) from None
+        AutoTokenizer = auto_tokenizer_class(path)
         try:
             self._tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except (OSError, ImportError):

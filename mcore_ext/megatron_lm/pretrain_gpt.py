@@ -34,6 +34,12 @@ launcher's) must match it, and with a signing key (``MCORE_EXT_CHECKPOINT_KEY``)
 signature for that folder; else one line naming the file, exit code 2, before megatron reads any
 of it.
 
+A stop signal (SIGTERM, SIGINT, SIGUSR1, SIGUSR2) that comes before megatron has installed its
+``--exit-signal-handler`` handler (the imports, the flags, megatron's initialization) is recorded
+from ``main``'s first line (``python -m mcore_ext.torchrun`` holds it while this module imports)
+and handed to megatron's handler as ``--exit-signal`` once it exists; the other stop signals are
+passed on to it the same way: megatron saves at the end of the iteration and exits.
+
 On a machine without CUDA it runs on gloo with mcore_ext's CPU adaptations (tests, small runs).
 """
 
@@ -41,6 +47,7 @@ import contextlib
 import copy
 import functools
 import os
+import signal
 import sys
 import traceback
 import types
@@ -50,7 +57,14 @@ import torch
 
 import mcore_ext  # noqa: F401  (refuses a megatron-core with a native gate first)
 from mcore_ext import _cpu_compat, _mcore_compat
-from mcore_ext.cli import gpt_deprecation_notice, is_first_rank, quiet_known_noise, report_error
+from mcore_ext.cli import (
+    STOP_SIGNALS,
+    ExitSignalHandler,
+    gpt_deprecation_notice,
+    is_first_rank,
+    quiet_known_noise,
+    report_error,
+)
 
 if __name__ == "__main__":  # the entry point, not a library import: before megatron.training's
     quiet_known_noise()
@@ -321,16 +335,41 @@ def check_checkpoint_flags(args) -> None:
             "against a signed manifest; use --non-persistent-ckpt-type global, or none")
 
 
-def main(argv=None) -> int:
+def main(argv=None, *, entry_point: bool = False) -> int:
     """Parse Megatron-LM's flags and mcore_ext's, build the config, run ``pretrain``. A mistake
-    in the flags is one ``error:`` line (the first rank) and exit code 2, before any collective."""
+    in the flags is one ``error:`` line (the first rank) and exit code 2, before any collective.
+
+    The stop signals are recorded from here on (``cli.ExitSignalHandler``; ``python -m
+    mcore_ext.torchrun`` starts this entry with them held while it imports): with
+    ``--exit-signal-handler`` a recorded one, and any later one, goes to megatron's handler as
+    ``--exit-signal`` once megatron has installed it (megatron saves after the iteration and
+    exits); without it a recorded one ends the process once the flags are read. ``entry_point``:
+    the process's own entry, so stop signals after the exit code is decided are ignored."""
+    with ExitSignalHandler(ignore_on_exit=entry_point) as signals:
+        return _main(argv, signals)
+
+
+def _main(argv, signals) -> int:
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args
+
+    def usage_error(message) -> int:
+        # The ranks but the first wait there for the agent to stop them (report_error): a stop
+        # signal ends this rank again (megatron's handler, once installed, would record it),
+        # one recorded here already now.
+        if not is_first_rank():
+            signals.release()
+            for name in STOP_SIGNALS:
+                signal.signal(getattr(signal, name), signal.SIG_DFL)
+        return report_error(message)
 
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
     _mcore_compat.skip_dataset_helper_compilation()
-    with _cpu_compat.megatron_training_on_cpu():  # a no-op context with CUDA
+    # megatron installs its --exit-signal-handler handler as it parses the flags
+    # (set_global_variables): a stop signal recorded before goes to it then.
+    with _cpu_compat.megatron_training_on_cpu(), \
+            _mcore_compat.after_megatron_signal_handler(signals.hand_over):
         try:
             with warnings.catch_warnings():
                 # --mtp-num-layers with a pattern without '/': megatron's HybridModel would have
@@ -355,7 +394,9 @@ def main(argv=None) -> int:
                     "its successor, HybridModel"))
             container = pretrain_cfg_container_from_args(args, model_config)
         except (AssertionError, ValueError) as err:  # megatron's checks of the flags, and ours
-            return report_error(_message(err))
+            return usage_error(_message(err))
+        if not args.exit_signal_handler:
+            signals.release()  # a signal ends the run at once, one that came already now
         if is_first_rank():
             for note in filter(None, notes):
                 print(f"mcore_ext: {note}", flush=True)
@@ -368,12 +409,12 @@ def main(argv=None) -> int:
                     forward_step,
                 )
         except CheckpointCorruptError as err:  # every rank found the same (verify_checkpoint)
-            return report_error(str(err))
+            return usage_error(str(err))
         except BaseException as err:  # torch's CheckpointException is not an Exception
             refused = refusal_in(err)  # a checkpoint pickle that would run code (safe_pickle)
             if refused is None:
                 raise
-            return report_error(one_line(refused))
+            return usage_error(one_line(refused))
     return 0
 
 
@@ -419,4 +460,4 @@ def _message(err: BaseException) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(entry_point=True))

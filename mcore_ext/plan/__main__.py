@@ -46,7 +46,7 @@ def main(argv=None) -> int:
                    etp=p.expert_tensor_parallel_size, dp=args.dp, sp=p.sequence_parallel,
                    distributed_optimizer=cfg.optimizer.use_distributed_optimizer)
         _note_deprecated_model(cfg)
-    except (OSError, ValueError, PlanError) as err:
+    except (OSError, ValueError, ImportError, PlanError) as err:  # ImportError: transformers
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

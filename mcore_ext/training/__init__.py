@@ -11,8 +11,23 @@ from mcore_ext.training.config import ConfigError, PretrainConfig, load_config
 __all__ = ["ConfigError", "PretrainConfig", "load_config", "main"]
 
 
-def main(argv=None) -> int:
-    """``--config FILE [section.key=value ...]``: validate, then train. Returns the exit code."""
+def main(argv=None, *, entry_point: bool = False) -> int:
+    """``--config FILE [section.key=value ...]``: validate, then train. Returns the exit code.
+
+    The stop signals are recorded from here on (``faults.ExitSignalHandler``): with
+    ``checkpoint.exit_on_signal`` every rank stops at the next boundary, before the first step
+    too, and returns ``SAVED_NOT_FINISHED``; without it a signal that came while the config was
+    read ends the process then, as it would have at once. ``entry_point``: this is the process's
+    own entry (``launch/pretrain.py``), so once the exit code is decided a later stop signal is
+    ignored until the process has exited (else the previous handlers return).
+    """
+    from mcore_ext.training.faults import ExitSignalHandler
+
+    with ExitSignalHandler(ignore_on_exit=entry_point) as signals:
+        return _main(argv, signals)
+
+
+def _main(argv, signals) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(
@@ -44,12 +59,22 @@ def main(argv=None) -> int:
     from mcore_ext.cli import is_first_rank, quiet_known_noise, report_error
     from mcore_ext.data.chat import ChatDataError, data_error_line
     from mcore_ext.hf.adapter import AdapterError
-    from mcore_ext.training.faults import die_with_torchrun
+    from mcore_ext.training.faults import die_with_torchrun, fault_point
+
+    def usage_error(message) -> int:
+        # The ranks but the first wait there for the agent to stop them (SIGTERM, once the first
+        # has said it and exited): a stop signal ends this rank again, one recorded already now.
+        if not is_first_rank():
+            signals.release()
+        return report_error(message)
 
     die_with_torchrun()  # a SIGKILL of torchrun ends its ranks too
     quiet_known_noise()
+    fault_point("config")
     try:
         cfg = load_config(args.config, args.overrides, world_size=args.world_size)
+        if not cfg.checkpoint.exit_on_signal:
+            signals.release()  # a signal ends the run at once, one that came already now
         signing.use_key_file(cfg.checkpoint.key_file)  # validated: readable, not empty
         # Where the run starts, before anything is written: a checkpoint.load that holds no
         # checkpoint is refused here.
@@ -57,7 +82,7 @@ def main(argv=None) -> int:
 
         start = checkpointing.start_point(cfg)
     except (ConfigError, CheckpointNotFoundError) as err:
-        return report_error(str(err))  # every rank finds the same error: the first says it
+        return usage_error(str(err))  # every rank finds the same error: the first says it
     if args.check:
         print(cfg.to_yaml(), end="")
         return 0
@@ -72,14 +97,15 @@ def main(argv=None) -> int:
     from mcore_ext.training.loop import pretrain
 
     try:
-        finished = pretrain(cfg, config_file=args.config)
+        finished = pretrain(cfg, config_file=args.config,
+                            signals=signals if cfg.checkpoint.exit_on_signal else None)
     except CheckpointSaveError as err:  # raised on every rank with the same message
         print(f"error: [rank {os.environ.get('RANK', '0')}] {err}", file=sys.stderr, flush=True)
         return 1
     except (CheckpointNotFoundError, CheckpointLoadError, CheckpointFormatError,
             GateLayoutMismatch, AdapterError) as err:
         # Found on every rank alike, before training: said once, nothing was written.
-        return report_error(one_line(err))
+        return usage_error(one_line(err))
     except ChatDataError as err:  # found when a row was read (an image changed under the run)
         return report_error(data_error_line(err), seen_by_every_rank=False)
     from mcore_ext.training.faults import SAVED_NOT_FINISHED

@@ -8,12 +8,19 @@ resume, save errors are clear.
   A synchronous save writes in the rank's own process and needs no Manager: an in-process queue
   replaces it. An asynchronous save (GPU) needs one; ours dies with its rank (Linux parent-death
   signal). Ranks started by torchrun die with torchrun the same way.
-- Preemption (``checkpoint.exit_on_signal``): SIGTERM / SIGINT only set a flag; at each step
-  boundary the ranks all-reduce it, and if any rank was signalled all of them save (skipping a
-  due evaluation) and exit ``SAVED_NOT_FINISHED`` (Megatron-LM's ``--exit-signal-handler``
-  saves the same way but exits 0, which a job script cannot tell from a finished run;
-  megatron-core ships no such handler). A scheduler signals every process and torchrun forwards
-  its own copy, so a repeat within ``ExitSignalHandler.REPEAT_WINDOW_S`` is the same request.
+- Preemption (``checkpoint.exit_on_signal``): the stop signals (``cli.STOP_SIGNALS``: SIGTERM,
+  SIGINT, SIGUSR1, SIGUSR2) only set a flag, from the launcher's first line to its exit
+  (``python -m mcore_ext.torchrun`` starts it with them held, so that one arriving while it
+  imports waits for the handler: ``ExitSignalHandler``); at each step boundary the ranks
+  all-reduce it, and if any rank was signalled all of them save (skipping a due evaluation) and
+  exit ``SAVED_NOT_FINISHED`` (Megatron-LM's ``--exit-signal-handler`` saves the same way but
+  exits 0, which a job script cannot tell from a finished run; megatron-core ships no such
+  handler). Before the first step the ranks ask the same at the start-up's boundaries (once
+  the process group exists, after the data preparation, before the first step) and, signalled,
+  all stop there with nothing to save (``StoppedBeforeTraining``), exit ``SAVED_NOT_FINISHED``
+  too: nothing was trained, so the next start begins where this one did. A scheduler signals
+  every process and torchrun forwards its own copy, so a repeat within
+  ``ExitSignalHandler.REPEAT_WINDOW_S`` is the same request.
 - Time limits (``training.exit_duration_mins``, Megatron-LM's ``--exit-duration-in-mins``):
   rank 0's clock decides, every rank learns it in the same all-reduce as the signal flag
   (``StopRequest``), and the run saves and exits ``SAVED_NOT_FINISHED`` too.
@@ -24,7 +31,10 @@ resume, save errors are clear.
 - Fault injection for tests and drills: ``MCORE_EXT_KILL_AT=<point>,<iteration>,<rank>`` makes
   that rank SIGKILL itself at ``fault_point(point, iteration)`` (first torchrun attempt only);
   ``MCORE_EXT_DELAY_AT=<point>,<seconds>,<rank>`` makes it sleep there instead (a rank that
-  starts late, as on a loaded node: what the ranks decide must not depend on when each looks).
+  starts late, as on a loaded node: what the ranks decide must not depend on when each looks);
+  ``MCORE_EXT_SIGNAL_AT=<point>,<iteration>,<rank>[,<signal>[,self]]`` makes it send a stop
+  signal (SIGTERM unless named) to torchrun's agent, which passes it on to every rank (as a
+  scheduler's signal to the job), or with ``self`` to itself alone, and go on.
 """
 
 import ctypes
@@ -40,7 +50,9 @@ import torch.distributed as dist
 from mcore_ext.checkpoint.errors import CheckpointSaveError
 # The launcher's exit code after such a stop; ``python -m mcore_ext.torchrun`` passes it through
 # (torchrun: 1) and launch/slurm/ requeues the job on it.
-from mcore_ext.cli import SAVED_NOT_FINISHED, SIGNAL_REPEAT_WINDOW_S  # noqa: F401
+from mcore_ext.cli import SAVED_NOT_FINISHED, SIGNAL_REPEAT_WINDOW_S, STOP_SIGNALS  # noqa: F401
+# Shared with the Megatron-LM entry (mcore_ext.megatron_lm), which holds the signals the same way.
+from mcore_ext.cli import ExitSignalHandler  # noqa: F401
 from mcore_ext.runtime import raise_unless_all_ok  # noqa: F401  (data.py, tests import it here)
 
 _PR_SET_PDEATHSIG = 1
@@ -106,44 +118,17 @@ def install_checkpoint_writer_queue(async_save: bool) -> None:
 # ---------------------------------------------------------------------------------- preemption
 
 
-class ExitSignalHandler:
-    """Record SIGTERM / SIGINT instead of dying; ``StopRequest`` tells all ranks at a step boundary.
+class StoppedBeforeTraining(Exception):
+    """Raised on every rank alike when a stop signal came before the first step: nothing was
+    trained since the start, so there is nothing to save (``stop_before_training``)."""
 
-    A second signal, at least ``REPEAT_WINDOW_S`` after the first, restores the previous handlers
-    and re-sends itself: an operator who insists (a second Ctrl-C) still ends the process at
-    once. Signals within the window are one request: SLURM signals every process and torchrun
-    forwards the SIGTERM it got, so a rank receives two SIGTERMs milliseconds apart.
-    Install from the main thread (Python's signal handlers run there).
-    """
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-    REPEAT_WINDOW_S = SIGNAL_REPEAT_WINDOW_S
-
-    def __init__(self):
-        self.received: int = 0
-        self._received_at = 0.0
-        self._previous = {}
-
-    def __enter__(self):
-        for sig in self.SIGNALS:
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc):
-        self._restore()
-
-    def _restore(self):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous = {}
-
-    def _handle(self, signum, frame):
-        now = time.monotonic()
-        if not self.received:
-            self.received, self._received_at = signum, now
-        elif now - self._received_at >= self.REPEAT_WINDOW_S:
-            self._restore()
-            os.kill(os.getpid(), signum)
+def stop_before_training(stop: "StopRequest | None") -> None:
+    """Collective, at a start-up boundary: raise ``StoppedBeforeTraining`` on every rank if any
+    rank has received a stop signal."""
+    reason = stop.agreed(signals_only=True) if stop is not None else None
+    if reason is not None:
+        raise StoppedBeforeTraining(reason)
 
 
 class StopRequest:
@@ -161,12 +146,14 @@ class StopRequest:
         self.signals, self.minutes, self.started, self.clock = (
             signals, exit_duration_mins, started, clock)
 
-    def agreed(self) -> str | None:
-        """The reason every rank stops for (the same string on each), or None."""
-        if self.signals is None and self.minutes is None:
+    def agreed(self, signals_only: bool = False) -> str | None:
+        """The reason every rank stops for (the same string on each), or None. ``signals_only``:
+        the start-up's question (a time limit is for a run that has trained since it began)."""
+        minutes = None if signals_only else self.minutes
+        if self.signals is None and minutes is None:
             return None
         elapsed = (self.clock() - self.started) / 60
-        late = self.minutes is not None and dist.get_rank() == 0 and elapsed >= self.minutes
+        late = minutes is not None and dist.get_rank() == 0 and elapsed >= minutes
         flags = torch.tensor([self.signals.received if self.signals else 0, int(late)],
                              dtype=torch.int32, device=_device())
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
@@ -214,7 +201,8 @@ def check_writable(directory: str) -> None:
 
 def fault_point(point: str, iteration: int | None = None) -> None:
     """SIGKILL this rank here if MCORE_EXT_KILL_AT names this point, iteration and rank; sleep
-    first if MCORE_EXT_DELAY_AT names this point and rank (any iteration, every attempt).
+    first if MCORE_EXT_DELAY_AT names this point and rank (any iteration, every attempt); send a
+    stop signal first if MCORE_EXT_SIGNAL_AT names them (first attempt only).
 
     ``MCORE_EXT_KILL_AT=save,8,1``: rank 1 dies in the save at iteration 8 (``*``: any
     iteration). Only on torchrun's first attempt, so a restarted worker runs through.
@@ -226,6 +214,15 @@ def fault_point(point: str, iteration: int | None = None) -> None:
             print(f"[fault] rank {rank}: {seconds} s late at {point}", file=sys.stderr,
                   flush=True)
             time.sleep(float(seconds))
+    signal_spec = os.environ.get("MCORE_EXT_SIGNAL_AT")
+    if signal_spec and not restart_count():
+        name, at, rank, *how = signal_spec.split(",")
+        if name == point and at in ("*", str(iteration)) and rank == os.environ.get("RANK", "0"):
+            sig = getattr(signal, how[0] if how else "SIGTERM")
+            to_self = how[1:] == ["self"]
+            print(f"[fault] rank {rank}: {sig.name} to {'itself' if to_self else 'torchrun'} at "
+                  f"{point} {iteration}", file=sys.stderr, flush=True)
+            os.kill(os.getpid() if to_self else os.getppid(), sig)
     spec = os.environ.get("MCORE_EXT_KILL_AT")
     if not spec or restart_count():
         return

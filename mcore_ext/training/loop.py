@@ -52,35 +52,58 @@ _PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H200 NVL": 835.0, "H200"
                 "H100": 989.0, "A100": 312.0}
 
 
-def pretrain(cfg, config_file: str | None = None) -> bool:
+def pretrain(cfg, config_file: str | None = None, signals=None) -> bool:
     """Run the training job described by a validated ``PretrainConfig`` on this torchrun rank.
 
-    Returns False when it stopped early, saved, for a signal or training.exit_duration_mins (to
-    be started again: ``faults.SAVED_NOT_FINISHED``), else True (finished, or stopped where
-    training.exit_interval asked).
+    Returns False when it stopped early for a signal or training.exit_duration_mins (saved, or
+    before its first step with nothing to save; to be started again:
+    ``faults.SAVED_NOT_FINISHED``), else True (finished, or stopped where training.exit_interval
+    asked).
 
     ``config_file``: the YAML file the config was read from, never written over (the resolved
-    config goes beside it under another name when it would land on it).
+    config goes beside it under another name when it would land on it). ``signals``: the
+    ``faults.ExitSignalHandler`` the caller entered (``main``: from its first line); without it
+    one is entered here when checkpoint.exit_on_signal is set.
     Raises ``faults.CheckpointSaveError`` on every rank when checkpoint.save cannot be written.
     """
     p = cfg.parallelism
-    init_parallel(
-        tensor_model_parallel_size=p.tensor_model_parallel_size,
-        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
-        context_parallel_size=p.context_parallel_size,
-        expert_model_parallel_size=p.expert_model_parallel_size,
-        expert_tensor_parallel_size=p.expert_tensor_parallel_size,
-        seed=cfg.training.seed,
-    )
-    started = time.monotonic()  # training.exit_duration_mins counts from here
-    signals = faults.ExitSignalHandler() if cfg.checkpoint.exit_on_signal else None
+    own_signals = None
+    if signals is None and cfg.checkpoint.exit_on_signal:
+        signals = own_signals = faults.ExitSignalHandler()
+    faults.fault_point("rendezvous")
+    with own_signals or contextlib.nullcontext():
+        init_parallel(
+            tensor_model_parallel_size=p.tensor_model_parallel_size,
+            pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+            context_parallel_size=p.context_parallel_size,
+            expert_model_parallel_size=p.expert_model_parallel_size,
+            expert_tensor_parallel_size=p.expert_tensor_parallel_size,
+            seed=cfg.training.seed,
+        )
+        started = time.monotonic()  # training.exit_duration_mins counts from here
+        stop = faults.StopRequest(signals, cfg.training.exit_duration_mins, started)
+        try:
+            return _pretrain(cfg, config_file, stop)
+        finally:
+            destroy_parallel()
+
+
+def _pretrain(cfg, config_file, stop) -> bool:
     save = cfg.checkpoint.save
     made_save_dir = bool(save) and not os.path.exists(save)
     dist.barrier()  # every rank looked before any rank makes it
     resolved = None  # the resolved config.yaml rank 0 wrote
+
+    def remove_what_this_start_made():  # a run refused or stopped before its first save
+        if made_save_dir and dist.get_rank() == 0:
+            with contextlib.suppress(OSError):
+                if resolved and os.listdir(save) == [os.path.basename(resolved)]:
+                    os.remove(resolved)  # the run's own resolved config, alone there
+                os.rmdir(save)  # only if empty: nothing a save wrote
+
     try:
-        with signals or contextlib.nullcontext(), cuda_to_cpu():
-            # cuda_to_cpu: CPU only, megatron's training path allocates on "cuda" literally.
+        with cuda_to_cpu():  # CPU only: megatron's training path allocates on "cuda" literally
+            faults.stop_before_training(stop)  # signalled while importing, validating, meeting
             if save:  # before hours of training, not at the first save
                 faults.check_writable(save)
                 checkpointing.recover_save_dir(save)  # what a killed save left
@@ -88,18 +111,16 @@ def pretrain(cfg, config_file: str | None = None) -> bool:
             if dist.get_rank() == 0:
                 resolved = _announce_config(cfg, config_file)
                 _announce_deprecated_model(cfg)
-            stop = faults.StopRequest(signals, cfg.training.exit_duration_mins, started)
-            finished = _Trainer(cfg, stop).run()
+            return _Trainer(cfg, stop).run()
+    except faults.StoppedBeforeTraining as reason:  # every rank: nothing trained, nothing to save
+        remove_what_this_start_made()
+        if dist.get_rank() == 0:
+            print(f"[train] stopping before the first step ({reason}): nothing was trained, "
+                  f"nothing to save; the next start begins where this one did", flush=True)
+        return False
     except BaseException:
-        if made_save_dir and dist.get_rank() == 0:  # a run refused before its first save
-            with contextlib.suppress(OSError):
-                if resolved and os.listdir(save) == [os.path.basename(resolved)]:
-                    os.remove(resolved)  # the run's own resolved config, alone there
-                os.rmdir(save)  # only if empty: nothing a save wrote
+        remove_what_this_start_made()
         raise
-    finally:
-        destroy_parallel()
-    return finished
 
 
 def padded_vocab_size(vocab_size: int, cfg) -> int:
@@ -270,6 +291,7 @@ class _Trainer:
         _mcore_compat.reset_mtp_losses()  # nothing of an earlier run in this process
 
         tokenizer = prepare_tokenizer_and_data(cfg)
+        faults.stop_before_training(stop_request)  # signalled while the data was prepared
         self.vocab_size = padded_vocab_size(tokenizer.vocab_size, cfg)
         self.model = build_model(cfg, self.vocab_size)
         self.optimizer = get_megatron_optimizer(optimizer_config(cfg), [self.model])
@@ -292,6 +314,7 @@ class _Trainer:
         # The run's own checkpoint in checkpoint.save, else checkpoint.load, else from scratch;
         # the line that says which is printed last before training.
         own = checkpointing.start_point(cfg).own
+        faults.fault_point("load")
         self.iteration, consumed, self.start_line = checkpointing.load_checkpoint(
             cfg, self.model, self.optimizer, self.scheduler, vocab_size=tokenizer.vocab_size
         )
@@ -306,6 +329,10 @@ class _Trainer:
                                     "mtp_adapter_model.safetensors there)")
         self.train_data, self.valid_data = build_datasets(cfg, tokenizer)
         self.train_iterator = batch_iterator(self.train_data, cfg, start_sample=consumed)
+        if self.iteration < cfg.training.train_iters:
+            # Signalled while the model was built and loaded: every rank stops before its first
+            # step (pretrain says so), where the checkpoint it loaded is still the latest.
+            faults.stop_before_training(stop_request)
 
         self.forward_backward = get_forward_backward_func()
         self.balancing_losses = []  # per step since the last log line
@@ -397,7 +424,9 @@ class _Trainer:
         for sink in (self.metrics, self.tensorboard):
             if sink is not None:
                 sink.close()
-        return requested is None or self.iteration >= t.train_iters
+        # Finished where training.exit_interval asked, a signal at the same boundary or not.
+        return requested is None or self.iteration >= t.train_iters or _every(
+            t.exit_interval, self.iteration)
 
     def _train_step(self):
         cfg = self.cfg

@@ -11,6 +11,10 @@ and the optimizer step, in an evaluation, and in a checkpoint save after the ran
 Which rank dies at which point, and at which iteration, is drawn from ``MCORE_EXT_FAULT_SEED``
 (default 12), so that both ranks die across the tests and a failure reproduces with the seed.
 
+Stop signals (``checkpoint.exit_on_signal``) come from the test or from a rank at a named point
+(``MCORE_EXT_SIGNAL_AT``), to ``python -m mcore_ext.torchrun`` (which passes them on) or to one
+rank, at every moment from the agent's start to after the last step.
+
 All runs span ``train_iters=400`` (so the data order and schedule are the same whatever the
 interruption) and stop at 16 by ``exit_interval``, checkpointing and evaluating every 4 steps;
 every resumed run must reproduce the uninterrupted run's losses exactly.
@@ -20,6 +24,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -73,12 +78,12 @@ class Run:
     """One torchrun of the launcher, started in a new session, output in <tmp>/<name>.out/.err."""
 
     def __init__(self, tmp, name, *overrides, torchrun_args=(), env=None, data=None,
-                 preexec_fn=None, script=LAUNCHER):
+                 preexec_fn=None, script=LAUNCHER, agent=("-m", "torch.distributed.run")):
         self.tmp, self.name = Path(tmp), name
         self.marker = f"{name}-{uuid.uuid4().hex}"
         self.metrics = self.tmp / f"{name}.jsonl"
         command = [
-            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+            sys.executable, *agent, "--nproc_per_node=2",
             "--master_addr=127.0.0.1", f"--master_port={_free_port()}", *torchrun_args,
             script, *COMMON, f"data.prefix={data}", f"logging.metrics_file={self.metrics}",
             *overrides,
@@ -318,6 +323,104 @@ def test_sigterm_with_exit_on_signal_saves_and_exits_16(faults_tmp, reference, t
     (second,) = attempts(again.metrics)
     assert sorted(second) == list(range(stop + 1, 17))
     assert_exact(second, reference["losses"])
+
+
+MODULE_AGENT = ("-m", "mcore_ext.torchrun")
+SCRIPT_AGENT = (str(ROOT / "launch" / "torchrun.py"),)  # the job scripts' agent (launch/slurm)
+
+# A stop signal from the agent's start to after the last step (checkpoint.exit_on_signal): where
+# it comes (the agent, "at": MCORE_EXT_SIGNAL_AT, or "when": the test), the exit code, and how
+# far the run got: "before" the first step (nothing to save), or the iteration it stopped at.
+STOPS = {
+    # SIGTERM to the job scripts' agent as soon as it holds the signals: before its workers exist.
+    "agent_start": dict(agent=SCRIPT_AGENT, when="agent holds", code=16, stop="before"),
+    # The issue's case: SIGTERM to python -m mcore_ext.torchrun 1 s after its workers started
+    # (importing torch and megatron: they hold the signals until main takes them over).
+    "imports": dict(when="workers + 1 s", code=16, stop="before"),
+    "config": dict(at="config,*,0", code=16, stop="before"),  # validation (chat tokenization)
+    # Rank 1 alone, before the process group exists: every rank stops all the same.
+    "rendezvous": dict(at="rendezvous,*,1,SIGTERM,self", code=16, stop="before"),
+    "data": dict(at="data,*,0", code=16, stop="before"),  # during the stdlib dataset's build
+    # A resumed run (iteration 8), rank 1 alone while loading: 8 stays the latest.
+    "load": dict(at="load,*,1,SIGUSR2,self", code=16, stop="before"),
+    # SIGUSR1 (Slurm's --signal=B:USR1@120) during the first save (iteration 1): saves the next.
+    "first_save": dict(at="save,1,1,SIGUSR1", code=16, stop="after 1"),
+    # In the last step (training.exit_interval=16) and during the last save: finished, exit 0.
+    "last_step": dict(at="step,16,0", code=0, stop=16),
+    "last_save": dict(at="save,16,1", code=0, stop=16),
+}
+
+
+def _blocks_sigterm(pid) -> bool:
+    with open(f"/proc/{pid}/status") as f:
+        blocked = next(line for line in f if line.startswith("SigBlk:")).split()[1]
+    return bool(int(blocked, 16) & (1 << (signal.SIGTERM - 1)))
+
+
+def _workers(run) -> list[int]:
+    return [pid for pid, command in run.processes().items()
+            if f"-u {LAUNCHER}" in command and _parent(pid) == run.proc.pid]
+
+
+# The default run holds the earliest point (the agent's start: its hold, the signal passed on to
+# workers as they start, theirs until main) and a save with SIGUSR1 (forwarded, one rank's
+# request, the next step saved); the other points are the same handler at later moments (slow).
+@pytest.mark.parametrize("point", [p if p in ("agent_start", "first_save") else
+                                   pytest.param(p, marks=pytest.mark.slow) for p in STOPS])
+def test_a_stop_signal_from_the_agents_start_to_the_last_step_ends_in_16_or_0(
+        faults_tmp, reference, point):
+    """checkpoint.exit_on_signal, one stop signal at a point from the agent's start to after the
+    last step: exit 16 (saved, or stopped before the first step with nothing to save: the
+    checkpoint the start loaded, or none, is still the latest) or, the last step done, 0; no
+    process left, the losses of the steps taken the uninterrupted run's. Before: a signal before
+    the launcher's handler (installed after the process group) ended the workers (-15) and
+    torchrun exited 1; SIGUSR1 ended every process (138)."""
+    spec = STOPS[point]
+    tmp = faults_tmp / f"stop_{point}"
+    tmp.mkdir()
+    ckpt = tmp / "ckpt"
+    data = tmp / "data" / "stdlib_byte" if point == "data" else reference["data"]
+    overrides = [f"checkpoint.save={ckpt}", f"checkpoint.load={ckpt}",
+                 "checkpoint.exit_on_signal=true"]
+    if point == "first_save":
+        overrides.append("checkpoint.save_interval=1")
+    if point == "load":
+        shutil.copytree(reference["ckpt"] / "iter_0000008", ckpt / "iter_0000008")
+        (ckpt / TRACKER).write_text("8")
+    env = {"MCORE_EXT_SIGNAL_AT": spec["at"]} if "at" in spec else None
+    run = Run(tmp, "run", *overrides, data=data, env=env, agent=spec.get("agent", MODULE_AGENT))
+    if spec.get("when") == "agent holds":
+        wait_for(lambda: _blocks_sigterm(run.proc.pid), run, "the agent to hold SIGTERM")
+        os.kill(run.proc.pid, signal.SIGTERM)
+    elif spec.get("when") == "workers + 1 s":
+        wait_for(lambda: len(_workers(run)) == 2, run, "the workers")
+        time.sleep(1)
+        os.kill(run.proc.pid, signal.SIGTERM)
+    run.check(returncode=spec["code"])
+    trained = attempts(run.metrics)
+    name = {"load": "SIGUSR2", "first_save": "SIGUSR1"}.get(point, "SIGTERM")
+    if spec["stop"] == "before":
+        assert (f"[train] stopping before the first step ({name} received): nothing was "
+                "trained" in run.stdout), (run.stdout[-2000:], run.stderr[-3000:])
+        assert trained == []
+        if point == "load":
+            assert tracker(ckpt) == "8" and "iter_0000008" in os.listdir(ckpt)
+        else:
+            assert not ckpt.exists()  # nothing made: the next start is this one again
+        if point == "data":
+            assert (tmp / "data" / "stdlib_byte.idx").is_file()  # built: the next start reads it
+        return
+    (losses,) = trained
+    if spec["stop"] == "after 1":  # the signal came in the save of 1: a later boundary stops
+        match = re.search(rf"\[train\] stopping at iteration (\d+) \({name} received\)",
+                          run.stdout)
+        assert match, (run.stdout[-2000:], run.stderr[-3000:])
+        stop = int(match.group(1))
+        assert 2 <= stop < 16
+    else:
+        stop = spec["stop"]
+    assert sorted(losses) == list(range(1, stop + 1)) and tracker(ckpt) == str(stop)
+    assert_exact(losses, reference["losses"])
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ also draws its worker seed from when megatron builds the loaders, after a resume
 first step of an uninterrupted run; with dropout the streams then differ (on a GPU they do not).
 """
 
+import contextlib
 import re
 import subprocess
 from pathlib import Path
@@ -108,3 +109,59 @@ def test_trains_saves_and_resumes_exactly(runs):
     assert any("linear_qkv.weight._gate" in key for key in a)  # the gate, upstream's keys
     assert any("exp_avg_sq" in key for key in a)  # Adam's moments
     assert [key for key in a if not torch.equal(a[key], b[key])] == []
+
+
+# A Megatron-LM start signalled while its workers import: -m slow (one torchrun, 1 iteration;
+# the launcher's start-up points run by default in test_faults.py, the same agent and handler).
+@pytest.mark.slow
+def test_a_stop_signal_while_the_workers_import_saves_after_the_first_iteration(tmp_path):
+    """SIGUSR1 to python -m mcore_ext.torchrun 1 s after its Megatron-LM workers started: they
+    held it while importing, recorded it in main, handed it to megatron's --exit-signal-handler as
+    SIGTERM once megatron installed it; megatron trains iteration 1, saves it and exits 0 with its
+    line (before: the agent died of SIGUSR1, exit -10, its workers left running unsaved)."""
+    import os
+    import signal
+    import sys
+    import time
+    import uuid
+
+    from tests.functional.test_pretrain import ROOT, _free_port
+
+    marker = f"MCORE_EXT_TEST_RUN=megatron-lm-{uuid.uuid4().hex}"
+    command = [sys.executable, "-m", "mcore_ext.torchrun", "--nproc_per_node=2",
+               "--master_addr=127.0.0.1", f"--master_port={_free_port()}", *MEGATRON_LM, *MODEL,
+               *TRAINING, "--save", str(tmp_path / "ckpt"), "--exit-signal-handler"]
+    out, err = tmp_path / "out", tmp_path / "err"
+    with open(out, "w") as stdout, open(err, "w") as stderr:
+        agent = subprocess.Popen(command, cwd=ROOT, stdout=stdout, stderr=stderr,
+                                 env={**os.environ, "OMP_NUM_THREADS": "1",
+                                      marker.split("=")[0]: marker.split("=")[1]})
+
+    def ours():  # every process of this run (torchrun passes the marker on to its workers)
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if marker.encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                    found.append((int(pid), Path(f"/proc/{pid}/cmdline").read_bytes()))
+            except OSError:
+                continue
+        return found
+
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while sum(b"megatron_lm.pretrain_gpt" in cmd and pid != agent.pid
+                  for pid, cmd in ours()) < 2:
+            assert agent.poll() is None and time.monotonic() < deadline, err.read_text()[-3000:]
+            time.sleep(0.05)
+        time.sleep(1)
+        agent.send_signal(signal.SIGUSR1)
+        agent.wait(TIMEOUT_S)
+    finally:
+        for pid, _ in ours():
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+    result = out.read_text()
+    assert agent.returncode == 0, (result[-3000:], err.read_text()[-3000:])
+    assert "exiting program after receiving SIGTERM." in result
+    assert sorted(int(step) for step, _ in LOSS.findall(result)) == [1]
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "1"

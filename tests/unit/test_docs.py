@@ -99,7 +99,7 @@ DECISIONS = {
     "sbatch --nodes=2 --gpus-per-node=8 --time=24:00:00 launch/slurm/pretrain.sbatch --config "
     "configs/gpt_125m.yaml": Covered(
         "tests/functional/test_slurm.py::"
-        "test_preempted_job_saves_requeues_itself_resumes_and_completes"),
+        "test_a_job_preempted_as_it_starts_and_mid_run_resumes_and_completes"),
     "RUN_DIR=runs/my_run bash scripts/pretrain.sh": Covered(
         "tests/functional/test_pretrain.py::test_resume_reaches_the_same_losses"),
     "torchrun --nproc_per_node=2 launch/pretrain.py --config configs/tiny_cpu.yaml "

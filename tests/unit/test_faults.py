@@ -49,6 +49,9 @@ def test_async_writer_manager_dies_with_its_rank():
 
 _SIGNALS = """
 import os, signal, time
+# Held, as python -m mcore_ext.torchrun starts the launcher's workers: from the first line, so
+# that every thread the imports start holds it too (a thread that did not would take it).
+signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR1])
 from mcore_ext.training.faults import ExitSignalHandler
 
 # As an interactive process starts: a shell's background job (a CI script started with &)
@@ -57,6 +60,30 @@ signal.signal(signal.SIGINT, signal.default_int_handler)
 # A window far wider than the real one: on a loaded machine the two handlers below may run
 # seconds apart, and this checks the rule, not the machine's speed.
 ExitSignalHandler.REPEAT_WINDOW_S = 600.0
+# A SIGUSR1 that comes while the worker imports is pending, and recorded when the handler is
+# entered (before: it ended the worker).
+os.kill(os.getpid(), signal.SIGUSR1)
+with ExitSignalHandler() as held:
+    print("held", held.received, flush=True)
+# release() (a run without exit_on_signal): a recorded signal goes to the previous handler.
+caught = []
+signal.signal(signal.SIGUSR2, lambda signum, frame: caught.append(signum))
+with ExitSignalHandler() as handler:
+    os.kill(os.getpid(), signal.SIGUSR2)
+    handler.release()
+print("released", caught, flush=True)
+# hand_over (the Megatron-LM entry): megatron's handler, installed over this one for its
+# --exit-signal (SIGTERM), gets a signal recorded before as SIGTERM, and any later stop signal.
+megatron = []
+with ExitSignalHandler() as handler:
+    os.kill(os.getpid(), signal.SIGUSR2)
+    signal.signal(signal.SIGTERM, lambda signum, frame: megatron.append(signum))
+    handler.hand_over(signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGUSR1)
+print("handed over", megatron, flush=True)
+for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+    signal.signal(sig, signal.SIG_DFL)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 with ExitSignalHandler() as handler:
     # SLURM's SIGTERM and torchrun's forwarded copy, milliseconds apart: one request.
     os.kill(os.getpid(), signal.SIGTERM)
@@ -70,11 +97,13 @@ with ExitSignalHandler() as handler:
 """
 
 
-def test_a_repeated_signal_within_the_window_is_one_request():
+def test_held_signals_are_recorded_and_a_repeated_signal_within_the_window_is_one_request():
     result = subprocess.run(
         [sys.executable, "-c", _SIGNALS], cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
-    assert result.stdout.split("\n")[0] == "alive 15", (result.stdout, result.stderr[-2000:])
+    lines = result.stdout.split("\n")
+    assert lines[:4] == ["held 10", "released [12]", "handed over [15, 15]", "alive 15"], (
+        result.stdout, result.stderr[-2000:])
     assert "still alive" not in result.stdout
     assert result.returncode == -2, result.stderr[-2000:]  # SIGINT's default action
 
@@ -323,3 +352,29 @@ def test_exit_duration_saves_and_exits_16_then_the_same_command_resumes(run_dist
     assert start_lines(resumed["stdout"])[0].endswith("(iteration 1)"), resumed["stdout"]
     assert (tmp_path / "ckpt" / TRACKER).read_text().strip() == "3"
     assert sorted(losses(tmp_path / "metrics.jsonl")) == [1, 2, 3]
+
+
+def test_the_agent_script_holds_the_stop_signals_and_holds_them_for_the_entry_points():
+    """launch/torchrun.py blocks, before its imports, the signals mcore_ext.torchrun forwards;
+    the agent holds them for the workers of the launcher and the Megatron-LM entry only (another
+    program would never see them)."""
+    import importlib.util
+    import signal
+
+    from torch.distributed.run import parse_args
+
+    from mcore_ext import cli, torchrun
+
+    text = (ROOT / "launch" / "torchrun.py").read_text()
+    held = text.split("STOP_SIGNALS = (", 1)[1].split(")", 1)[0]
+    assert [name.strip().removeprefix("signal.") for name in held.split(",")] == list(
+        cli.STOP_SIGNALS) == list(torchrun._FORWARDED)
+    assert text.index("signal.pthread_sigmask(signal.SIG_BLOCK") < text.index("import sys")
+    assert importlib.util.find_spec("signal") and signal.SIGUSR1  # (used above by name)
+    launcher = ROOT / "launch" / "pretrain.py"
+    assert torchrun._holds_signals(parse_args(["--nproc_per_node=2", str(launcher), "--config",
+                                               "x.yaml"]))
+    assert not torchrun._holds_signals(parse_args(["--nproc_per_node=2", "train.py"]))
+    assert not torchrun._holds_signals(parse_args(["-m", "--nproc_per_node=2", "mcore_ext.hf"]))
+    assert torchrun._holds_signals(parse_args(["-m", "--nproc_per_node=2",
+                                               "mcore_ext.megatron_lm.pretrain_gpt"]))

@@ -244,6 +244,23 @@ def test_the_launcher_config_and_the_hf_config_plan_alike(capsys):
         capsys.readouterr().err)
 
 
+def test_a_tokenizer_without_transformers_is_one_error_line(capsys, monkeypatch):
+    """The vocabulary from a Hugging Face tokenizer where transformers cannot be imported: one
+    line naming the package, exit 2 (before: an ImportError traceback)."""
+    import os
+    import sys
+
+    from mcore_ext.plan.__main__ import main as plan_main
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    code = plan_main(["--config", os.path.join(root, "configs", "tiny_cpu.yaml"),
+                      f"data.tokenizer={os.path.join(root, 'configs', 'sft_tiny', 'tokenizer')}"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error: tokenizer "), err
+    assert "(pip install transformers)" in err, err
+
+
 def test_sliding_layers_cost_their_tokens_and_cp_divides_them():
     from mcore_ext.plan import activations as A
 

@@ -459,3 +459,39 @@ def test_attention_probe_needs_an_interval_and_a_validation_split(tmp_path):
     cfg = load_config(write(tmp_path, text.replace("100,0,0", "98,2,0")),
                       ["training.eval_interval=null", "logging.attention_probe=100"], world_size=1)
     assert cfg.logging.attention_probe == 100
+
+
+# A Hugging Face tokenizer needs transformers, an optional package: with it missing, the ranks
+# raised ImportError (a chat run at validation, any other run when it loaded the tokenizer).
+@pytest.mark.parametrize("overrides", [
+    [f"--config={CONFIGS / 'step35_sft_tiny_cpu.yaml'}"],
+    [f"--config={CONFIGS / 'tiny_cpu.yaml'}", "data.source=mock",
+     f"data.tokenizer={CONFIGS / 'sft_tiny' / 'tokenizer'}"],
+], ids=["chat", "mock"])
+def test_a_tokenizer_without_transformers_is_one_error_naming_what_to_install(
+        tmp_path, capsys, monkeypatch, overrides):
+    """Before: an ImportError traceback, exit 1 (the chat run at --check, the mock run only
+    once its ranks loaded the tokenizer). Now: one error line naming the package, exit 2."""
+    import sys
+
+    from mcore_ext.training import main
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` fails
+    code = main(["--check", "--world-size", "2", *overrides,
+                 f"checkpoint.save={tmp_path / 'ckpt'}", "checkpoint.load=null",
+                 f"data.cache_dir={tmp_path / 'cache'}"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.count("\n") == 1 and err.startswith("error: data.tokenizer: "), err
+    assert "needs the transformers package (pip install transformers)" in err, err
+
+
+def test_the_te_backend_without_transformer_engine_is_one_error_at_validation(tmp_path):
+    """Before: validated, then an ImportError in every rank as it built the model."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is not None:
+        pytest.skip("Transformer Engine is installed here")
+    with pytest.raises(ConfigError, match=r"model.attention_backend=te: .*pip install "
+                                          r"'mcore_ext\[te\]'"):
+        load_config(str(CONFIGS / "tiny_cpu.yaml"), ["model.attention_backend=te"], world_size=2)

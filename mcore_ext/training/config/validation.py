@@ -161,6 +161,13 @@ def validate(cfg: PretrainConfig, world_size: int) -> None:
         if empty:
             raise ConfigError(f"checkpoint.key_file={c.key_file} is empty: it must hold the key")
 
+    if m.attention_backend == "te":  # the model is built on every rank: say it once, now
+        from mcore_ext.specs import resolve_backend
+
+        try:
+            resolve_backend("te")
+        except ImportError as err:
+            raise ConfigError(f"model.attention_backend=te: {err}") from None
     if m.attention_kernel in ("flex", "varlen"):
         kernel = m.attention_kernel
         if cp > 1 and kernel == "varlen":  # no hardware helps: say it first
@@ -366,6 +373,13 @@ def _validate_data(d: DataConfig, t: TrainingConfig) -> None:
         raise ConfigError(
             f"data.tokenizer={d.tokenizer!r} is neither 'byte' nor an existing tokenizer directory"
         )
+    if d.tokenizer != "byte":  # every rank loads it: say now what is missing, not in a traceback
+        from mcore_ext.data.tokenizers import auto_tokenizer_class
+
+        try:
+            auto_tokenizer_class(d.tokenizer)
+        except ImportError as err:
+            raise ConfigError(f"data.tokenizer: {err}") from None
     try:
         weights = [float(w) for w in d.split.split(",")]
     except ValueError:
@@ -427,7 +441,7 @@ def _validate_chat(cfg: PretrainConfig) -> None:
 
     try:
         tokenizer = load_tokenizer(d.tokenizer)
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, ImportError) as err:
         raise ConfigError(f"data.tokenizer={d.tokenizer!r} cannot be loaded: "
                           f"{' '.join(str(err).split())}") from None
     if not getattr(tokenizer.hf, "chat_template", None):
