@@ -45,6 +45,7 @@ def main(argv=None) -> int:
     from mcore_ext.data.chat import ChatDataError, data_error_line
     from mcore_ext.hf.adapter import AdapterError
     from mcore_ext.training.faults import die_with_torchrun
+    from mcore_ext.vision.placement import ImageTokenMismatch
 
     die_with_torchrun()  # a SIGKILL of torchrun ends its ranks too
     quiet_known_noise()
@@ -82,6 +83,8 @@ def main(argv=None) -> int:
         return report_error(one_line(err))
     except ChatDataError as err:  # found when a row was read (an image changed under the run)
         return report_error(data_error_line(err), seen_by_every_rank=False)
+    except ImageTokenMismatch as err:  # text data (.bin / mock) holding the image placeholder
+        return report_error(f"data.source={cfg.data.source}: {err}", seen_by_every_rank=False)
     from mcore_ext.training.faults import SAVED_NOT_FINISHED
 
     return 0 if finished else SAVED_NOT_FINISHED  # same on every rank: StopRequest agreed

@@ -13,6 +13,7 @@ side) and a 56 x 112 one (2 crops stacked: a newline token between them).
 
 import json
 import os
+import shutil
 import types
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import numpy
 import pytest
 import torch
 
-from mcore_ext.data import chat, shapes
+from mcore_ext.data import chat, chat_images, shapes
 
 pytest.importorskip("torchvision", reason="the Step-3.7 image processor needs torchvision")
 pytest.importorskip("PIL", reason="images are decoded with Pillow")
@@ -142,12 +143,12 @@ def chat_images_row(conversation, processor) -> dict:
                                   chat.ChatDataError)
 
 
-def _dataset(chat_file, seq_length, tokenizer, pad_to_multiple=1, samples=None):
+def _dataset(chat_file, seq_length, tokenizer, pad_to_multiple=1, samples=None, images=True):
     from megatron.core.datasets.utils import Split
 
     config = chat.ChatDatasetConfig(random_seed=1, sequence_length=seq_length, split="1,0,0",
                                     tokenizer=None, hf_tokenizer=tokenizer,
-                                    pad_to_multiple=pad_to_multiple)
+                                    pad_to_multiple=pad_to_multiple, images=images)
     return chat.ChatDataset(chat_file, chat_file.path, numpy.arange(len(chat_file)),
                             samples or len(chat_file), Split.train, config)
 
@@ -209,6 +210,25 @@ def test_packed_rows_keep_each_conversations_images_and_a_micro_batch_of_two_cou
     assert int((batch["tokens"] == PLACEHOLDER).sum()) == sum(
         _features_per_image(processor, batch["num_local_patches"]))
     assert "image_feature_index" not in batch  # the model numbers the placeholders itself
+
+
+def test_rows_of_a_later_pipeline_stage_read_no_image(folder, tokenizer, tmp_path):
+    """``ChatDatasetConfig.images=False`` (pipeline stages after the first, which run no tower):
+    the same rows, tokens and loss, without pixels, and no image is read (the pictures are
+    gone here: the first stage's rows would fail to read them)."""
+    for name in ("square.png", "wide.png", "tall.png"):
+        shutil.copyfile(folder / name, tmp_path / name)
+    chat_file = chat.read_chat_file(str(_write(tmp_path, CONVERSATIONS)), tokenizer, 160)
+    first = _dataset(chat_file, 160, tokenizer)
+    later = _dataset(chat_file, 160, tokenizer, images=False)
+    rows = [first[i] for i in range(len(first))]
+    assert any("pixel_values" in row for row in rows)
+    for name in ("square.png", "wide.png", "tall.png"):
+        os.remove(tmp_path / name)
+    for i, row in enumerate(rows):
+        without = later[i]
+        assert sorted(without) == sorted(k for k in row if k not in chat_images.IMAGE_KEYS)
+        assert all(numpy.array_equal(without[k], row[k]) for k in without)
 
 
 def test_truncation_cuts_before_an_image_it_would_split(folder, tokenizer):
