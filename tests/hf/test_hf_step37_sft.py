@@ -2,7 +2,7 @@
 "Fine-tune Step-3.7-Flash on images" says: a random Step-3.7 release of the recipe's shapes
 (tests/hf/models.save_step37_recipe: transformers' ``Step3p7ForConditionalGeneration`` with its
 own initialisation, one MTP layer, the vl_tiny processor) imported with ``hf import --vision``
-at TP 2 with a signing key, then trained on configs/vl_tiny/captions.jsonl at TP 2 + SP in the
+(TP 1) with a signing key, then trained on configs/vl_tiny/captions.jsonl at TP 2 + SP in the
 tests' 2 gloo ranks (the launcher's ``main``: tests/functional/inprocess.py), each run signed
 with the key and 4 steps long unless said:
 
@@ -10,7 +10,7 @@ with the key and 4 steps long unless said:
 - ``trained``: configs/step37_vl_sft_tiny_cpu.yaml from the import (``checkpoint.load``,
   ``checkpoint.finetune``: the recipe's model is the import's) with ``model.vision.freeze=false``,
   saving at 2 and 4; ``resumed``: the same run stopped at 2 (``training.exit_interval``) and
-  started again; ``pp2``: the recipe at PP 2, 2 steps;
+  started again; ``pp2`` and ``cp2``: the recipe at PP 2 and at CP 2, 2 steps;
 - the trained step-4 checkpoint loaded into the launcher's model at TP 1 and at TP 2 + SP, its
   logits on a micro-batch of the captions with their images; then one byte of a tower tensor
   flipped (the manifest's checksums rewritten to match): the signed resume is refused;
@@ -47,6 +47,8 @@ PROJECTOR = "vision_projection."
 LOGIT_TOL = 1e-5  # fp32, TP 2 + SP against TP 1 (the order of TP's partial sums)
 PP2 = ["parallelism.tensor_model_parallel_size=1", "parallelism.sequence_parallel=false",
        "parallelism.pipeline_model_parallel_size=2"]
+CP2 = ["parallelism.tensor_model_parallel_size=1", "parallelism.sequence_parallel=false",
+       "parallelism.context_parallel_size=2"]
 
 
 def _readme(tmp):
@@ -74,18 +76,17 @@ def _short(tmp, name, command, *overrides):
 
 
 def _import(tmp):
-    """``hf import --vision`` of the random release at TP 2, signed with the key."""
-    import mcore_ext
+    """README's ``python -m mcore_ext.hf import --vision HF_DIR CKPT`` (its ``main``; TP 1, here
+    on 2 data-parallel ranks) of the random release, signed with the key."""
     from mcore_ext.checkpoint import signing
-    from mcore_ext.hf.checkpoint import import_checkpoint
+    from mcore_ext.hf.__main__ import main
 
     signing.use_key_file(str(tmp / "key"))
     try:
-        mcore_ext.init_parallel(tensor_model_parallel_size=2)
-        import_checkpoint(str(tmp / "hf"), str(tmp / "imported"), vision=True)
+        code = main(["import", "--vision", str(tmp / "hf"), str(tmp / "imported")])
     finally:
-        mcore_ext.destroy_parallel()
         signing.use_key_file(None)
+    assert code == 0, code
 
 
 def _runs(tmp):
@@ -111,6 +112,8 @@ def _runs(tmp):
                                  "resumed")
             out["pp2"] = _ok(launch(*_short(tmp, "pp2", _recipe(tmp), *PP2,
                                             "training.train_iters=2")), "pp2")
+            out["cp2"] = _ok(launch(*_short(tmp, "cp2", _recipe(tmp), *CP2,
+                                            "training.train_iters=2")), "cp2")
             out["weights"] = {
                 "imported": _state_and_logits(tmp, tmp / "imported" / "iter_0000000", 1)[0],
                 "frozen": _state_and_logits(tmp, tmp / "frozen" / "iter_0000004", 1)[0],
@@ -254,6 +257,18 @@ def test_recipe_at_pp2_gives_the_images_to_the_first_stage(vl_runs):
     assert "TP 1 x PP 2 x DP 1" in out, out
     pp2, tp2 = losses(tmp / "pp2.jsonl"), losses(tmp / "trained.jsonl")
     assert pp2[1] == pytest.approx(tp2[1], abs=1e-5, rel=0), (pp2, tp2)
+
+
+def test_recipe_at_cp2_splits_the_tokens_and_keeps_the_images_whole(vl_runs):
+    """At CP 2 (TP 1): every document padded to 4 slots and split over the 2 ranks, each rank's
+    placeholders numbered among the whole micro-batch's by the model (one all-gather), the
+    images whole on both; 2 steps train (a placeholder count that did not match its images'
+    features on either rank would stop the run)."""
+    tmp, results = vl_runs
+    out = check(completed(results[0]["cp2"]), "cp2").stdout
+    assert "CP 2 x PP 1" in out, out
+    loss = losses(tmp / "cp2.jsonl")
+    assert sorted(loss) == [1, 2] and loss[2] < loss[1], loss
 
 
 def test_trained_tower_moves_and_resumes_bit_for_bit(vl_runs):
