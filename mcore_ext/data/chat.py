@@ -281,6 +281,9 @@ class ChatDatasetConfig(BlendedMegatronDatasetConfig):
     """Every document takes a multiple of this many slots (2 x CP: split per document)."""
     hf_tokenizer: Optional[object] = None
     """The Hugging Face tokenizer (with its chat template) that renders conversations."""
+    images: bool = True
+    """Rows carry their images' pixels; False where nothing runs the vision tower (pipeline
+    stages after the first): the images are then not read."""
 
 
 CACHE_FORMAT = "mcore_ext chat cache 2"  # 2: line numbers, images, transformers' version
@@ -408,8 +411,8 @@ class ChatDataset(MegatronDataset):
     (restarting at 0 in every document), each [seq_length], ``lengths`` (int64: the row's
     documents, then its padding if any) and ``padded_lengths`` (the slots each takes, a multiple
     of ``pad_to_multiple``; they sum to seq_length). A row with images also has their pixels
-    and ``image_feature_index`` (``chat_images.row_images``): its documents' images in order.
-    """
+    (``chat_images.row_images``): its documents' images in order (unless ``config.images`` is
+    False)."""
 
     @staticmethod
     def numel_low_level_dataset(low_level_dataset: ChatFile) -> int:
@@ -461,7 +464,7 @@ class ChatDataset(MegatronDataset):
                "position_ids": position_ids, "lengths": numpy.asarray(lengths),
                "padded_lengths": numpy.asarray(padded)}
         images = [image for doc in self.rows[self.order[idx]] for image in doc.images]
-        if images:  # read, checked and processed here: in the DataLoader's workers
+        if images and self.config.images:  # read, checked, processed in the DataLoader's workers
             processor = chat_images.processor_for(self.config.hf_tokenizer.name_or_path,
                                                   images[0].where, ChatDataError)
             row.update(chat_images.row_images(images, tokens, processor, ChatDataError))

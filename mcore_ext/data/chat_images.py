@@ -43,6 +43,8 @@ import torch
 
 # The files that make a folder a processor's (transformers writes one or the other).
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+# A micro-batch's images: transformers' names, which are the vision-language model's keywords.
+IMAGE_KEYS = ("pixel_values", "pixel_values_local", "num_local_patches")
 # Keys of an image part that transformers reads but this reader does not (no download here).
 _OTHER_SOURCES = ("url", "image", "base64")
 
@@ -250,10 +252,11 @@ def stray_placeholders(conversations, image_token_id: int, error) -> None:
 def row_images(images: list, tokens: numpy.ndarray, processor, error) -> dict:
     """The pixels of one row's ``images`` (its documents' in order), as
     ``processor.image_processor`` makes them: ``pixel_values`` [n, 3, H, W], ``num_local_patches``
-    [n] int64, ``pixel_values_local`` [crops, 3, h, w] (when there are crops), and
-    ``image_feature_index`` [s] int64: for each slot of the row's ``tokens``, the row of the
-    images' features it takes (counting placeholders from 0 in reading order), -1 elsewhere.
-    Every image's bytes are checked against the digest it was tokenized with."""
+    [n] int64 and ``pixel_values_local`` [crops, 3, h, w] (when there are crops). Every image's
+    bytes are checked against the digest it was tokenized with, and the row's placeholders in
+    ``tokens`` against the features its images give. Which feature a placeholder takes is the
+    model's to find (transformers' rule: the n-th placeholder of the micro-batch read row-major
+    takes the n-th feature; ``mcore_ext.vision.placement``)."""
     decoded = [read_image(image.path, image.source, image.where, error, image.sha256)[0]
                for image in images]
     with _one_thread():
@@ -263,16 +266,12 @@ def row_images(images: list, tokens: numpy.ndarray, processor, error) -> dict:
             raise error(f"{image.where}: image {image.source!r} now gives {int(crops)} local "
                         f"crops, {image.num_local_patches} when tokenized: the processor changed; "
                         "delete the cached tokenization (data.cache_dir)")
-    placeholders = tokens == processor.image_token_id
-    if int(placeholders.sum()) != sum(image.placeholders for image in images):
-        raise error(f"{images[0].where}: a packed row holds {int(placeholders.sum())} image "
-                    f"placeholders for {sum(image.placeholders for image in images)} image "
-                    "features")
-    index = numpy.full(len(tokens), -1, dtype=numpy.int64)
-    index[placeholders] = numpy.arange(int(placeholders.sum()))
+    placeholders = int((tokens == processor.image_token_id).sum())
+    if placeholders != sum(image.placeholders for image in images):
+        raise error(f"{images[0].where}: a packed row holds {placeholders} image placeholders "
+                    f"for {sum(image.placeholders for image in images)} image features")
     row = {"pixel_values": out["pixel_values"],
-           "num_local_patches": torch.as_tensor(out["num_local_patches"], dtype=torch.int64),
-           "image_feature_index": index}
+           "num_local_patches": torch.as_tensor(out["num_local_patches"], dtype=torch.int64)}
     if "pixel_values_local" in out:
         row["pixel_values_local"] = out["pixel_values_local"]
     return row
@@ -280,23 +279,14 @@ def row_images(images: list, tokens: numpy.ndarray, processor, error) -> dict:
 
 def collate(samples: list) -> dict:
     """The image keys of a micro-batch of rows (``row_images``' keys where a row has images):
-    pixel tensors and crop counts concatenated in row order, ``image_feature_index`` [t] of the
-    rows side by side counting on across rows (rows without images: -1)."""
+    pixel tensors and crop counts concatenated in row order, which is the order of the rows'
+    placeholders in the micro-batch."""
     rows = [x for x in samples if "pixel_values" in x]
     batch = {"pixel_values": torch.cat([x["pixel_values"] for x in rows]),
              "num_local_patches": torch.cat([x["num_local_patches"] for x in rows])}
     local = [x["pixel_values_local"] for x in rows if "pixel_values_local" in x]
     if local:
         batch["pixel_values_local"] = torch.cat(local)
-    index, before = [], 0
-    for x in samples:
-        if "image_feature_index" not in x:
-            index.append(numpy.full(len(x["tokens"]), -1, dtype=numpy.int64))
-            continue
-        row = x["image_feature_index"]
-        index.append(numpy.where(row >= 0, row + before, -1))
-        before += int((row >= 0).sum())
-    batch["image_feature_index"] = numpy.concatenate(index)
     return batch
 
 

@@ -91,7 +91,10 @@ def load_tokenizer(name: str):
     """``"byte"`` or the path of a Hugging Face tokenizer directory. With a checkpoint signing
     key, a directory inside a signed checkpoint (an ``hf import``'s ``tokenizer/``) loads from
     its files as signed there: read once, each against its signed SHA-256, into a private copy
-    that transformers reads (ValueError naming a file deleted, changed or added)."""
+    that transformers reads (ValueError naming a file deleted, changed or added). The copy stays
+    until the process exits: it is the tokenizer's ``name_or_path``, where a vision-language
+    model's processor (its ``processor_config.json``, signed with the rest) is loaded from
+    when chat data has images (``chat_images.processor_for``)."""
     if name == "byte":
         return ByteTokenizer()
     from mcore_ext.checkpoint import manifest
@@ -105,6 +108,7 @@ def load_tokenizer(name: str):
         raise ValueError(f"tokenizer {name!r}: {err}") from None
     if signed is None:
         return HFTokenizer(name)
+    import atexit
     import shutil
     import tempfile
 
@@ -115,8 +119,8 @@ def load_tokenizer(name: str):
                 f.write(data)
         tokenizer = HFTokenizer(copy)
     except (OSError, ValueError) as err:  # named by the folder given, not the private copy
-        raise type(err)(str(err).replace(copy, name)) from None
-    finally:
         shutil.rmtree(copy, ignore_errors=True)
+        raise type(err)(str(err).replace(copy, name)) from None
+    atexit.register(shutil.rmtree, copy, ignore_errors=True)
     tokenizer.unique_identifiers["path"] = os.path.abspath(name)  # the folder named, not the copy
     return tokenizer

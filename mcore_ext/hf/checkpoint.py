@@ -99,8 +99,10 @@ def launcher_model_section(spec: Step35Config, seq_length: int, multiple: int) -
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "added_tokens.json", "chat_template.jinja", "chat_template.json",
-                   "tokenizer.model", "vocab.json", "merges.txt")
-"""The files of a Hugging Face tokenizer that ``import`` copies beside the checkpoint."""
+                   "tokenizer.model", "vocab.json", "merges.txt",
+                   "processor_config.json", "preprocessor_config.json")
+"""The files of a Hugging Face tokenizer that ``import`` copies beside the checkpoint, with the
+processor's (a vision-language model's: chat data with images renders through it)."""
 
 TOKENIZER_DIR = "tokenizer"
 

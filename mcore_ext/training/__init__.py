@@ -60,6 +60,7 @@ def _main(argv, signals) -> int:
     from mcore_ext.data.chat import ChatDataError, data_error_line
     from mcore_ext.hf.adapter import AdapterError
     from mcore_ext.training.faults import die_with_torchrun, fault_point
+    from mcore_ext.vision.placement import ImageTokenMismatch
 
     def usage_error(message) -> int:
         # The ranks but the first wait there for the agent to stop them (SIGTERM, once the first
@@ -108,6 +109,8 @@ def _main(argv, signals) -> int:
         return usage_error(one_line(err))
     except ChatDataError as err:  # found when a row was read (an image changed under the run)
         return report_error(data_error_line(err), seen_by_every_rank=False)
+    except ImageTokenMismatch as err:  # text data (.bin / mock) holding the image placeholder
+        return report_error(f"data.source={cfg.data.source}: {err}", seen_by_every_rank=False)
     from mcore_ext.training.faults import SAVED_NOT_FINISHED
 
     return 0 if finished else SAVED_NOT_FINISHED  # same on every rank: StopRequest agreed

@@ -16,14 +16,15 @@ Under context parallelism every document is padded to a multiple of 2 x CP
 
 Chat rows with images (``mcore_ext.data.chat_images``) add, to a micro-batch that has any:
 ``pixel_values`` [n, 3, H, W] (each image's global view), ``pixel_values_local`` [crops, 3, h, w]
-(when there are local crops), ``num_local_patches`` [n] (int64) - what the model's processor
-gives for the images, in the order their placeholders come in the micro-batch's tokens - and
-``image_feature_index`` [1, t] (int64: the image-feature row each slot takes, -1 for text).
-Every rank reads the images of its own micro-batch as it reads its tokens: the ranks of a TP
-group and of a CP group read the same rows, hence the same bytes (checked against their SHA-256)
-through the same processor, so they hold equal pixels with no broadcast. ``cp_shard`` leaves the
-pixels whole on every CP rank (the vision tower runs on all the row's images) and splits
-``image_feature_index`` with the tokens, so a CP rank knows which features its placeholders take.
+(when there are local crops) and ``num_local_patches`` [n] (int64) - what the model's processor
+gives for the images, in the order their placeholders come in the micro-batch's tokens: the
+vision-language model's keywords (transformers' names). Every rank of the first pipeline stage
+reads the images of its own micro-batch as it reads its tokens: the ranks of a TP group and of a
+CP group read the same rows, hence the same bytes (checked against their SHA-256) through the
+same processor, so they hold equal pixels with no broadcast; later stages, which run no tower,
+read none (``ChatDatasetConfig.images``). ``cp_shard`` leaves the images whole on every CP rank:
+the tower runs on all of the micro-batch's images, and the model numbers the placeholders of
+each rank's chunks among the whole micro-batch's itself (``mcore_ext.vision.placement``).
 """
 
 import os
@@ -128,6 +129,8 @@ def _build_chat_datasets(cfg, tokenizer, sizes):
         pack=d.pack,
         # megatron's THD convention under CP: every document a multiple of 2 x CP (cp_shard)
         pad_to_multiple=2 * cp if cp > 1 else 1,
+        # only the first pipeline stage runs the vision tower
+        images=parallel_state.is_pipeline_first_stage(),
         # the tokenized conversations, which each node's first rank cached during validation
         path_to_cache=chat_cache_dir(d),
     )
@@ -160,14 +163,11 @@ def collate_packed(samples: list, total_multiple: int = 1) -> dict:
         batch = {key: numpy.pad(value, (0, extra)) for key, value in batch.items()}
         batch["position_ids"][-extra:] = numpy.arange(extra)
         lengths, padded = numpy.append(lengths, extra), numpy.append(padded, extra)
-    images = chat_images.collate(samples) if any("pixel_values" in x for x in samples) else {}
-    if images:
-        batch["image_feature_index"] = numpy.pad(images.pop("image_feature_index"), (0, extra),
-                                                 constant_values=-1)
     batch = {key: torch.from_numpy(value)[None] for key, value in batch.items()}
     batch["cu_seqlens"], batch["cu_seqlens_padded"] = _cumulative(lengths), _cumulative(padded)
     batch["max_seqlen"] = int(padded.max())
-    batch.update(images)  # the pixels: whole, not [1, t]
+    if any("pixel_values" in x for x in samples):
+        batch.update(chat_images.collate(samples))  # whole, not [1, t]
     return batch
 
 
@@ -277,14 +277,16 @@ def cp_shard(batch: dict) -> dict:
 
     A packed (THD) micro-batch is split per document, as megatron splits one with
     ``cu_seqlens_padded``: every document's 2 x CP chunks r and 2CP-1-r; its ``cu_seqlens*``
-    still describe the whole micro-batch (core attention and RoPE read them so). Images' pixels
-    stay whole; their ``image_feature_index`` is split with the tokens.
+    still describe the whole micro-batch (core attention and RoPE read them so). The images
+    (``chat_images.IMAGE_KEYS``) stay whole on every CP rank: the tower runs on all of them.
     """
     if parallel_state.get_context_parallel_world_size() == 1:
         return batch
+    images = {key: batch[key] for key in chat_images.IMAGE_KEYS if key in batch}
     if "cu_seqlens" not in batch:
-        return get_batch_on_this_cp_rank(batch)
+        tokens = {key: value for key, value in batch.items() if key not in images}
+        return dict(get_batch_on_this_cp_rank(tokens), **images)
     padded = batch["cu_seqlens_padded"]
-    keys = ("tokens", "labels", "loss_mask", "position_ids", "image_feature_index")
+    keys = ("tokens", "labels", "loss_mask", "position_ids")
     return dict(batch, **{key: get_packed_batch_on_this_cp_rank(batch[key], padded, dim=1)
-                          for key in keys if key in batch})
+                          for key in keys})

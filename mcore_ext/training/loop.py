@@ -209,6 +209,9 @@ def _forward_step(data_iterator, model):
 
     A packed micro-batch (chat data) is one THD sequence [1, t] with its documents' boundaries;
     its loss is summed over the loss tokens and normalised by those of the whole global batch.
+    Its images, if any, go to the vision-language model as transformers' keywords
+    (``pixel_values``, ``pixel_values_local``, ``num_local_patches``: docs/design.md), whole on
+    every CP rank, on the first pipeline stage only (the tower's).
     """
     batch = cp_shard(next(data_iterator))  # this CP rank's 2 chunks of every sequence
     dev = device()
@@ -219,11 +222,23 @@ def _forward_step(data_iterator, model):
     packed = packed_seq_params(batch, dev)
     if packed is not None:
         losses = model(tokens, position_ids, None, labels=labels, loss_mask=loss_mask,
-                       packed_seq_params=packed)  # [1, t]
+                       packed_seq_params=packed, **_images(batch, dev))  # [1, t]
         return losses, partial(_masked_sum, loss_mask)
     # attention_mask=None: the causal mask is applied inside core attention.
     losses = model(tokens, position_ids, None, labels=labels)  # [b, s]
     return losses, partial(_masked_mean, loss_mask)
+
+
+def _images(batch: dict, dev) -> dict:
+    """The micro-batch's image keywords for the model on the first pipeline stage (pixels on
+    the device; ``num_local_patches`` stays on the host, where the model reads it); {} without
+    images or on a later stage."""
+    if "pixel_values" not in batch or not parallel_state.is_pipeline_first_stage():
+        return {}
+    images = {key: batch[key].to(dev, non_blocking=True)
+              for key in ("pixel_values", "pixel_values_local") if key in batch}
+    images["num_local_patches"] = batch["num_local_patches"]
+    return images
 
 
 def schedule_shape(seq_length: int, micro_batch_size: int, packed: bool) -> dict:

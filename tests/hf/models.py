@@ -312,9 +312,11 @@ def transformers_tensors(released: dict, num_layers: int) -> dict:
     return out
 
 
-def mtp_tensors(config, seed=1, dtype=torch.float32) -> dict:
+def mtp_tensors(config, seed=1, dtype=torch.float32, std=None) -> dict:
     """Random released-layout tensors of one MTP layer (global index num_hidden_layers):
-    dense, sliding, with its own head and norm."""
+    dense, sliding, with its own head and norm. ``std``: matrices of that std and norms at 0
+    (transformers' initialisation: its RMSNorms scale by 1 + weight), not the parity tests'
+    larger random values."""
     gen = torch.Generator().manual_seed(seed)
     h, hn, f, v = config.hidden_size, config.head_dim, config.intermediate_size, config.vocab_size
     heads, groups = config.num_sliding_attention_heads, config.num_key_value_heads
@@ -330,7 +332,8 @@ def mtp_tensors(config, seed=1, dtype=torch.float32) -> dict:
         "transformer.shared_head.output.weight": (v, h),
     }
     prefix = f"model.layers.{config.num_hidden_layers}."
-    return {prefix + k: (torch.randn(*s, generator=gen) * (0.5 if len(s) == 1 else 0.2)).to(dtype)
+    scale = {1: 0.5, 2: 0.2} if std is None else {1: 0.0, 2: std}
+    return {prefix + k: (torch.randn(*s, generator=gen) * scale[len(s)]).to(dtype)
             for k, s in shapes.items()}
 
 
@@ -571,3 +574,59 @@ def vl_inputs(seed=3):
             "pixel_values_local": torch.randn(sum(LOCAL_PATCHES), 3, CROP_SIDE, CROP_SIDE,
                                               generator=gen),
             "num_local_patches": torch.tensor(LOCAL_PATCHES)}
+
+
+# ---------------------------------- Step-3.7 of the VL recipe (configs/step37_vl_sft_tiny_cpu.yaml)
+
+VL_TINY = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "vl_tiny")
+VL_TINY_PROCESSOR = os.path.join(VL_TINY, "processor")
+VL_TINY_VOCAB, VL_TINY_IMAGE_TOKEN = 265, 259  # the processor's tokenizer; <im_patch>
+
+
+def step37_recipe_config():
+    """transformers' Step3p7Config of the model configs/step37_vl_sft_tiny_cpu.yaml trains: the
+    text model of configs/step35_sft_tiny_cpu.yaml (64 wide, 4 layers full + sliding, MoE on
+    layers 1-3, 4 experts top-2, clamps) over the vl_tiny processor's 265 ids, and a 2-layer
+    vision tower of width 32 (2 heads, MLP 64) laid out for its 112-pixel global view."""
+    from transformers import Step3p7Config, Step3p7TextConfig, Step3p7VisionConfig
+
+    text = Step3p7TextConfig(
+        vocab_size=VL_TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_sliding_attention_heads=6, sliding_window=16,
+        layer_types=["full_attention"] + ["sliding_attention"] * 3,
+        mlp_layer_types=["dense", "sparse", "sparse", "sparse"], n_routed_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, share_expert_dim=32,
+        moe_router_scaling_factor=3.0, rope_theta=[5000000.0, 10000.0, 10000.0, 10000.0],
+        partial_rotary_factors=[0.5, 1.0, 1.0, 1.0], swiglu_limits=[0.0, 0.0, 0.0, 7.0],
+        swiglu_limits_shared=[0.0, 0.0, 0.0, 16.0], max_position_embeddings=128,
+        rms_norm_eps=1e-5, pad_token_id=0)
+    vision = Step3p7VisionConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                 image_size=112, patch_size=14, mlp_ratio=2.0)
+    return Step3p7Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                         tie_word_embeddings=False, image_token_id=VL_TINY_IMAGE_TOKEN)
+
+
+def save_step37_recipe(directory, seed=0):
+    """A random Step-3.7 release of the recipe's shapes in ``directory``: transformers'
+    ``Step3p7ForConditionalGeneration`` with its own initialisation, saved in the hub's layout,
+    one MTP layer at the same scale (mtp_tensors) and the vl_tiny processor's files (tokenizer,
+    chat template, processor_config.json). Returns the directory."""
+    import shutil
+
+    from transformers import Step3p7ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    model = Step3p7ForConditionalGeneration(step37_recipe_config()).eval()
+    model.save_pretrained(directory, max_shard_size="400KB")  # an index, for add_tensors
+    text = model.config.text_config
+    config = add_tensors(directory, mtp_tensors(text, seed=seed + 1,
+                                                std=text.initializer_range),
+                         "model-mtp.safetensors")
+    config["text_config"].update(num_nextn_predict_layers=1,
+                                 mtp_layer_types=["sliding_attention"],
+                                 mtp_mlp_layer_types=["dense"])
+    write_config(directory, config)
+    for name in os.listdir(VL_TINY_PROCESSOR):
+        shutil.copyfile(os.path.join(VL_TINY_PROCESSOR, name), os.path.join(directory, name))
+    return directory

@@ -111,14 +111,15 @@ def _forward(model, tokens, positions, packed, images):
     return out
 
 
-def _gather_vocab(local):
+def gather_vocab(local, vocab=models.VOCAB):
+    """This TP rank's logits [..., v / TP] -> every rank's [..., vocab] (the padding dropped)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     parts = [torch.empty_like(local) for _ in range(ps.get_tensor_model_parallel_world_size())]
     dist.all_gather(parts, local.detach().contiguous(),
                     group=ps.get_tensor_model_parallel_group())
-    return torch.cat(parts, dim=-1)[..., : models.VOCAB]
+    return torch.cat(parts, dim=-1)[..., :vocab]
 
 
 def _vision_grads(model, vision, hf_names):
@@ -197,7 +198,7 @@ def _parity(hf_dir, inputs, weights, expected, tp=1, pp=1, cp=1, ep=1, sp=False,
             out = _forward(model, tokens, positions, packed, images)
             if out is None:
                 continue
-            result["diff"][name] = (_gather_vocab(out) - ref).abs().max().item()
+            result["diff"][name] = (gather_vocab(out) - ref).abs().max().item()
             if grads and name == "rows":
                 tp_rank = ps.get_tensor_model_parallel_rank()
                 vocab = out.size(-1)
@@ -299,10 +300,9 @@ def _checkpoint_vision(hf_dir, ckpt, key_file):
     recorded in the manifest: the signed load refuses it. Returns (mismatches, the export's
     refusal, the load's refusal, the file changed, LoRA's results on the TP 1 model)."""
     import torch.distributed as dist
-    from torch.distributed.checkpoint import FileSystemReader
 
     import mcore_ext
-    from mcore_ext.checkpoint import manifest, signing
+    from mcore_ext.checkpoint import signing
     from mcore_ext.hf import HFConfigError, load_pretrained
     from mcore_ext.hf.checkpoint import export_checkpoint, import_checkpoint
     from mcore_ext.training.config import load_config
@@ -335,36 +335,43 @@ def _checkpoint_vision(hf_dir, ckpt, key_file):
 
         # megatron stacks a block's layers into one tensor per parameter (layer index first)
         tensor = "vision_model.decoder.layers.self_attention.linear_qkv.weight"
-        where = None
-        if dist.get_rank() == 0:
-            metadata = FileSystemReader(directory).read_metadata()
-            where = next(info for index, info in metadata.storage_data.items()
-                         if index.fqn == tensor and index.offset[0] == 1)  # layer 1's rows
-            path = os.path.join(directory, where.relative_path)
-            with open(path, "r+b") as f:
-                f.seek(where.offset + where.length // 2)
-                byte = f.read(1)
-                f.seek(-1, 1)
-                f.write(bytes([byte[0] ^ 0x10]))
-            # What one without the key can do: record the changed file's size and checksums.
-            data = open(path, "rb").read()
-            manifest_path = os.path.join(directory, manifest.MANIFEST)
-            document = json.load(open(manifest_path))
-            document["files"][where.relative_path].update(
-                size=len(data), crc32=f"{zlib.crc32(data):08x}",
-                sha256=hashlib.sha256(data).hexdigest())
-            with open(manifest_path, "w") as f:
-                json.dump(document, f)
+        changed = flip_byte(directory, tensor) if dist.get_rank() == 0 else None
         dist.barrier()
         refused = None
         try:
             _load(_fresh(hf_dir), directory)
         except Exception as err:  # noqa: BLE001 - the refusal is the result
             refused = f"{type(err).__name__}: {err}"
-        return (wrong, exported, refused, where and where.relative_path,
-                _lora(reference), type(launcher).__name__)
+        return (wrong, exported, refused, changed, _lora(reference), type(launcher).__name__)
     finally:
         signing.use_key_file(None)
+
+
+def flip_byte(directory, tensor):
+    """One byte of ``tensor`` flipped in the checkpoint ``directory`` (of layer 1's rows of a
+    tensor megatron stacks by layer), and what one without the key can do after: the changed
+    file's size, CRC32 and SHA-256 recorded in the manifest. Returns the file changed."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from mcore_ext.checkpoint import manifest
+
+    metadata = FileSystemReader(directory).read_metadata()
+    where = next(info for index, info in metadata.storage_data.items()
+                 if index.fqn == tensor and index.offset[0] == 1)
+    path = os.path.join(directory, where.relative_path)
+    with open(path, "r+b") as f:
+        f.seek(where.offset + where.length // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x10]))
+    data = open(path, "rb").read()
+    manifest_path = os.path.join(directory, manifest.MANIFEST)
+    document = json.load(open(manifest_path))
+    document["files"][where.relative_path].update(
+        size=len(data), crc32=f"{zlib.crc32(data):08x}", sha256=hashlib.sha256(data).hexdigest())
+    with open(manifest_path, "w") as f:
+        json.dump(document, f)
+    return where.relative_path
 
 
 def _lora(model):

@@ -13,6 +13,7 @@ side) and a 56 x 112 one (2 crops stacked: a newline token between them).
 
 import json
 import os
+import shutil
 import types
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import numpy
 import pytest
 import torch
 
-from mcore_ext.data import chat, shapes
+from mcore_ext.data import chat, chat_images, shapes
 
 pytest.importorskip("torchvision", reason="the Step-3.7 image processor needs torchvision")
 pytest.importorskip("PIL", reason="images are decoded with Pillow")
@@ -142,12 +143,12 @@ def chat_images_row(conversation, processor) -> dict:
                                   chat.ChatDataError)
 
 
-def _dataset(chat_file, seq_length, tokenizer, pad_to_multiple=1, samples=None):
+def _dataset(chat_file, seq_length, tokenizer, pad_to_multiple=1, samples=None, images=True):
     from megatron.core.datasets.utils import Split
 
     config = chat.ChatDatasetConfig(random_seed=1, sequence_length=seq_length, split="1,0,0",
                                     tokenizer=None, hf_tokenizer=tokenizer,
-                                    pad_to_multiple=pad_to_multiple)
+                                    pad_to_multiple=pad_to_multiple, images=images)
     return chat.ChatDataset(chat_file, chat_file.path, numpy.arange(len(chat_file)),
                             samples or len(chat_file), Split.train, config)
 
@@ -157,12 +158,21 @@ def _features_per_image(processor, crops) -> list:
             for c in crops]
 
 
+def _feature_index(tokens) -> numpy.ndarray:
+    """The feature row each slot's placeholder takes (-1 elsewhere), by the model's own rule
+    (``placement.placeholder_order``: the n-th placeholder read row-major takes feature n)."""
+    from mcore_ext.vision import placement
+
+    order, _ = placement.placeholder_order(torch.as_tensor(tokens)[None], PLACEHOLDER)
+    return order[0].numpy()
+
+
 def test_packed_rows_keep_each_conversations_images_and_a_micro_batch_of_two_counts_on(
         folder, tokenizer, processor):
     """Best fit packs conversations out of file order; in every row, the placeholders of each
-    document take the features of that document's own images (the pixels transformers' processor
-    gives for it alone), and a micro-batch of two rows numbers the second row's features after
-    the first's."""
+    document take (by the model's numbering of the placeholders) the features of that document's
+    own images (the pixels transformers' processor gives for it alone), and a micro-batch of two
+    rows carries the second row's images after the first's."""
     from mcore_ext.training.data import collate_packed
 
     order = [CONVERSATIONS[2], CONVERSATIONS[0], CONVERSATIONS[1], CONVERSATIONS[2][2:]]
@@ -178,10 +188,10 @@ def test_packed_rows_keep_each_conversations_images_and_a_micro_batch_of_two_cou
             continue
         per_image = _features_per_image(processor, row["num_local_patches"])
         image_of_feature = numpy.repeat(numpy.arange(len(per_image)), per_image)
-        at, image_rows = 0, []
+        at, image_rows, row_index = 0, [], _feature_index(row["tokens"])
         for doc in row_docs:
             n = len(doc.ids) - 1
-            index = row["image_feature_index"][at:at + n]
+            index = row_index[at:at + n]
             assert ((index >= 0) == (row["tokens"][at:at + n] == PLACEHOLDER)).all()
             images = sorted(set(image_of_feature[index[index >= 0]].tolist()))
             assert len(images) == len(doc.images)
@@ -197,12 +207,28 @@ def test_packed_rows_keep_each_conversations_images_and_a_micro_batch_of_two_cou
     assert torch.equal(batch["pixel_values"], torch.cat([r["pixel_values"] for r in first]))
     assert torch.equal(batch["num_local_patches"],
                        torch.cat([r["num_local_patches"] for r in first]))
-    index = batch["image_feature_index"][0]
-    assert index.shape == batch["tokens"][0].shape
-    assert torch.equal(index >= 0, batch["tokens"][0] == PLACEHOLDER)
-    assert index[index >= 0].tolist() == list(range(int((index >= 0).sum())))
-    assert int((index >= 0).sum()) == sum(_features_per_image(processor,
-                                                              batch["num_local_patches"]))
+    assert int((batch["tokens"] == PLACEHOLDER).sum()) == sum(
+        _features_per_image(processor, batch["num_local_patches"]))
+    assert "image_feature_index" not in batch  # the model numbers the placeholders itself
+
+
+def test_rows_of_a_later_pipeline_stage_read_no_image(folder, tokenizer, tmp_path):
+    """``ChatDatasetConfig.images=False`` (pipeline stages after the first, which run no tower):
+    the same rows, tokens and loss, without pixels, and no image is read (the pictures are
+    gone here: the first stage's rows would fail to read them)."""
+    for name in ("square.png", "wide.png", "tall.png"):
+        shutil.copyfile(folder / name, tmp_path / name)
+    chat_file = chat.read_chat_file(str(_write(tmp_path, CONVERSATIONS)), tokenizer, 160)
+    first = _dataset(chat_file, 160, tokenizer)
+    later = _dataset(chat_file, 160, tokenizer, images=False)
+    rows = [first[i] for i in range(len(first))]
+    assert any("pixel_values" in row for row in rows)
+    for name in ("square.png", "wide.png", "tall.png"):
+        os.remove(tmp_path / name)
+    for i, row in enumerate(rows):
+        without = later[i]
+        assert sorted(without) == sorted(k for k in row if k not in chat_images.IMAGE_KEYS)
+        assert all(numpy.array_equal(without[k], row[k]) for k in without)
 
 
 def test_truncation_cuts_before_an_image_it_would_split(folder, tokenizer):
@@ -350,7 +376,8 @@ def _delivered(path, seq_length):
     from megatron.core import parallel_state as ps
     from transformers import AutoTokenizer
 
-    from mcore_ext.training.data import batch_iterator, cp_shard
+    from mcore_ext.training.data import batch_iterator, cp_shard, packed_seq_params
+    from mcore_ext.vision import placement
 
     mcore_ext.init_parallel(tensor_model_parallel_size=2, context_parallel_size=2)
     tokenizer = AutoTokenizer.from_pretrained(PROCESSOR, local_files_only=True)
@@ -360,19 +387,28 @@ def _delivered(path, seq_length):
         training=types.SimpleNamespace(micro_batch_size=2),
         data=types.SimpleNamespace(num_workers=0, source="chat", document_masking=False),
         parallelism=types.SimpleNamespace(context_parallel_size=2, tensor_model_parallel_size=2))
-    batch = cp_shard(next(batch_iterator(dataset, cfg)))
-    keep = ("tokens", "image_feature_index", "pixel_values", "pixel_values_local",
+    whole = next(batch_iterator(dataset, cfg))
+    batch = cp_shard(whole)
+    # the model's numbering of this rank's placeholders among the whole micro-batch's (one
+    # all-gather over the CP group), and the unsplit micro-batch's numbering cut as the tokens
+    batch["order"], batch["total"] = placement.placeholder_order(
+        batch["tokens"], PLACEHOLDER, packed_seq_params(batch, "cpu"),
+        ps.get_context_parallel_group())
+    batch["unsplit"] = cp_shard(dict(whole, tokens=placement.placeholder_order(
+        whole["tokens"], PLACEHOLDER)[0]))["tokens"]
+    keep = ("tokens", "order", "unsplit", "pixel_values", "pixel_values_local",
             "num_local_patches")
     return (ps.get_tensor_model_parallel_rank(), ps.get_context_parallel_rank(),
-            {key: batch[key].numpy() for key in keep})
+            {key: batch[key].numpy() for key in keep} | {"total": batch["total"]})
 
 
 def test_tp2_cp2_ranks_get_the_same_images_and_their_share_of_the_placeholders(
         folder, run_distributed):
     """4 gloo ranks, TP 2 x CP 2 (one DP replica): the two TP ranks of a CP rank hold the same
     micro-batch, pixels included, bit for bit; both CP ranks hold every image of the micro-batch
-    whole, and their shards of the tokens split its placeholders between them: together each
-    feature row exactly once, at placeholder tokens only."""
+    whole, and their shards of the tokens split its placeholders between them, which the
+    model's numbering (``placement.placeholder_order`` over the CP group) gives each feature
+    row exactly once, at placeholder tokens only, in the order of the unsplit micro-batch."""
     path = str(_write(folder, CONVERSATIONS * 2, "ranks.jsonl"))
     results = run_distributed(_delivered, path, 192, world_size=4)
     by_rank = {(tp, cp): batch for tp, cp, batch in results}
@@ -380,13 +416,16 @@ def test_tp2_cp2_ranks_get_the_same_images_and_their_share_of_the_placeholders(
     for cp in (0, 1):
         a, b = by_rank[(0, cp)], by_rank[(1, cp)]
         assert all(numpy.array_equal(a[key], b[key]) for key in a)
+        assert numpy.array_equal(a["order"], a["unsplit"])
     a, b = by_rank[(0, 0)], by_rank[(0, 1)]
     for key in ("pixel_values", "pixel_values_local", "num_local_patches"):
         assert numpy.array_equal(a[key], b[key])
     assert len(a["num_local_patches"]) >= 2
-    index = numpy.concatenate([a["image_feature_index"][0], b["image_feature_index"][0]])
+    index = numpy.concatenate([a["order"][0], b["order"][0]])
     tokens = numpy.concatenate([a["tokens"][0], b["tokens"][0]])
     assert ((index >= 0) == (tokens == PLACEHOLDER)).all()
-    assert a["image_feature_index"].max() >= 0 and b["image_feature_index"].max() >= 0
+    assert a["order"].max() >= 0 and b["order"].max() >= 0
     crops = a["num_local_patches"]
-    assert sorted(index[index >= 0].tolist()) == list(range(int(crops.sum()) * 1 + 4 * len(crops)))
+    features = int(crops.sum()) * 1 + 4 * len(crops)
+    assert sorted(index[index >= 0].tolist()) == list(range(features))
+    assert a["total"] == b["total"] == features

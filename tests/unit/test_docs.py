@@ -58,6 +58,8 @@ class Skip:
 FINE_TUNE = "tests/functional/test_faults.py::test_finetune_relaunch_resumes_the_runs_own_checkpoint"
 HF_ROUND_TRIP = ("tests/hf/test_hf_sft.py::"
                  "test_imported_step35_fine_tunes_on_chat_data_and_exports_what_transformers_decodes")
+VL_README = ("tests/hf/test_hf_step37_sft.py::"
+             "test_imported_release_fine_tunes_on_images_at_tp2_sp_with_the_tower_frozen")
 READY_MEGATRON_LM = ("tests/functional/test_ready_commands.py::"
                      "test_pretrain_megatron_lm_script_trains_and_saves")
 SUITE = "the test suite itself: CI's .ci/run runs `bash scripts/test.sh`, this test included"
@@ -252,6 +254,14 @@ DECISIONS = {
     "parallelism.context_parallel_size=2": Covered(
         "tests/functional/test_sft.py::"
         "test_recipe_at_context_parallel_2_trains_packed_conversations"),
+    # fine-tuning Step-3.7 on images (README)
+    "python -m mcore_ext.hf import --vision HF_DIR runs/step37_ckpt": Covered(VL_README),
+    "torchrun --nproc_per_node=2 launch/pretrain.py --config runs/step37_ckpt/iter_0000000/"
+    "config.yaml parallelism.tensor_model_parallel_size=2 parallelism.sequence_parallel=true "
+    "data.source=chat data.path=configs/vl_tiny/captions.jsonl checkpoint.load=runs/step37_ckpt "
+    "checkpoint.finetune=true checkpoint.save=runs/ft": Covered(VL_README),
+    "torchrun --nproc_per_node=2 launch/pretrain.py --config configs/step37_vl_sft_tiny_cpu.yaml":
+        Covered("tests/hf/test_hf_step37_sft.py::test_recipe_learns_to_read_the_pictures"),
     # packed vs one-conversation-per-row SFT (docs/training.md)
     "python benchmarks/bench_sft_packing.py": Skip(BENCHMARK),
     # the drawn image-caption set (docs/training.md, chat data with images)

@@ -454,6 +454,7 @@ def _validate_chat(cfg: PretrainConfig) -> None:
                               cache_dir=chat_cache_dir(d), write_cache=writer, tokenize=writer)
         if chat is not None:
             _refuse_empty_splits(cfg, len(chat))
+            _check_images(cfg, chat, tokenizer.hf)
     except (ChatDataError, ConfigError) as err:
         failure = str(err)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -462,6 +463,33 @@ def _validate_chat(cfg: PretrainConfig) -> None:
         failure = next((f for f in failures if f is not None), None)
     if failure is not None:
         raise ConfigError(failure)
+
+
+def _check_images(cfg: PretrainConfig, chat, hf_tokenizer) -> None:
+    """Images and the model agree: a file with images needs a vision tower (model.vision), whose
+    placeholder is the processor's; with one, no conversation without images holds its
+    placeholder (nothing would fill it)."""
+    from mcore_ext.data import chat_images
+    from mcore_ext.data.chat import ChatDataError
+
+    d, vision = cfg.data, cfg.model.vision
+    first = next((c for c in chat.conversations if c.images), None)
+    if first is not None and vision is None:
+        raise ConfigError(
+            f"{first.where}: the conversation has images, but the model has no vision tower "
+            "(model.vision is not set): fine-tune a vision-language model (hf import --vision "
+            "of a Step-3.7 folder writes model.vision), or give text-only conversations")
+    if first is not None:
+        processor = chat_images.processor_for(hf_tokenizer.name_or_path, first.where,
+                                              ChatDataError)
+        if processor.image_token_id != vision.image_token_id:
+            raise ConfigError(
+                f"model.vision.image_token_id={vision.image_token_id}, but the processor of "
+                f"data.tokenizer={d.tokenizer!r} writes its image placeholder "
+                f"{processor.image_token!r} as token {processor.image_token_id}: the model and "
+                "the tokenizer are not the same model's")
+    if vision is not None:
+        chat_images.stray_placeholders(chat.conversations, vision.image_token_id, ChatDataError)
 
 
 def _refuse_empty_splits(cfg: PretrainConfig, count: int) -> None:
