@@ -326,3 +326,43 @@ def test_step37_export_refuses_a_changed_signed_processor_file(exported):
     assert "processor_config.json" in out["refused"], out["refused"]
     assert out["refused"].startswith("CheckpointCorruptError"), out["refused"]
     assert not (root / "refused_out").exists()
+
+
+def test_step37_export_refuses_a_vision_model_the_folder_does_not_describe(vl_folder):
+    """The export keeps the source folder's config.json: a checkpoint whose model.vision is not
+    that folder's tower (freeze aside), or that has a vision tower but no Step-3.7 folder behind
+    it, is refused in one line naming the setting."""
+    import dataclasses
+
+    from mcore_ext.hf import HFConfigError
+    from mcore_ext.hf.checkpoint import _check_vision
+    from mcore_ext.hf.config.step3p7 import vision_config
+
+    with open(os.path.join(vl_folder[0], "config.json")) as f:
+        raw = json.load(f)
+    vision = vision_config(raw)
+    _check_vision("CKPT", dataclasses.replace(vision, freeze=False), raw)  # freeze: either way
+    with pytest.raises(HFConfigError, match=r"CKPT: model.vision.num_layers=3, the Step-3.7 "
+                                            r"folder it was imported from has 2"):
+        _check_vision("CKPT", dataclasses.replace(vision, num_layers=3), raw)
+    with pytest.raises(HFConfigError, match="not imported from a Step-3.7 folder"):
+        _check_vision("CKPT", vision, None)
+
+
+def _export_at(directory, out, **layout):
+    import mcore_ext
+    from mcore_ext.hf.checkpoint import export_checkpoint
+
+    mcore_ext.init_parallel(**layout)
+    export_checkpoint(directory, out)
+
+
+@pytest.mark.slow
+def test_step37_trained_vision_export_is_the_same_at_pp2(run_distributed, exported, tmp_path):
+    """The trained run (saved at TP 2 + SP) exported at PP 2 (the tower and projector on the first
+    stage, sent to the writer by their stage) writes the same tensors as at TP 2, bit for bit."""
+    root, _ = exported
+    run = str(root / "run")
+    run_distributed(_export_at, run, str(tmp_path / "pp2"), pipeline_model_parallel_size=2,
+                    world_size=2)
+    models.assert_same_tensors(str(root / "trained_out"), str(tmp_path / "pp2"))
