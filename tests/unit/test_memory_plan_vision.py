@@ -189,7 +189,9 @@ def test_hf_plan_with_vision_counts_the_tower_frozen_or_trained(capsys):
     layout = ["--tp", "8", "--pp", "9", "--ep", "16", "--etp", "1", "--dp", "8"]
     code, text, _ = _plan_cli(capsys, STEP37, *layout)
     assert code == 0 and "vision" not in text
-    first = lambda out: out.splitlines()[3].split()
+    stage = lambda out, k: next(line.split() for line in out.splitlines()
+                                if line.split()[:1] == [str(k)])
+    first = lambda out: stage(out, 0)
     code, frozen, _ = _plan_cli(capsys, STEP37, *layout, "--vision")
     assert code == 0, frozen
     assert ("+ 1,955,848,960 vision tower (frozen) + 25,165,824 projector = 201,365,316,160 "
@@ -199,11 +201,15 @@ def test_hf_plan_with_vision_counts_the_tower_frozen_or_trained(capsys):
     assert first(frozen)[2] == first(trained)[2]  # the same parameters on stage 0
     assert float(first(trained)[-1]) > float(first(frozen)[-1])  # their state: trained only
     assert first(trained)[3:] != first(frozen)[3:] and \
-        frozen.splitlines()[4] == trained.splitlines()[4]  # stage 1 alike
+        stage(frozen, 1) == stage(trained, 1)  # stage 1 alike
     seq = ["--seq", "4096", "--crops", "4", "--breakdown"]
     code, acts, _ = _plan_cli(capsys, STEP37, *layout, "--vision", "trained", *seq)
     assert code == 0 and "images 1 x 728 px + 4 x 504 px" in acts, acts
     assert "vision MLP" in acts and "vision projector input" in acts
+    # docs/memory-plan.md's figures: the trained tower makes the first stage the largest rank
+    assert "largest rank: 54.8 GiB" in acts and first(acts)[-1] == "54.8", acts
+    code, frozen_acts, _ = _plan_cli(capsys, STEP37, *layout, "--vision", *seq)
+    assert "largest rank: 21.4 GiB" in frozen_acts and first(frozen_acts)[-1] == "15.6"
     code, _, err = _plan_cli(capsys, STEP35, "--vision")
     assert code == 2 and err.startswith("error: ") and "vision tower" in err \
         and err.count("\n") == 1, err
