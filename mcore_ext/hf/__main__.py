@@ -2,7 +2,8 @@
 
 Runs as one process (TP = PP = 1) or under torchrun at any TP / PP / EP (``--tp``, ``--pp``,
 ``--ep``, ``--etp``). ``plan`` (HF_DIR or its config.json; no weights read) prints parameters and
-memory per rank at ``--tp --pp --ep --dp``; with ``--seq`` activations too (``--cp --vpp
+memory per rank at ``--tp --pp --ep --dp`` (a Step-3.7 model's vision tower and projector with
+``--vision [frozen|trained]``); with ``--seq`` activations too (``--cp --vpp
 --recompute --micro-batch``), with ``--search`` the layouts with the fewest GPUs that fit. Errors
 are one ``error:`` line and exit code 2, with nothing written; under torchrun the first rank
 prints a mistake every rank finds (a layout the world size does not divide, a bad config), a
@@ -59,6 +60,9 @@ def main(argv=None) -> int:
                      help="optimizer state on every DP rank (default: sharded over DP)")
     pln.add_argument("--gpu-gib", type=float, default=80.0, help="memory of one GPU")
     pln.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    pln.add_argument("--vision", nargs="?", const="frozen", choices=("frozen", "trained"),
+                     help="a Step-3.7 model: its vision tower and projector too, the tower "
+                          "frozen (as import --vision writes it; the default) or trained")
     for p in (imp, exp):
         p.add_argument("--tp", type=int, default=1,
                        help="tensor-parallel size (run under torchrun with a multiple of TP x PP "
@@ -191,23 +195,30 @@ def _plan(args) -> int:
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     try:
-        spec = Step35Config.from_hf_dict(read_json(path, HFConfigError))
+        raw = read_json(path, HFConfigError)
+        spec = Step35Config.from_hf_dict(raw)
+        vision = None
+        if args.vision:
+            from mcore_ext.hf.config.step3p7 import vision_config
+
+            vision = vision_config(raw, freeze=args.vision == "frozen")
         if args.seq or args.search:  # activations too: mcore_ext.plan's table
             from mcore_ext.plan.cli import print_plan
 
             if not args.seq:
                 raise ValueError("--search needs --seq (tokens per sample)")
-            shape = plan.shape_of(spec)
+            shape = plan.shape_of(spec, vision)
             print_plan(shape, args, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, dp=args.dp,
                        distributed_optimizer=not args.no_distributed_optimizer)
             return 0
         rows = plan.plan(spec, tp=args.tp, pp=args.pp, ep=args.ep, dp=args.dp, etp=args.etp,
                          distributed_optimizer=not args.no_distributed_optimizer,
-                         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+                         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                         vision=vision)
     except (OSError, ValueError, HFConfigError) as err:
         return report_error(str(err))
     print(plan.format_plan(spec, rows, tp=args.tp, pp=args.pp, ep=args.ep, dp=args.dp,
-                           etp=args.etp, gpu_gib=args.gpu_gib))
+                           etp=args.etp, gpu_gib=args.gpu_gib, vision=vision))
     return 0
 
 

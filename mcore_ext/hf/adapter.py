@@ -61,6 +61,11 @@ _HF_MODULE = {"self_attention.linear_qkv_lora": "self_attn",
               "mlp.linear_fc1_lora": "mlp", "mlp.linear_fc2_lora": "mlp",
               "mlp.shared_experts.linear_fc1_lora": "mlp.shared_experts",
               "mlp.shared_experts.linear_fc2_lora": "mlp.shared_experts"}
+# Module names of transformers' Step-3.7 vision tower that are also targets of the text model's.
+_TOWER_MODULES = {"q_proj", "k_proj", "v_proj"}
+# adapter_config.json's exclude_modules of an adapter of a model whose text model is under
+# ``root`` beside other modules (peft: re.fullmatch on the module's name): everything else.
+TEXT_MODEL_ONLY = "(?!{root}).*"
 # A routed expert's adapter (its LoraLinear's target) -> the PEFT target parameter.
 _EXPERT_PARAMETER = {"gate_up_proj": "experts.gate_up_proj", "down_proj": "experts.down_proj"}
 
@@ -205,12 +210,18 @@ def save_adapter(model, directory: str, cfg: "lora.LoraConfig", root: str = "mod
     if mtp:  # beside the PEFT files: peft loads the decoder's, load_adapter both
         save_file(mtp, os.path.join(directory, MTP_ADAPTER_WEIGHTS), metadata={"format": "pt"})
     parameters = _expert_parameters(cfg)
+    modules = sorted(t for t in cfg.targets if t not in parameters)
     config = dict(peft_type="LORA", r=cfg.rank, lora_alpha=cfg.alpha,
                   lora_dropout=0.0 if parameters else cfg.dropout,
-                  target_modules=sorted(t for t in cfg.targets if t not in parameters),
+                  target_modules=modules,
                   target_parameters=parameters or None, bias="none", fan_in_fan_out=False,
                   use_rslora=False, init_lora_weights=True, inference_mode=True,
                   modules_to_save=None, task_type=None)
+    if root != "model." and set(modules) & _TOWER_MODULES:
+        # peft matches target_modules by the modules' last names anywhere in the model: in
+        # Step3p7ForConditionalGeneration also the vision tower's q/k/v_proj, where it would add
+        # adapters of its own (B = 0; "missing adapter keys"). Only the text model is adapted.
+        config["exclude_modules"] = TEXT_MODEL_ONLY.format(root=re.escape(root))
     with open(os.path.join(directory, ADAPTER_CONFIG), "w") as f:
         json.dump(config, f, indent=2)
     if dist.is_initialized():

@@ -42,7 +42,7 @@ from mcore_ext.checkpoint.directory import (
     why_not_a_checkpoint,
 )
 from mcore_ext.checkpoint.errors import CheckpointCorruptError, CheckpointNotFoundError
-from mcore_ext.hf import step37
+from mcore_ext.hf import step37, vision_layout
 from mcore_ext.hf.config import HFConfigError, Step35Config
 from mcore_ext.hf.convert import (
     PROVENANCE_NAME,
@@ -101,8 +101,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "added_tokens.json", "chat_template.jinja", "chat_template.json",
                    "tokenizer.model", "vocab.json", "merges.txt",
                    "processor_config.json", "preprocessor_config.json")
-"""The files of a Hugging Face tokenizer that ``import`` copies beside the checkpoint, with the
-processor's (a vision-language model's: chat data with images renders through it)."""
+"""The files of a Hugging Face tokenizer, and of a processor around it (a vision-language
+model's: ``AutoProcessor`` reads processor_config.json or preprocessor_config.json with the
+tokenizer and chat template), that ``import`` copies beside the checkpoint and ``export``
+writes."""
 
 TOKENIZER_DIR = "tokenizer"
 
@@ -299,11 +301,7 @@ def export_checkpoint(ckpt_dir: str, hf_dir: str, *, vocab_size: int | None = No
         raise CheckpointCorruptError(
             f"checkpoint {directory} is corrupt: {manifest.summary(problems)}")
     cfg = _read_launcher_config(directory)
-    if cfg.model.vision is not None:
-        raise HFConfigError(f"{directory}: its model has a vision tower and projector "
-                            "(model.vision, hf import --vision): exporting them is not "
-                            "supported yet, and the folder's untrained ones would be written "
-                            "in their place")
+    vision = cfg.model.vision
     adapters = lora.LoraConfig(rank=cfg.lora.rank, alpha=cfg.lora.alpha,
                                dropout=cfg.lora.dropout, targets=cfg.lora.targets)
     if adapter and not adapters.enabled:
@@ -342,15 +340,20 @@ def export_checkpoint(ckpt_dir: str, hf_dir: str, *, vocab_size: int | None = No
                                 f"{source.vocab_size})")
         vocab_size = vocab_size or source.vocab_size
         extra = source.extra
+    if vision is not None:
+        _check_vision(directory, vision, provenance)
     folder = None  # a Step-3.7 import's folder: its untrained tensors and files are kept
+    written = []  # its tensors written from the model instead: the tower's and projector's
     if provenance is not None and step37.is_step37(provenance) and not adapter:
         folder = find_provenance(directory, cfg, step37.SOURCE_NAME)
         if folder is None:
             raise HFConfigError(f"{directory}: imported from a Step-3.7 folder but no "
                                 f"{step37.SOURCE_NAME} says which (imported before it was "
                                 "written): import the folder again")
+        if vision is not None:
+            written = vision_layout.hf_names(vision, list(folder["tensors"]))
         # Every rank waits for rank 0's reading of the folder (one reader of its bytes).
-        _refuse_on_every_rank(step37.check_source(folder) if _rank() == 0 else None,
+        _refuse_on_every_rank(step37.check_source(folder, written) if _rank() == 0 else None,
                               HFConfigError)
     if vocab_size is None:
         vocab_size = _tokenizer_vocab(cfg)
@@ -370,6 +373,7 @@ def export_checkpoint(ckpt_dir: str, hf_dir: str, *, vocab_size: int | None = No
         max_sequence_length=cfg.model.seq_length,
         backend=backend,
         share_embeddings_and_output_weights=not cfg.model.untie_embeddings_and_output_weights,
+        **({"vision": vision} if vision is not None else {}),
     )
     with cuda_to_cpu():  # megatron moves tied output weights with .cuda() (no-op on GPUs)
         model = (build_hybrid_model if hybrid else build_gpt_model)(config, **build)
@@ -410,7 +414,28 @@ def export_checkpoint(ckpt_dir: str, hf_dir: str, *, vocab_size: int | None = No
         model.hf_config = source.replace(vocab_size=vocab_size)
     save_pretrained(model, hf_dir, vocab_size=vocab_size, max_shard_bytes=max_shard_bytes,
                     extra_config=extra, extra_files=_tokenizer_of(cfg),
-                    kept=step37.KeptTensors(folder) if folder is not None else None)
+                    kept=step37.KeptTensors(folder, written) if folder is not None else None)
+
+
+def _check_vision(directory: str, vision, provenance: dict | None) -> None:
+    """A checkpoint with ``model.vision`` exports into the layout of the Step-3.7 folder it was
+    imported from (``hf import --vision``), whose config.json the export keeps: that folder's
+    tower (``vision_config``) must be the model's, ``freeze`` aside (HFConfigError naming the
+    first setting that differs)."""
+    from mcore_ext.hf.config.step3p7 import vision_config
+
+    if provenance is None or not step37.is_step37(provenance):
+        raise HFConfigError(
+            f"{directory}: its model has a vision tower and projector (model.vision) but it was "
+            "not imported from a Step-3.7 folder (hf import --vision): the export writes them "
+            "into that folder's layout, beside its config.json")
+    folder = dataclasses.asdict(vision_config(provenance))
+    for key, value in dataclasses.asdict(vision).items():
+        if key != "freeze" and folder[key] != value:
+            raise HFConfigError(
+                f"{directory}: model.vision.{key}={value!r}, the Step-3.7 folder it was imported "
+                f"from has {folder[key]!r} (its config.json, which the export keeps, would not "
+                "describe the tower)")
 
 
 def _text_model(spec: Step35Config) -> dict:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from mcore_ext._cpu_compat import cuda_to_cpu
-from mcore_ext.hf import layout
+from mcore_ext.hf import layout, vision_layout
 from mcore_ext.hf.config import HFConfigError, Step35Config
 from mcore_ext.hf.safetensors_io import SafetensorsReader, ShardedSafetensorsWriter
 from mcore_ext.runtime import cpu_group, raise_unless_all_ok
@@ -311,7 +311,7 @@ def load_pretrained(
 def _vision_config(folder: "HFFolder", vision):
     """The ``VisionConfig`` to build (None: the text model alone), checked against the folder:
     every vision tensor present (``vision_layout``)."""
-    from mcore_ext.hf import step37, vision_layout
+    from mcore_ext.hf import step37
     from mcore_ext.hf.config import step3p7
     from mcore_ext.vision import VisionConfig
 
@@ -323,26 +323,16 @@ def _vision_config(folder: "HFFolder", vision):
                             f"{folder.raw.get('model_type')!r}")
     config = vision if isinstance(vision, VisionConfig) else step3p7.vision_config(folder.raw)
     names = set(folder.vision_reader.names)
-    everything = {n for entry in vision_layout.units(config, names, _AllNames())
-                  for n in entry[2]}
-    missing = sorted(everything - names)
+    missing = sorted(set(vision_layout.hf_names(config, names)) - names)
     if missing:
         raise HFConfigError(f"{folder.directory}: {len(missing)} vision tensor(s) its config needs "
                             f"are missing, e.g. {missing[:4]}")
     return config
 
 
-class _AllNames:
-    """Every name is a parameter (for listing all of a config's vision tensors)."""
-
-    def __contains__(self, name):
-        return True
-
-
 def load_vision_into(model, reader, vision) -> None:
     """Copy this rank's slices of the folder's vision tensors into the tower and projector (on
     the first pipeline stage; nothing elsewhere), in the model's dtype."""
-    from mcore_ext.hf import vision_layout
 
     params = {n: p for n, p in model.named_parameters() if vision_layout.is_vision_parameter(n)}
     tp = parallel_state.get_tensor_model_parallel_world_size()
@@ -402,9 +392,8 @@ def _named_params(model, vision: bool = True) -> dict:
     """{name: tensor} of ``model``'s parameters and expert-bias buffers, under GPTModel's names
     (a HybridModel's translated: the layout tables name GPT layers). ``vision=False`` leaves out
     a vision-language model's tower and projector (``load_vision_into`` fills them)."""
-    from mcore_ext.hf.vision_layout import is_vision_parameter
-
-    params = {n: p for n, p in model.named_parameters() if vision or not is_vision_parameter(n)}
+    params = {n: p for n, p in model.named_parameters()
+              if vision or not vision_layout.is_vision_parameter(n)}
     params.update((n, b) for n, b in model.named_buffers()
                   if n.endswith(layout.MEGATRON_FP32_NAMES))  # the router's expert bias
     if not _is_hybrid(model):
@@ -470,12 +459,17 @@ def _layer_units(params: dict, local: str, spec: Step35Config, g: int, hf_prefix
                 yield name, entry, layout.expert_mapping(entry, first + j), hf
 
 
-def _mapped_units(model, spec: Step35Config, vocab: int, params: dict, action: str) -> list:
+def _mapped_units(model, spec: Step35Config, vocab: int, params: dict, action: str,
+                  kept=None) -> list:
     """``_units`` of this rank, after checking (on every rank together) that they map every
-    parameter: one left out would stay uninitialised on load, or be dropped on save."""
+    parameter: one left out would stay uninitialised on load, or be dropped on save. ``kept``
+    (saving a vision-language model): the tower's and projector's units too, in the spelling
+    of ``kept``'s folder, each tensor's shape checked against the folder's."""
     failure = None
     try:
         units = list(_units(model, spec, vocab))
+        if kept is not None:
+            units += _vision_units(model, params, kept)
         unmapped = sorted(set(params) - {name for name, *_ in units})
         if unmapped:
             what = ("would stay uninitialised" if action == "load"
@@ -525,6 +519,27 @@ def _units(model, spec: Step35Config, vocab: int):
                layout.OUTPUT.hf)
 
 
+def _vision_units(model, params: dict, kept) -> list:
+    """(megatron name, None, mapping, HF names) of this rank's vision parameters for saving
+    (none off the first stage), under the names of ``kept``'s folder; HFConfigError when a
+    tensor they make is not the shape the folder's is (``kept.model_shapes``)."""
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    vision = {n: p for n, p in params.items() if vision_layout.is_vision_parameter(n)}
+    items = []
+    for name, mapping, hf_names in vision_layout.units(model.vision, kept.names, vision):
+        param = params[name]
+        local = torch.empty(param.shape, device="meta")
+        split = tp > 1 and getattr(param, "tensor_model_parallel", False)
+        for hf, full in zip(hf_names, mapping.from_locals([local] * (tp if split else 1))):
+            if tuple(full.shape) != kept.model_shapes.get(hf):
+                raise HFConfigError(
+                    f"{name} makes {hf} of shape {tuple(full.shape)}, the Step-3.7 folder's is "
+                    f"{kept.model_shapes.get(hf)} (its vision tower is not this model's)")
+        items.append((name, None, mapping, hf_names))
+    return items
+
+
 # ------------------------------------------------------------------------------------- saving
 
 
@@ -571,9 +586,25 @@ def save_pretrained(model, hf_dir: str, *, vocab_size: int | None = None,
     (a ``step37.KeptTensors`` of a checked Step-3.7 folder): the text model is written under
     that folder's text prefix, its kept tensors after it as they are stored, its config.json
     and other files beside them (``extra_files`` win over its files, its config.json over
-    the text model's)."""
+    the text model's). A vision-language model (``load_pretrained(..., vision=...)``) needs
+    ``kept`` (its config.json describes the tower): its tower and projector are written from
+    the model after the text model, under the folder's names (``vision_layout``), in place of
+    the folder's (``KeptTensors(source, written=vision_layout.hf_names(...))``)."""
     model = unwrap(model)
     spec = spec_of(model, vocab_size, extra_config)
+    vision = getattr(model, "vision", None)  # on every stage of a vision-language model
+    vision_names = {}  # vision unit -> its HF tensors, on every rank
+    if vision is not None:
+        names = vision_layout.hf_names(vision, kept.names) if kept is not None else []
+        missing = [n for n in names if n not in kept.model_shapes] if kept is not None else []
+        if kept is None or missing or not names:
+            raise HFConfigError(
+                "a vision-language model is written into the layout of the Step-3.7 folder it "
+                "came from (its config.json describes the tower): pass kept=step37.KeptTensors("
+                "source, written=vision_layout.hf_names(...))" if kept is None else
+                f"the Step-3.7 folder's tensors {missing[:4]} are kept, not written from the "
+                "model's vision tower")
+        vision_names = vision_layout.unit_names(vision, kept.names)
     world_rank = dist.get_rank() if dist.is_initialized() else 0
     # The tensors travel on the CPU (rank 0 writes them from there): in gloo groups, beside
     # megatron's NCCL groups on a GPU machine.
@@ -589,10 +620,13 @@ def save_pretrained(model, hf_dir: str, *, vocab_size: int | None = None,
     # Routed experts go one at a time from their expert-data-parallel rank 0 (ETP rank 0).
     experts = {}  # (stacked HF name, global expert) -> item, on expert-DP rank 0
     expert_writer = _expert_dp_rank() == 0
-    for item in _mapped_units(model, spec, model.vocab_size, params, "save"):
+    for item in _mapped_units(model, spec, model.vocab_size, params, "save",
+                              kept if vision is not None else None):
         if isinstance(item[2], layout.Expert):
             if expert_writer:
                 experts.update({(n, item[2].index): item for n in item[3]})
+        elif item[1] is None:  # the vision tower's and projector's
+            units.setdefault(vision_layout.unit_of(item[0]), []).append(item)
         else:
             units.setdefault(_unit_of(item[3]), []).append(item)
     mine = {unit: world_rank for unit in units} if owner else {}
@@ -610,7 +644,7 @@ def save_pretrained(model, hf_dir: str, *, vocab_size: int | None = None,
     sender = {}
     for table, _ in gathered:
         sender.update(table)
-    order = _unit_order(spec)
+    order = _unit_order(spec) + list(vision_names)
     absent = [u for u in order if u not in sender and not (u == "lm_head" and "embed" in sender)]
     absent += sorted({n for n in layout.hf_shapes(spec) if n.endswith(layout.STACKED_EXPERT_NAMES)
                       and any((n, e) not in sender for e in range(spec.num_experts))})
@@ -623,7 +657,10 @@ def save_pretrained(model, hf_dir: str, *, vocab_size: int | None = None,
     if kept is not None:
         from mcore_ext.hf.step37 import stored_name
 
-        plan = [(stored_name(n, kept.prefix), d, s) for n, d, s in plan] + kept.plan
+        plan = [(stored_name(n, kept.prefix), d, s) for n, d, s in plan]
+        plan += [(n, dtype, kept.model_shapes[n]) for unit in vision_names
+                 for n in vision_names[unit]]
+        plan += kept.plan
         failure = None
         if world_rank == 0:  # the writer's: each file checked as read (kept.files)
             try:
@@ -648,20 +685,22 @@ def save_pretrained(model, hf_dir: str, *, vocab_size: int | None = None,
                 tensors = {"lm_head.weight": kept_embedding} if world_rank == source else {}
             if unit == "embed" and tied and world_rank == source:
                 kept_embedding = tensors["model.embed_tokens.weight"]
-            for name in _unit_names(unit, shapes):
-                out_dtype = layout.hf_dtype(name, dtype)
-                if name.endswith(layout.STACKED_EXPERT_NAMES):
+            stored = unit in vision_names  # written under the folder's own names
+            for name in vision_names[unit] if stored else _unit_names(unit, shapes):
+                out_dtype = dtype if stored else layout.hf_dtype(name, dtype)
+                shape = kept.model_shapes[name] if stored else shapes[name]
+                if not stored and name.endswith(layout.STACKED_EXPERT_NAMES):
                     _write_experts(name, spec.num_experts, experts, sender, params, writer,
-                                   (1, *shapes[name][1:]), out_dtype)
+                                   (1, *shape[1:]), out_dtype)
                 elif world_rank == 0 and source == 0:
-                    writer.write(name, tensors[name].to(out_dtype))
+                    _write(writer, name, tensors[name].to(out_dtype), stored)
                 elif world_rank == source:
                     dist.send(tensors[name].to(out_dtype).contiguous(), dst=0,
                               group=world_group)
                 elif world_rank == 0:
-                    tensor = torch.empty(shapes[name], dtype=out_dtype)
+                    tensor = torch.empty(shape, dtype=out_dtype)
                     dist.recv(tensor, src=source, group=world_group)
-                    writer.write(name, tensor)
+                    _write(writer, name, tensor, stored)
             del tensors
         if writer is not None and kept is not None:  # the kept tensors, bit for bit
             try:
@@ -680,6 +719,13 @@ def save_pretrained(model, hf_dir: str, *, vocab_size: int | None = None,
         raise
     # Every rank waits for the writer, and raises its refusal of a kept tensor with it.
     _raise_on_every_rank(failure, world_group)
+
+
+def _write(writer, name: str, tensor: torch.Tensor, stored: bool) -> None:
+    if stored:
+        writer.write(name, tensor, stored=True)
+    else:
+        writer.write(name, tensor)
 
 
 def _raise_on_every_rank(failure: HFConfigError | None, group) -> None:

@@ -133,12 +133,14 @@ def _where(source: dict) -> str:
     return f"the Step-3.7 folder this checkpoint was imported from ({source['path']})"
 
 
-def check_source(source: dict) -> str | None:
+def check_source(source: dict, written=()) -> str | None:
     """Why the folder an import came from cannot give its kept tensors and files back (gone, a
     tensor or file missing, a tensor of another dtype or shape); None when it can. Reads only
     headers: the bytes are checked as the export reads them to write them (``KeptTensors``), so
-    what is checked is what is written."""
+    what is checked is what is written. ``written``: the tensors the export writes from the
+    model instead (a vision-language model's tower and projector), not read from the folder."""
     path = source["path"]
+    written = set(written)
     where = _where(source)
     if not os.path.isdir(path):
         return f"{where} is gone: its vision tower and other untrained tensors are copied from it"
@@ -148,6 +150,8 @@ def check_source(source: dict) -> str | None:
         return f"{where} no longer reads: {err}"
     try:
         for name, fingerprint in source["tensors"].items():
+            if name in written:
+                continue
             if name not in reader.names:
                 return f"{where} has changed: {name} is missing"
             dtype, shape = reader.info(name)
@@ -166,13 +170,21 @@ class KeptTensors:
     """The kept tensors of a checked source folder, for ``save_pretrained``: their plan entries,
     written after the text model's, and their bytes as stored, each checked against its
     fingerprint as it is read for writing (HFConfigError naming it when it differs: the folder
-    changed since the import, or since ``check_source``)."""
+    changed since the import, or since ``check_source``).
 
-    def __init__(self, source: dict):
+    ``written``: tensors of the folder that the model writes instead (a vision-language
+    model's tower and projector, ``vision_layout.hf_names``): left out of ``plan``, their
+    shapes in ``model_shapes`` (the folder's, which the model's must be) and the folder's names
+    in ``names`` (their spelling)."""
+
+    def __init__(self, source: dict, written=()):
         self.source = source
         self.prefix = source["text_prefix"]
+        self.names = list(source["tensors"])
+        written = [n for n in written if n in source["tensors"]]
+        self.model_shapes = {n: tuple(source["tensors"][n]["shape"]) for n in written}
         self.plan = [(name, getattr(torch, f["dtype"]), tuple(f["shape"]))
-                     for name, f in source["tensors"].items()]
+                     for name, f in source["tensors"].items() if name not in self.model_shapes]
         self._reader = None
 
     def get(self, name: str) -> torch.Tensor:

@@ -168,3 +168,37 @@ def units(vision, names, params):
 
 def is_vision_parameter(name: str) -> bool:
     return name.startswith((MODEL_PREFIX, "vision_projection."))
+
+
+class _Every:
+    """Every name is a parameter (to list all of a config's tensors, whatever the model holds)."""
+
+    def __contains__(self, name):
+        return True
+
+
+def hf_names(vision, names) -> list:
+    """Every HF tensor of ``vision``'s tower and projector in ``names``' spelling, in the table's
+    order (the tensors a vision-language model's export writes from its parameters)."""
+    return [n for _, _, hf in units(vision, names, _Every()) for n in hf]
+
+
+def unit_of(megatron: str) -> str:
+    """The export's unit of a vision parameter (one unit's tensors are gathered and written
+    together): ``vision_head`` (patch embedding, positions, ln_pre), ``vision_layer<i>``,
+    ``vision_tail`` (the two convolutions and the projector)."""
+    layers = MODEL_PREFIX + "decoder.layers."
+    if megatron.startswith(layers):
+        return f"vision_layer{megatron[len(layers):].split('.')[0]}"
+    if megatron.startswith(("vision_projection.", MODEL_PREFIX + "downsampler")):
+        return "vision_tail"
+    return "vision_head"
+
+
+def unit_names(vision, names) -> dict:
+    """{unit: its HF tensors} of ``vision``'s tower and projector in ``names``' spelling, the
+    units in the export's order (``unit_of``)."""
+    out = {}
+    for name, _, hf in units(vision, names, _Every()):
+        out.setdefault(unit_of(name), []).extend(hf)
+    return out

@@ -114,13 +114,10 @@ def search(shape: ModelShape, work: Workload, *, usable_gib: float, max_gpus: in
 def format_plan(shape: ModelShape, rows: list, layout: Layout, work: Workload,
                 gpu_gib: float) -> str:
     """The per-stage table of ``plan_memory``'s rows."""
-    from mcore_ext.plan.params import model_totals
+    from mcore_ext.plan.params import describe_totals
 
-    totals = model_totals(shape)
     lines = [
-        f"model: {totals['main'] + totals['router_bias']:,} main (incl. {totals['router_bias']:,}"
-        f" fp32 router-bias elements) + {totals['mtp']:,} MTP = "
-        f"{totals['parameters'] + totals['router_bias']:,} elements",
+        describe_totals(shape),
         *([f"LoRA: r {shape.lora_rank} on {' '.join(shape.lora_targets)}; the base frozen "
            f"(bf16 weights only), the adapters trained: "
            f"{rows[0].count.adapter + rows[0].count.expert_adapter:,} on a rank of the first "
@@ -131,7 +128,9 @@ def format_plan(shape: ModelShape, rows: list, layout: Layout, work: Workload,
         f"micro-batch: {work.micro_batch} x {work.seq} tokens, recompute {work.recompute}, "
         f"expert load {work.expert_load} x balanced, sliding layers {work.sliding_kernel}"
         + (", packed documents (per-document attention: the same per-token terms, no scores "
-           "stored)" if work.packed else ""),
+           "stored)" if work.packed else "")
+        + (", images " + " + ".join(f"{count} x {side} px" for side, count in work.images)
+           + " (every view on every CP rank)" if shape.vision is not None else ""),
         f"{'stage':>5} {'layers':>11} {'params/rank':>15} {'weights':>8} {'grads':>8} "
         f"{'main':>8} {'adam':>8} {'act/mb':>8} {'in fl.':>6} {'act peak':>9} {'total GiB':>10}",
     ]
@@ -141,7 +140,7 @@ def format_plan(shape: ModelShape, rows: list, layout: Layout, work: Workload,
         span = f"{min(c.layers)}-{max(c.layers)}" if c.layers else "-"
         g = {k: v / GIB for k, v in row.state.items()}
         worst = max(worst, row.total / GIB)
-        params = c.dense + c.expert + c.adapter + c.expert_adapter
+        params = c.dense + c.expert + c.adapter + c.expert_adapter + c.frozen_vision
         lines.append(
             f"{c.stage:>5} {span:>11} {params:>15,} {g['bf16 weights']:>8.1f} "
             f"{g['fp32 grads']:>8.1f} {g['fp32 main weights']:>8.1f} {g['Adam state']:>8.1f} "

@@ -6,7 +6,9 @@ micro-batch times the micro-batches the stage holds (megatron's 1F1B schedule), 
 layout (TP, PP, CP, EP, ETP, sequence parallelism), ``model.seq_length``,
 ``training.micro_batch_size`` and ``model.recompute_granularity`` unless the options say
 otherwise; packed documents (``--packed``) where the config packs them (``data.source: chat``
-with ``data.pack``, or ``data.document_masking``). ``--search`` lists the layouts with the fewest GPUs that fit. Nothing is built.
+with ``data.pack``, or ``data.document_masking``); with ``model.vision`` the vision tower and
+projector too (``--images`` / ``--crops`` per micro-batch). ``--search`` lists the layouts with
+the fewest GPUs that fit. Nothing is built.
 Errors are one ``error:`` line and exit code 2.
 """
 
@@ -85,6 +87,7 @@ def _load(args):
         tied_embeddings=not cfg.model.untie_embeddings_and_output_weights)
     if args.without_mtp:
         shape = shape.without_mtp()
+    shape = shape.with_vision(cfg.model.vision)  # Step-3.7's tower and projector, if any
     adapters = cfg.lora
     return cfg, with_lora(shape, LoraConfig(rank=adapters.rank, alpha=adapters.alpha,
                                             dropout=adapters.dropout, targets=adapters.targets))

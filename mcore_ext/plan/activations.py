@@ -50,6 +50,13 @@ layers for the documents too short to be banded (t_i <= 2 B). The ``masked`` sli
 counted at one [s, s] mask (a document as long as the row), and under CP megatron pads every
 document to a multiple of 2 x CP inside the row's s tokens (no more tokens per rank).
 
+A Step-3.7 model's vision tower and projector (``ModelShape.vision``, the first stage) add
+what ``vision_bytes`` lists for the micro-batch's images (``Workload.images``): nothing but the
+projector's input when the tower is frozen (it runs without a graph), its layers' activations
+per patch when trained, for every view on every CP rank (the tower is not split over CP), the
+patches split over TP under sequence parallelism. The tower's peak while it runs (before the
+text layers' forward, after their backward) sits beside its own saved tensors alone.
+
 Tokens: a rank holds ``s x b / CP`` tokens; norms (and linear inputs after them) hold
 ``1 / TP`` of them under sequence parallelism; a MoE layer's router sees the rank's sequence
 shard, and its experts receive ``T x k x ETP x load`` routed copies (``load`` 1 = balanced,
@@ -119,6 +126,7 @@ class Workload:
     num_microbatches: Optional[int] = None  # caps the micro-batches a pipeline stage holds
     packed: bool = False  # rows of packed documents (THD, per-document attention): see the module
     documents: Optional[tuple] = None  # one packed row's document lengths (the CPU scores term)
+    images: tuple = ()  # a vision model's views per micro-batch: ((side in pixels, count), ...)
 
     def __post_init__(self):
         if self.recompute not in RECOMPUTE:
@@ -337,6 +345,75 @@ def layer_bytes(shape: ModelShape, layer: LayerShape, layout: Layout, work: Work
     return out
 
 
+def _views(shape: ModelShape, layout: Layout, work: Workload):
+    """(side, views, tokens, tokens of the rank's sequence-parallel shard) per view size of the
+    micro-batch's images: the tower runs each size's views in one call, every image whole on
+    every CP rank, its patches split over TP under sequence parallelism."""
+    v = shape.vision
+    for side, count in work.images:
+        if count:
+            tokens = count * v.patches(side)
+            yield side, count, tokens, tokens // layout.tp if layout.sp else tokens
+
+
+def vision_bytes(shape: ModelShape, layout: Layout, work: Workload) -> Breakdown:
+    """What the vision tower and projector save for one micro-batch's images (the first stage).
+
+    Trained (``model.vision.freeze: false``), per view size of T patches (T_sp of them on the
+    rank under SP), b bytes per element: conv1's input pixels and ln_pre's input (whole: before
+    the scatter); per layer its two LayerNorms' inputs (+ fp32 mean and 1/std per token),
+    linear_qkv's and fc1's inputs and the two layer scales' inputs (x + bias, for the scale's
+    gradient), T_sp x C each; linear_qkv's output (3 C / TP, q / k / v views of it), q and k after
+    RoPE, SDPA's output and its reshaped copy (linear_proj's input), SDPA's fp32 log-sum-exp, T
+    each; quick-GELU's x, sigmoid(1.702 x) and product (fc2's input), 3 x T x F / TP; after the
+    layers the two convolutions' inputs (C x g^2, 2C x (g/2)^2 per view). Frozen (the default;
+    and under LoRA), the tower runs without a graph and saves nothing. The projector, trained
+    unless LoRA freezes it, saves its input (4 C per feature)."""
+    v = shape.vision
+    out = Breakdown()
+    if v is None:
+        return out
+    b, c, f, tp = work.dtype_bytes, v.hidden, v.ffn, layout.tp
+    trained = not (v.frozen or shape.lora_rank)
+    for side, count, tokens, tokens_sp in _views(shape, layout, work):
+        if not shape.lora_rank:
+            out.add("vision projector input", count * v.features(side) * 4 * c * b)
+        if not trained:
+            continue
+        grid = side // v.patch
+        out.add("vision conv1 input", count * v.channels * side * side * b)
+        out.add("vision ln_pre input", tokens * (c * b + 2 * FP32))
+        layers = v.layers
+        out.add("vision norms", layers * 2 * tokens_sp * (c * b + 2 * FP32))
+        out.add("vision linear inputs", layers * 2 * tokens_sp * c * b)
+        out.add("vision layer scale inputs", layers * 2 * tokens_sp * c * b)
+        out.add("vision linear_qkv output", layers * tokens * b * 3 * c / tp)
+        out.add("vision q, k after RoPE", layers * tokens * b * 2 * c / tp)
+        out.add("vision attention output", layers * 2 * tokens * b * c / tp)
+        out.add("vision log-sum-exp", layers * tokens * FP32 * v.heads / tp)
+        out.add("vision MLP", layers * 3 * tokens * b * f / tp)
+        half = (grid + 1) // 2
+        out.add("vision downsampler inputs", count * (c * grid * grid + 2 * c * half * half) * b)
+    return out
+
+
+def vision_transient(shape: ModelShape, layout: Layout, work: Workload) -> float:
+    """The most the tower allocates beyond what it saves while it runs (its largest view size's
+    call, one layer at a time): in the forward the layer's input and quick-GELU's three
+    [T, F / TP] tensors (the MLP's peak; a frozen tower frees each as it goes), in the backward
+    of a trained tower as much again for their gradients."""
+    v = shape.vision
+    if v is None:
+        return 0.0
+    trained = not (v.frozen or shape.lora_rank)
+    most = 0.0
+    for _, _, tokens, tokens_sp in _views(shape, layout, work):
+        one = tokens * work.dtype_bytes * (3 * v.ffn / layout.tp) + tokens_sp * work.dtype_bytes \
+            * v.hidden
+        most = max(most, one * (2 if trained else 1))
+    return most
+
+
 def head_bytes(shape: ModelShape, layout: Layout, work: Workload) -> Breakdown:
     """One output head: its final norm, its input, the fp32 softmax of the loss."""
     from mcore_ext.plan.params import padded_vocab
@@ -420,6 +497,9 @@ class StageActivations:
     batch: Breakdown  # per batch, shared by layers and micro-batches (masks)
     forward_transient: float  # at the end of the forward (the logits)
     backward_transient: float  # in a layer's backward (or its recompute)
+    vision: Breakdown = field(default_factory=Breakdown)  # the tower's and projector's (in saved)
+    vision_transient: float = 0.0  # while the tower runs (before the text layers' forward and
+    # after their backward: beside the vision's saved tensors alone)
 
     @property
     def per_microbatch(self) -> float:
@@ -428,7 +508,8 @@ class StageActivations:
     @property
     def peak(self) -> float:
         last = max(self.per_microbatch + self.forward_transient,
-                   self.saved.total + self.backward_transient)
+                   self.saved.total + self.backward_transient,
+                   self.vision.total + self.vision_transient)
         return (self.microbatches - 1) * self.per_microbatch + last + self.batch.total
 
 
@@ -453,6 +534,11 @@ def stage_activations(shape: ModelShape, layout: Layout, work: Workload) -> list
             for one in layer_saved:
                 saved.merge(one)
             backward = max(transients, default=0.0)
+        vision, vision_moment = Breakdown(), 0.0
+        if stage == 0 and shape.vision is not None:
+            vision = vision_bytes(shape, layout, work)
+            saved.merge(vision)
+            vision_moment = vision_transient(shape, layout, work)
         forward = 0.0
         if last:
             heads = 1 + (shape.mtp_layers if shape.mtp_own_heads else 0)
@@ -461,7 +547,8 @@ def stage_activations(shape: ModelShape, layout: Layout, work: Workload) -> list
             forward = n * work.dtype_bytes * (padded_vocab(shape, layout.tp) / layout.tp
                                               + shape.hidden)
         out.append(StageActivations(stage, layers, saved, head, in_flight(layout, stage, work),
-                                    batch_bytes(shape, layers, layout, work), forward, backward))
+                                    batch_bytes(shape, layers, layout, work), forward, backward,
+                                    vision, vision_moment))
     return out
 
 

@@ -30,6 +30,13 @@ def add_activation_args(parser: argparse.ArgumentParser, defaults: dict | None =
     p.add_argument("--packed", action="store_true", default=d.get("packed", False),
                    help="rows of packed documents (chat SFT, document masking), each attending "
                         "only to itself")
+    p.add_argument("--images", type=int, default=1,
+                   help="a vision-language model's images (global views) per micro-batch "
+                        "(default 1)")
+    p.add_argument("--crops", type=int, default=0,
+                   help="a vision-language model's local crops per micro-batch (default 0)")
+    p.add_argument("--crop-size", type=int, default=504,
+                   help="side of a local crop in pixels (default 504, Step-3.7's processor)")
     p.add_argument("--breakdown", action="store_true", help="also print each stage's terms")
     p.add_argument("--search", action="store_true",
                    help="list the layouts with the fewest GPUs that fit --gpu-gib with "
@@ -40,17 +47,30 @@ def add_activation_args(parser: argparse.ArgumentParser, defaults: dict | None =
     p.add_argument("--max-gpus", type=int, default=1024)
 
 
-def workload(args) -> Workload:
+def workload(args, shape=None) -> Workload:
+    """The micro-batch of ``args``; a vision model's (``shape.vision``) images: ``--images``
+    global views of the tower's image size and ``--crops`` crops of ``--crop-size``."""
     load = args.expert_load if args.expert_load == "worst" else float(args.expert_load)
+    images = ()
+    if shape is not None and shape.vision is not None:
+        for name in ("images", "crops", "crop_size"):
+            if getattr(args, name) < (1 if name == "crop_size" else 0):
+                raise PlanError(f"--{name.replace('_', '-')} {getattr(args, name)}: expected a "
+                                "non-negative count" if name != "crop_size" else
+                                f"--crop-size {args.crop_size}: expected a positive size")
+        if args.crop_size % shape.vision.patch:
+            raise PlanError(f"--crop-size {args.crop_size} is not a multiple of the vision "
+                            f"tower's patch size {shape.vision.patch}")
+        images = ((shape.vision.image_size, args.images), (args.crop_size, args.crops))
     return Workload(seq=args.seq, micro_batch=args.micro_batch, recompute=args.recompute,
                     expert_load=load, sliding_kernel=args.sliding_kernel,
-                    packed=args.packed)
+                    packed=args.packed, images=images)
 
 
 def print_plan(shape, args, *, tp, pp, ep, etp, dp, sp=None, distributed_optimizer=True) -> None:
     """Print the plan of ``args`` (or, with --search, the layouts that fit). PlanError /
     ValueError for a layout that cannot be planned."""
-    work = workload(args)
+    work = workload(args, shape)
     if args.search:
         usable = args.gpu_gib * (1 - args.headroom)
         found = search(shape, work, usable_gib=usable, max_gpus=args.max_gpus)

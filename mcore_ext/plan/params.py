@@ -25,6 +25,10 @@ rank's rows are not one block (fewer query groups than TP); a row-parallel one (
 o_proj, fc2's down_proj) splits A's columns over TP and replicates B. Each local routed expert
 (``experts.gate_up_proj`` / ``experts.down_proj``, expert TP 1) has its own A and B on its whole
 fc1 ([gate ; up]) and fc2. The MTP layers' attention and MLP are adapted as a main layer's.
+
+Step-3.7's vision tower and projector (``ModelShape.vision``) are on the first stage
+(``vision_counts``): the projector trained (2 + 4 + 12 bytes, dense), the tower trained likewise
+or, frozen (``model.vision.freeze``, the default, and under LoRA), bf16 weights only.
 """
 
 from dataclasses import dataclass
@@ -48,6 +52,7 @@ class StageCount:
     adapter: int = 0  # LoRA adapter parameters on the rank (trained; the base is then frozen)
     expert_adapter: int = 0  # LoRA adapters of the rank's routed experts (expert parameters)
     frozen: bool = False  # LoRA: dense and expert parameters have no gradients or optimizer state
+    frozen_vision: int = 0  # a frozen vision tower's parameters (weights only; trained: in dense)
 
 
 def layer_counts(shape: ModelShape, layer: LayerShape, tp: int, ep: int, etp: int):
@@ -75,6 +80,27 @@ def layer_counts(shape: ModelShape, layer: LayerShape, tp: int, ep: int, etp: in
     if layer.mtp:  # enorm, hnorm, eh_proj, its final norm (its head: see stage_counts)
         dense += 3 * h * (2 if shape.layer_norm else 1) + 2 * h * h // tp
     return dense, expert, bias
+
+
+def vision_counts(shape: ModelShape, tp: int) -> tuple:
+    """(tower, projector) elements on one rank of the first stage: the layers' linear weights and
+    their column-parallel biases split over TP (megatron's ViT layers); norms, layer scales,
+    the row-parallel biases, the patch embedding, the position table and the two convolutions
+    whole on every rank; the projector's rows split (a column-parallel linear)."""
+    v = shape.vision
+    if v is None:
+        return 0, 0
+    c, f = v.hidden, v.ffn
+    layer = (4 * c  # input and pre-MLP LayerNorms (weight, bias)
+             + (3 * c * c + 3 * c) // tp + c * c // tp + c  # linear_qkv (bias), linear_proj
+             + 2 * c  # the two layer scales
+             + (f * c + f) // tp + c * f // tp + c)  # fc1 (bias), fc2
+    tower = (v.channels * v.patch ** 2 * c  # conv1, no bias
+             + (v.image_size // v.patch) ** 2 * c + 2 * c  # position table, ln_pre
+             + v.layers * layer
+             + 2 * c * c * 9 + 2 * c + 4 * c * 2 * c * 9 + 4 * c)  # downsampler1, downsampler2
+    projector = shape.hidden * 4 * c // tp + (shape.hidden // tp if v.projector_bias else 0)
+    return tower, projector
 
 
 def with_lora(shape: ModelShape, cfg) -> ModelShape:
@@ -164,9 +190,14 @@ def stage_counts(shape: ModelShape, tp: int = 1, pp: int = 1, ep: int = 1,
                         f"{etp}: the launcher trains them at "
                         "parallelism.expert_tensor_parallel_size=1 only")
     vocab_rows = padded_vocab(shape, tp) // tp
+    tower, projector = vision_counts(shape, tp)
+    frozen_tower = shape.vision is not None and (shape.vision.frozen or bool(shape.lora_rank))
     out = []
     for stage, layers in enumerate(split_layers(shape, pp, vpp)):
-        dense = expert = bias = adapter = expert_adapter = 0
+        dense = expert = bias = adapter = expert_adapter = frozen_vision = 0
+        if stage == 0:  # the vision tower and projector, before the embedding (LoRA: frozen)
+            dense += projector + (0 if frozen_tower else tower)
+            frozen_vision = tower if frozen_tower else 0
         for index in layers:
             d, e, b = layer_counts(shape, shape.layers[index], tp, ep, etp)
             dense, expert, bias = dense + d, expert + e, bias + b
@@ -183,7 +214,7 @@ def stage_counts(shape: ModelShape, tp: int = 1, pp: int = 1, ep: int = 1,
             if shape.tied_embeddings and pp == 1:
                 dense -= vocab_rows * shape.hidden
         out.append(StageCount(stage, layers, dense, expert, bias, adapter, expert_adapter,
-                              frozen=bool(shape.lora_rank)))
+                              frozen=bool(shape.lora_rank), frozen_vision=frozen_vision))
     return out
 
 
@@ -202,7 +233,7 @@ def state_bytes(count: StageCount, *, dp: int, edp: int, distributed_optimizer: 
         trained = params + adapters
         sharded = (count.dense + count.adapter) * dense_share + count.expert * expert_share
     return {
-        "bf16 weights": 2 * (params + adapters) + 4 * count.expert_bias,
+        "bf16 weights": 2 * (params + adapters + count.frozen_vision) + 4 * count.expert_bias,
         "fp32 grads": 4 * trained,
         "fp32 main weights": 4 * sharded,
         "Adam state": 8 * sharded,
@@ -210,13 +241,27 @@ def state_bytes(count: StageCount, *, dp: int, edp: int, distributed_optimizer: 
 
 
 def model_totals(shape: ModelShape) -> dict:
-    """Whole-model element counts at TP = PP = EP = 1 without vocabulary padding: main model,
-    MTP layers (their heads included) and the fp32 router bias."""
+    """Whole-model element counts at TP = PP = EP = 1 without vocabulary padding: main (text)
+    model, MTP layers (their heads included), the fp32 router bias, and a Step-3.7 model's
+    vision tower and projector; ``parameters``: all of them but the router bias."""
     unpadded = ModelShape(**{**shape.__dict__, "make_vocab_size_divisible_by": 1})
     (count,) = stage_counts(unpadded)
     head = shape.vocab * shape.hidden if shape.mtp_own_heads else 0
     mtp = sum(sum(layer_counts(shape, layer, 1, 1, 1)[:2]) + head
               for layer in shape.layers[shape.num_layers:])
-    params = count.dense + count.expert
-    return {"parameters": params, "mtp": mtp, "main": params - mtp,
-            "router_bias": count.expert_bias}
+    tower, projector = vision_counts(shape, 1)
+    params = count.dense + count.expert + count.frozen_vision
+    return {"parameters": params, "mtp": mtp, "main": params - mtp - tower - projector,
+            "router_bias": count.expert_bias, "vision": tower, "projector": projector}
+
+
+def describe_totals(shape: ModelShape) -> str:
+    """The plan's first line: the model's element counts (``model_totals``)."""
+    t = model_totals(shape)
+    vision = ""
+    if shape.vision is not None:
+        frozen = "frozen" if shape.vision.frozen or shape.lora_rank else "trained"
+        vision = (f" + {t['vision']:,} vision tower ({frozen}) + {t['projector']:,} projector")
+    return (f"model: {t['main'] + t['router_bias']:,} main (incl. {t['router_bias']:,} fp32 "
+            f"router-bias elements) + {t['mtp']:,} MTP{vision} = "
+            f"{t['parameters'] + t['router_bias']:,} elements")

@@ -4,7 +4,8 @@
 made from a Hugging Face config): per layer its attention kind (heads, query groups, head dim,
 window), whether it is MoE (experts, top-k, widths, clamps) or dense, and the model-wide sizes
 (hidden, vocabulary, norms, MTP depths). Layers are numbered from 0; MTP depth k is layer
-``num_layers + k``, as in Hugging Face's checkpoint.
+``num_layers + k``, as in Hugging Face's checkpoint. A Step-3.7 model's vision tower and
+projector are a ``VisionShape`` beside them (``ModelShape.with_vision``).
 """
 
 from dataclasses import dataclass
@@ -35,6 +36,44 @@ class LayerShape:
 
 
 @dataclass(frozen=True)
+class VisionShape:
+    """Step-3.7's vision tower and projector (``mcore_ext.vision.VisionConfig``) in front of the
+    text model, on the first pipeline stage: ``layers`` ViT layers of width ``hidden`` (LayerNorm,
+    biases, quick-GELU MLP of width ``ffn``, two layer scales), the patch embedding (no bias) and
+    position table of ``image_size`` / ``patch`` squared patches, ln_pre, two 3 x 3 stride-2
+    convolutions (C -> 2C -> 4C) and the projector (4C -> the text model's hidden size)."""
+
+    hidden: int
+    layers: int
+    heads: int
+    ffn: int
+    channels: int = 3
+    patch: int = 14
+    image_size: int = 728
+    projector_bias: bool = False
+    frozen: bool = True  # the tower frozen (model.vision.freeze); the projector trains
+
+    @classmethod
+    def from_config(cls, vision) -> "VisionShape":
+        return cls(hidden=vision.hidden_size, layers=vision.num_layers,
+                   heads=vision.num_attention_heads, ffn=vision.ffn_hidden_size,
+                   channels=vision.num_channels, patch=vision.patch_size,
+                   image_size=vision.image_size, projector_bias=vision.projector_bias,
+                   frozen=vision.freeze)
+
+    def patches(self, side: int) -> int:
+        """Patches of a side x side view (the tower's tokens)."""
+        return (side // self.patch) ** 2
+
+    def features(self, side: int) -> int:
+        """Features (placeholder tokens) of a side x side view: the patch grid halved twice."""
+        grid = side // self.patch
+        for _ in range(2):
+            grid = (grid + 1) // 2
+        return grid * grid
+
+
+@dataclass(frozen=True)
 class ModelShape:
     hidden: int
     vocab: int  # rows of the embedding / output heads before padding
@@ -49,6 +88,7 @@ class ModelShape:
     make_vocab_size_divisible_by: int = 128
     lora_rank: int = 0  # LoRA's r: the base frozen, adapters trained (``params.with_lora``)
     lora_targets: tuple = ()  # the PEFT names adapted (mcore_ext.lora's resolution)
+    vision: Optional[VisionShape] = None  # Step-3.7's tower and projector (first stage)
 
     @property
     def mtp_layers(self) -> int:
@@ -61,6 +101,11 @@ class ModelShape:
     def without_mtp(self) -> "ModelShape":
         """The main layers alone (``--without-mtp``)."""
         return ModelShape(**{**self.__dict__, "layers": self.layers[: self.num_layers]})
+
+    def with_vision(self, vision) -> "ModelShape":
+        """With a ``VisionConfig``'s tower and projector (None: without)."""
+        return ModelShape(**{**self.__dict__, "vision": None if vision is None
+                             else VisionShape.from_config(vision)})
 
     @classmethod
     def from_transformer_config(cls, config, *, vocab_size: int,

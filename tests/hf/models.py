@@ -506,7 +506,7 @@ VL_SEQ = 24
 LOCAL_PATCHES = [2, 0, 1]  # crops of the 3 images: row 0 holds images 0 and 1, row 2 image 2
 
 
-def tiny_vl_images_config(text_config=None, vision_layers=2):
+def tiny_vl_images_config(text_config=None, vision_layers=2, image_token_id=IMAGE_TOKEN):
     """tiny_vl_config for runs with images: a 2-layer vision tower of width 16 (2 heads of 8)
     whose position table is laid out for GLOBAL_SIDE (8 x 8 patches: the global view uses it as
     is, a CROP_SIDE crop interpolates it), and the placeholder IMAGE_TOKEN inside the vocabulary."""
@@ -517,7 +517,7 @@ def tiny_vl_images_config(text_config=None, vision_layers=2):
                                  num_attention_heads=2, image_size=GLOBAL_SIDE, patch_size=14,
                                  mlp_ratio=2.0)
     return Step3p7Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
-                         tie_word_embeddings=False, image_token_id=IMAGE_TOKEN)
+                         tie_word_embeddings=False, image_token_id=image_token_id)
 
 
 VISION_SCALE = 0.25  # the vision weights' build() scale x this: features of the text's size
@@ -630,3 +630,68 @@ def save_step37_recipe(directory, seed=0):
     for name in os.listdir(VL_TINY_PROCESSOR):
         shutil.copyfile(os.path.join(VL_TINY_PROCESSOR, name), os.path.join(directory, name))
     return directory
+
+
+# ------------------------------------------- Step-3.7 with the repository's tiny processor
+
+PROCESSOR = VL_TINY_PROCESSOR  # Step3p7Processor: 112 px views, 56 px crops
+
+
+def tiny_vl_processor_config():
+    """tiny_vl_images_config for the tiny processor's tokens: vocabulary 265, <im_patch> 259,
+    128 positions (a rendered caption is about 60 tokens)."""
+    text = tiny_moe_config(vocab_size=VL_TINY_VOCAB, max_position_embeddings=128)
+    return tiny_vl_images_config(text_config=text, image_token_id=VL_TINY_IMAGE_TOKEN)
+
+
+def save_vl_with_processor(model, directory, *, mtp=True):
+    """save_vl with the tiny processor's files (processor_config.json, tokenizer, chat template)
+    in place of save_vl's stand-in preprocessor_config.json."""
+    import shutil
+
+    save_vl(model, directory, mtp=mtp)
+    os.remove(os.path.join(directory, "preprocessor_config.json"))
+    for name in sorted(os.listdir(PROCESSOR)):
+        shutil.copyfile(os.path.join(PROCESSOR, name), os.path.join(directory, name))
+    return directory
+
+
+CAPTIONS = (0, 2)  # configs/vl_tiny/captions.jsonl lines: 2 local crops + global view; global only
+
+
+def caption_conversations(lines=CAPTIONS):
+    """(conversations, their images as PIL images) of ``lines`` of configs/vl_tiny/captions.jsonl,
+    plus a conversation without an image."""
+    from PIL import Image
+
+    with open(os.path.join(VL_TINY, "captions.jsonl")) as f:
+        every = [json.loads(line)["messages"] for line in f]
+    conversations = [every[i] for i in lines]
+    images = []
+    for messages in conversations:
+        for part in messages[0]["content"]:
+            if part["type"] == "image":
+                with Image.open(os.path.join(VL_TINY, part["path"])) as image:
+                    images.append(image.convert("RGB"))
+    conversations.append([{"role": "user", "content": "Hi there."},
+                          {"role": "assistant", "content": "Hello."}])
+    return conversations, images
+
+
+def render(processor, conversations, images) -> dict:
+    """``processor``'s batch of the conversations (chat template, then the processor; right
+    padded): input_ids, attention_mask, pixel_values, pixel_values_local, num_local_patches."""
+    texts = [processor.apply_chat_template(c, tokenize=False) for c in conversations]
+    return dict(processor(text=texts, images=images, padding=True, return_tensors="pt"))
+
+
+def processor_batch(processor_dir=PROCESSOR) -> dict:
+    """The tiny processor's batch of caption_conversations (3 rows: an image with 2 crops, an
+    image without crops, no image), without the attention mask (right padding: the rows' real
+    tokens come first)."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(processor_dir, local_files_only=True)
+    batch = render(processor, *caption_conversations())
+    del batch["attention_mask"]
+    return batch

@@ -324,8 +324,8 @@ def _export_swapping_between_check_and_write(ckpt, out, shard, name):
 
     check = step37.check_source
 
-    def check_then_swap(source):
-        found = check(source)
+    def check_then_swap(source, *written):
+        found = check(source, *written)
         tensors = load_file(shard)
         tensors[name] = tensors[name] + 1
         save_file(tensors, shard, metadata={"format": "pt"})

@@ -24,8 +24,6 @@ torchrun and compares its caption loss on the true pictures with configs/vl_tiny
 
 import contextlib
 import json
-import os
-import shutil
 
 import pytest
 import torch

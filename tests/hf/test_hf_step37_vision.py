@@ -295,15 +295,15 @@ def _load(model, directory):
 def _checkpoint_vision(hf_dir, ckpt, key_file):
     """``hf import --vision`` at TP 2 with a signing key; the checkpoint loaded at TP 2 into the
     folder's model and at TP 1 into the launcher's model of its config.yaml (the vision weights
-    against the folder's at each layout); ``hf export`` of it refused; then one byte of a tower
+    against the folder's at each layout); ``hf export`` of it at TP 1; then one byte of a tower
     layer's weights flipped in its data file and the file's new size, CRC32 and SHA-256
     recorded in the manifest: the signed load refuses it. Returns (mismatches, the export's
-    refusal, the load's refusal, the file changed, LoRA's results on the TP 1 model)."""
+    folder, the load's refusal, the file changed, LoRA's results on the TP 1 model)."""
     import torch.distributed as dist
 
     import mcore_ext
     from mcore_ext.checkpoint import signing
-    from mcore_ext.hf import HFConfigError, load_pretrained
+    from mcore_ext.hf import load_pretrained
     from mcore_ext.hf.checkpoint import export_checkpoint, import_checkpoint
     from mcore_ext.training.config import load_config
     from mcore_ext.training.loop import build_model, padded_vocab_size
@@ -327,11 +327,8 @@ def _checkpoint_vision(hf_dir, ckpt, key_file):
             launcher = build_model(cfg, padded_vocab_size(models.VOCAB, cfg)).module
         got = _vision_state(_load(launcher, directory))
         wrong += [n for n in expected if not torch.equal(got[n], expected[n])]
-        try:
-            export_checkpoint(ckpt, os.path.join(ckpt, "..", f"out{dist.get_rank()}"))
-            exported = None
-        except HFConfigError as err:
-            exported = str(err)
+        exported = os.path.join(ckpt, "..", "frozen_out")
+        export_checkpoint(ckpt, exported)  # at TP 1, 2 data-parallel ranks
 
         # megatron stacks a block's layers into one tensor per parameter (layer index first)
         tensor = "vision_model.decoder.layers.self_attention.linear_qkv.weight"
@@ -394,20 +391,24 @@ def vision_checkpoint(run_distributed_shared, vl_images, tmp_path_factory):
                                   str(key), world_size=2)
 
 
-def test_step37_vision_weights_import_reshard_tp2_to_tp1_and_are_signed(vision_checkpoint):
+def test_step37_vision_weights_import_reshard_tp2_to_tp1_and_are_signed(vision_checkpoint,
+                                                                        vl_images):
     """The tower's and projector's weights go through megatron's sharded checkpoint: ``hf import
     --vision`` at TP 2 (config.yaml's model.vision), loaded at TP 2 and, into the launcher's
     model of that config.yaml (HybridModel, what import writes by default), at TP 1 bit for bit
     (TP-split layers and projector, replicated convolutions); a signed checkpoint covers them:
     one byte of a tower layer's weights flipped in its data file, the file's checksums rewritten
-    in the manifest, and the load is refused (the signature does not verify). Its export is
-    refused in one message until the vision export is written (the folder's untrained projector
-    would be exported)."""
+    in the manifest, and the load is refused (the signature does not verify). Its export at
+    TP 1 (before the flip) gives every tensor of the folder back bit for bit, the frozen tower
+    and the projector among them (before the vision export: refused in one line, "exporting
+    them is not supported yet")."""
     for wrong, exported, refused, _, _, launcher in vision_checkpoint:
         assert wrong == []
         assert launcher == "VisionLanguageMTPHybridModel"
-        assert "exporting them is not supported yet" in exported, exported
         assert refused is not None and "signature does not verify" in refused, refused
+    exported = vision_checkpoint[0][1]
+    models.assert_same_tensors(vl_images[0], exported)
+    assert any(n.startswith("vision_model.") for n in models.read_tensors(exported))
     assert vision_checkpoint[0][3].endswith(".distcp"), vision_checkpoint[0][3]
 
 

@@ -286,6 +286,12 @@ DECISIONS = {
     "python -m mcore_ext.plan --config configs/step35_flash.yaml --vocab-size 128896 --seq "
     "262144 --search": Covered(
         "tests/unit/test_memory_plan.py::test_search_lists_the_fewest_gpus_that_fit_first"),
+    # the vision tower in the plan (docs/memory-plan.md): the same entry and arguments, and the
+    # figure the page quotes
+    "python -m mcore_ext.hf plan tests/hf/fixtures/step37_flash_config.json --tp 8 --pp 9 --ep 16 "
+    "--etp 1 --dp 8 --seq 4096 --crops 4 --vision trained --breakdown": Covered(
+        "tests/unit/test_memory_plan_vision.py::"
+        "test_hf_plan_with_vision_counts_the_tower_frozen_or_trained"),
     "python -m mcore_ext.hf plan HF_DIR --tp 2 --pp 9 --ep 16 --etp 1 --dp 8 --seq 4096 "
     "--recompute selective": Covered(
         "tests/unit/test_memory_plan.py::test_the_launcher_config_and_the_hf_config_plan_alike"),
