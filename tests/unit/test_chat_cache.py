@@ -1,13 +1,17 @@
-"""The tokenization cache of chat data (``mcore_ext.data.chat.load_chat_file`` with a cache
-directory; issue 33): a second start reads the cache without calling the tokenizer and packs the
-same rows; a changed byte of the file or a changed loss_on is another cache; a temporary file
-left by a killed writer is never read; a bad line raises file:line and writes nothing. On 2 gloo
-ranks through the launcher's config validation: the first rank tokenizes and caches, the other
-tokenizes nothing, and a later start tokenizes nothing on either rank.
+"""The store of chat data's tokenized conversations (``mcore_ext.data.chat.load_chat_file`` with a
+cache directory, ``mcore_ext.data.chat_store``; issues 33 and 56): a second start reads the store
+without calling the tokenizer and packs the same rows; a changed byte of the file or a changed
+loss_on is another store; a writer killed halfway (SIGKILL) leaves nothing a start takes for a
+store, and the next start builds it whole; of two writers at once one builds, the other waits and
+reads; worker processes build the same store as the one-process path, token for token; a bad line
+raises file:line and writes nothing; a start reads the index only (its memory does not grow with
+the conversations). On 2 gloo ranks through the launcher's config validation: the first rank
+tokenizes and stores, the other tokenizes nothing, and a later start tokenizes nothing on either
+rank; a blend of two files with weights and a validation file of its own.
 
 The file is the first 24 conversations of the tiny recipe's configs/sft_tiny/chat.jsonl, the
-tokenizer its byte-level ChatML one. The reference is the file tokenized without a cache
-(``read_chat_file``).
+tokenizer its byte-level ChatML one. The reference is the file tokenized without a cache in one
+process (``read_chat_file``).
 """
 
 import os
@@ -77,6 +81,8 @@ def _same_file(a: chat.ChatFile, b: chat.ChatFile) -> None:
 
 
 def test_second_start_reads_the_cache_and_packs_the_same_rows(tokenizer, tmp_path, calls):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
     path = _write_data(tmp_path / "data", 24)
     # one conversation longer than seq_length: the counts line must come back from the cache
     reference = chat.read_chat_file(str(path), tokenizer, 64)
@@ -85,14 +91,24 @@ def test_second_start_reads_the_cache_and_packs_the_same_rows(tokenizer, tmp_pat
     calls["n"] = 0
     first = _load(path, tokenizer, tmp_path / "cache", write_cache=True)
     assert calls["n"] == 24
-    (cached,) = os.listdir(tmp_path / "cache")
-    assert cached.startswith("chat-") and cached.endswith(".npz")
+    (cached,) = os.listdir(tmp_path / "cache")  # one store, no lock or temporary left
+    assert cached.startswith("chat-chat-")
+    assert sorted(os.listdir(tmp_path / "cache" / cached)) == [
+        "loss.bin", "loss.idx", "loss_counts.npy", "meta.json", "tokens.bin", "tokens.idx"]
     assert os.listdir(tmp_path / "data") == ["chat.jsonl"]  # nothing beside the user's file
     second = _load(path, tokenizer, tmp_path / "cache")
-    assert calls["n"] == 24  # read from the cache: the tokenizer is not called
+    assert calls["n"] == 24  # read from the store: the tokenizer is not called
+    assert second.store is not None and second.ids(0).dtype == numpy.uint16  # megatron's dtype
     _same_file(second, reference)
     _same_file(first, reference)
     assert second.summary(SEQ) == reference.summary(SEQ)
+    # megatron's own IndexedDataset reads the store's tokens and flags
+    tokens = IndexedDataset(str(tmp_path / "cache" / cached / "tokens"))
+    flags = IndexedDataset(str(tmp_path / "cache" / cached / "loss"))
+    assert len(tokens) == len(flags) == 24
+    for i, conversation in enumerate(reference.conversations):
+        assert tokens[i].tolist() == conversation.ids.tolist()
+        assert flags[i].astype(bool).tolist() == conversation.loss.tolist()
     for got, want in zip(_rows(second), _rows(reference), strict=True):
         assert got.keys() == want.keys()
         for key in want:
@@ -153,28 +169,203 @@ def test_a_changed_tokenizer_file_is_another_cache_its_weights_are_not_read(tmp_
     assert cache_path() != before
 
 
-def test_a_killed_writers_temporary_file_is_never_read(tokenizer, tmp_path, calls, monkeypatch):
+def test_a_leftover_temporary_store_and_a_failed_write_leave_nothing_that_is_read(
+        tokenizer, tmp_path, calls, monkeypatch, capsys):
     path, cache = _write_data(tmp_path / "data", 8), tmp_path / "cache"
-    final = chat.chat_cache_path(str(path), tokenizer, SEQ, "assistant", "truncate", str(cache))
-    cache.mkdir()
+    final = Path(chat.chat_cache_path(str(path), tokenizer, SEQ, "assistant", "truncate",
+                                      str(cache)))
     leftover = Path(f"{final}.otherhost-12345.tmp")  # a writer killed before its rename
-    leftover.write_bytes(b"PK\x03\x04 half a zip")
-    # a write that fails midway (disk full) leaves neither its temporary file nor the cache
-    def fail(*args, **kwargs):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(numpy, "savez", fail)
-    _load(path, tokenizer, cache, write_cache=True)
-    assert sorted(os.listdir(cache)) == [leftover.name]
+    leftover.mkdir(parents=True)
+    (leftover / "tokens.bin").write_bytes(b"\x01\x00" * 10)
+    assert _load(path, tokenizer, cache, tokenize=False) is None  # the leftover is no store
+    # a write that fails at its end (disk full) leaves neither its temporary store nor the
+    # store, and the dead writer's leftover of the same key is cleared by the one that held
+    # the lock after it; the conversations are tokenized in memory
+    monkeypatch.setattr(chat.chat_store.StoreWriter, "finalize",
+                        lambda *a: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    _same_file(_load(path, tokenizer, cache, write_cache=True),
+               chat.read_chat_file(str(path), tokenizer, SEQ))
+    assert "cannot be cached" in capsys.readouterr().out
+    assert os.listdir(cache) == []
     monkeypatch.undo()
+    final.mkdir()  # a store's folder that is not one (a disk error): ignored, and built again
+    (final / "meta.json").write_text("{")
     monkeypatch.setattr(chat, "tokenize_conversation", lambda *a, **k: pytest.fail("tokenized"))
-    assert _load(path, tokenizer, cache, tokenize=False) is None  # the leftover is not a cache
-    Path(final).write_bytes(leftover.read_bytes())  # not a cache file (a disk error): ignored
     assert _load(path, tokenizer, cache, tokenize=False) is None
     monkeypatch.undo()
-    loaded = _load(path, tokenizer, cache, write_cache=True)  # and written over
-    assert sorted(os.listdir(cache)) == sorted([leftover.name, os.path.basename(final)])
+    loaded = _load(path, tokenizer, cache, write_cache=True)
+    assert loaded.store is not None and os.listdir(cache) == [final.name]
     _same_file(_load(path, tokenizer, cache, tokenize=False), loaded)
+
+
+def _write_store(path, cache, delay, out, render_calls=None):
+    """In a forked process: the store of ``path`` written with ``delay`` seconds a
+    conversation, in chunks of 3 lines or so; its tokenizer calls and output into ``out``."""
+    import contextlib
+    import io
+    import json
+    import time
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER, local_files_only=True)
+    chat._FILES.clear()
+    calls, tokenize = [], chat.tokenize_conversation
+
+    def slow(*args, **kwargs):
+        calls.append(1)
+        with open(f"{out}.calls", "a") as f:
+            f.write("1")
+        time.sleep(delay)
+        return tokenize(*args, **kwargs)
+
+    chat.tokenize_conversation = slow
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):
+        loaded = chat.load_chat_file(str(path), tokenizer, SEQ, "assistant", "truncate",
+                                     cache_dir=str(cache), write_cache=True, workers=1,
+                                     chunk_bytes=300)
+    Path(out).write_text(json.dumps({"calls": len(calls), "said": said.getvalue(),
+                                     "ids": [c.ids.tolist() for c in loaded.conversations]}))
+
+
+def _fork(*args):
+    import multiprocessing
+
+    process = multiprocessing.get_context("fork").Process(target=_write_store, args=args)
+    process.start()
+    return process
+
+
+def test_a_writer_killed_halfway_leaves_no_store_and_the_next_start_builds_it(tokenizer,
+                                                                              tmp_path, calls):
+    """A writer (a forked process) SIGKILLed once it has written part of its store: no store
+    is taken from what it left; its lock died with it, so the next start does not wait, builds
+    the store whole (the one-process reference's tokens) and clears the leftover."""
+    import signal
+    import time
+
+    path, cache = _write_data(tmp_path / "data", 24), tmp_path / "cache"
+    final = Path(chat.chat_cache_path(str(path), tokenizer, SEQ, "assistant", "truncate",
+                                      str(cache)))
+    out = tmp_path / "killed.json"
+    writer = _fork(path, cache, 0.2, out)
+    progress, deadline = Path(f"{out}.calls"), time.monotonic() + 120
+    while time.monotonic() < deadline and writer.is_alive() and not (
+            progress.is_file() and len(progress.read_text()) >= 8):  # a third of the file
+        time.sleep(0.05)
+    os.kill(writer.pid, signal.SIGKILL)
+    writer.join()
+    assert writer.exitcode == -signal.SIGKILL and not final.exists()
+    assert 8 <= len(progress.read_text()) < 24 and not out.exists()  # it had not finished
+    (partial,) = cache.glob("*.tmp")  # what it left
+    assert (partial / "tokens.bin").is_file()
+    assert _load(path, tokenizer, cache, tokenize=False) is None
+    calls["n"] = 0
+    start = time.monotonic()
+    loaded = _load(path, tokenizer, cache, write_cache=True)
+    assert time.monotonic() - start < 60 and calls["n"] == 24
+    assert sorted(os.listdir(cache)) == [final.name]  # the leftover and the lock are gone
+    _same_file(loaded, chat.read_chat_file(str(path), tokenizer, SEQ))
+
+
+def test_of_two_writers_at_once_one_builds_and_the_other_waits_and_reads(tokenizer, tmp_path):
+    """Two processes (as the first ranks of two nodes on one filesystem) ask for the same store
+    at once: one tokenizes every conversation, the other none (it waits for the lock, says so,
+    and reads the store); both read the reference's tokens."""
+    import json
+
+    path, cache = _write_data(tmp_path / "data", 24), tmp_path / "cache"
+    writers = [_fork(path, cache, 0.05, tmp_path / f"{k}.json") for k in range(2)]
+    for writer in writers:
+        writer.join(timeout=300)
+        assert writer.exitcode == 0
+    results = [json.loads((tmp_path / f"{k}.json").read_text()) for k in range(2)]
+    assert sorted(r["calls"] for r in results) == [0, 24], results
+    waited = next(r for r in results if r["calls"] == 0)["said"]
+    assert "[data] waiting for " in waited and "tokenizing" in waited, waited
+    built = next(r for r in results if r["calls"] == 24)["said"]
+    assert built.count("tokenized conversations cached in") == 1, built
+    reference = [c.ids.tolist() for c in chat.read_chat_file(str(path), tokenizer,
+                                                             SEQ).conversations]
+    assert results[0]["ids"] == results[1]["ids"] == reference
+    assert len(os.listdir(cache)) == 1
+
+
+def test_worker_processes_build_the_one_process_tokens(tokenizer, tmp_path):
+    """The recipe's 256 conversations with blank lines, a last line without its newline, cut
+    (seq_length 64) or dropped, in chunks of about 2 KB over 2 worker processes: the store holds
+    ``read_chat_file``'s conversations (ids, loss flags) in file order and its counts; a bad
+    line deep in the file is its error, file:line, and nothing is stored."""
+    lines = (ROOT / "configs" / "sft_tiny" / "chat.jsonl").read_text().splitlines(True)
+    lines[10:10] = ["\n", "   \n"]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(lines).rstrip("\n"))
+    for overlong in ("truncate", "drop"):
+        chat._FILES.clear()
+        stored = chat.load_chat_file(str(path), tokenizer, 64, "assistant", overlong,
+                                     cache_dir=str(tmp_path / "cache"), write_cache=True,
+                                     workers=2, chunk_bytes=2048)
+        reference = chat.read_chat_file(str(path), tokenizer, 64, overlong=overlong)
+        assert stored.store is not None and stored.store.meta["built"]["workers"] == 2
+        assert reference.truncated + reference.dropped > 0 and reference.lines == 258
+        _same_file(stored, reference)
+        assert stored.summary(64) == reference.summary(64)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(lines[:200]) + '{"prompt": "Q"}\n' + "".join(lines[200:]))
+    with pytest.raises(chat.ChatDataError) as reference_error:
+        chat.read_chat_file(str(bad), tokenizer, 64)
+    assert str(reference_error.value).startswith(f"{bad}:201: ")
+    with pytest.raises(chat.ChatDataError) as error:
+        chat.load_chat_file(str(bad), tokenizer, 64, "assistant", "truncate",
+                            cache_dir=str(tmp_path / "bad_cache"), write_cache=True, workers=2,
+                            chunk_bytes=2048)
+    assert str(error.value) == str(reference_error.value)
+    assert not (tmp_path / "bad_cache").exists()
+
+
+def test_a_start_reads_the_index_only_its_memory_does_not_grow_with_conversations(tmp_path):
+    """Stores of 1,000 and 100,000 conversations (written directly: random ids, the same
+    shape), each opened and packed once (the rows saved), then a second start measured with
+    tracemalloc: opening the store, the split's ChatDataset (megatron's indices given) and its
+    first sample. The memory it allocates differs by less than 64 KiB between the two (the old
+    .npz cache read every conversation: about 2.2 KB each, 220 MB here)."""
+    import tracemalloc
+
+    from megatron.core.datasets.utils import Split
+
+    from mcore_ext.data import chat_store
+
+    rng = numpy.random.default_rng(0)
+    peaks = []
+    for count in (1_000, 100_000):
+        directory = tmp_path / f"store{count}"
+        writer = chat_store.StoreWriter(str(directory), 259)
+        lengths = rng.integers(20, 120, count).astype(numpy.int32)
+        ids = rng.integers(0, 259, int(lengths.sum()))
+        loss = rng.random(len(ids)) < 0.4
+        starts = numpy.concatenate([[0], lengths.cumsum()[:-1]])
+        counts = numpy.add.reduceat(loss.astype(numpy.int32), starts) - loss[starts]
+        writer.add_chunk(ids, loss, lengths, counts, None)
+        writer.finalize({"lines": count, "truncated": 0, "dropped": 0})
+        writer.close()
+        config = chat.ChatDatasetConfig(random_seed=1, sequence_length=SEQ, split="1,0,0",
+                                        tokenizer=None, hf_tokenizer=None,
+                                        path_to_cache=str(tmp_path / "rows"))
+        indices = numpy.arange(count, dtype=numpy.int32)
+
+        def start():
+            source = chat.ChatFile.from_store("x", chat_store.open_store(str(directory)))
+            dataset = chat.ChatDataset(source, "x", indices, 4 * count, Split.train, config)
+            return dataset[0]
+
+        start()  # the rows are built and saved
+        tracemalloc.start()
+        first = start()
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+        assert first["tokens"].shape == (SEQ,)
+    assert peaks[1] - peaks[0] < 64 << 10, peaks
 
 
 def test_a_bad_line_raises_file_and_line_and_caches_nothing(tokenizer, tmp_path, calls):
@@ -182,7 +373,7 @@ def test_a_bad_line_raises_file_and_line_and_caches_nothing(tokenizer, tmp_path,
     path.write_text(path.read_text() + "{'role': 'user'}\n")
     with pytest.raises(chat.ChatDataError, match=f"^{path}:5: not JSON"):
         _load(path, tokenizer, tmp_path / "cache", write_cache=True)
-    assert not (tmp_path / "cache").exists() or not os.listdir(tmp_path / "cache")
+    assert not (tmp_path / "cache").exists()
 
 
 def _validate_twice(data: str, cache: str) -> dict:
