@@ -376,6 +376,31 @@ def test_a_bad_line_raises_file_and_line_and_caches_nothing(tokenizer, tmp_path,
     assert not (tmp_path / "cache").exists()
 
 
+def test_the_preprocess_command_builds_the_store_a_run_then_reads(tokenizer, tmp_path, capsys,
+                                                                 calls):
+    """``python -m mcore_ext.data.preprocess --chat`` with the run's tokenizer, seq_length and
+    cache directory: the store the launcher's start then reads without tokenizing; a bad line is
+    one error line naming file:line, exit 2, nothing stored."""
+    from mcore_ext.data.preprocess import main
+
+    path, cache = _write_data(tmp_path / "data", 8), tmp_path / "cache"
+    assert main(["--chat", str(path), "--tokenizer", str(TOKENIZER), "--seq-length", str(SEQ),
+                 "--cache-dir", str(cache)]) == 0
+    out = capsys.readouterr().out
+    assert f"[data] {path}: 8 conversations" in out and f"store {cache}/chat-chat-" in out, out
+    calls["n"] = 0
+    _same_file(_load(path, tokenizer, cache, tokenize=False),
+               chat.read_chat_file(str(path), tokenizer, SEQ))
+    assert calls["n"] == 8  # the reference only
+    bad = _write_data(tmp_path / "bad", 3)
+    bad.write_text(bad.read_text() + "{'role': 'user'}\n")
+    assert main(["--chat", str(bad), "--tokenizer", str(TOKENIZER), "--seq-length", str(SEQ),
+                 "--cache-dir", str(tmp_path / "bad_cache")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {bad}:4: not JSON") and err.count("\n") == 1, err
+    assert not (tmp_path / "bad_cache").exists()
+
+
 def _validate_twice(data: str, cache: str) -> dict:
     """On every rank: the recipe's config validated for 2 ranks as two starts in a row, the
     tokenizer calls of each (a start is a new process: the memo is cleared)."""
@@ -417,3 +442,45 @@ def test_first_rank_caches_and_the_other_tokenizes_nothing_on_gloo(tmp_path, run
         errors = [error for _, error in result["counts"]]
         assert all(e and e.startswith(f"{bad}:5: not JSON (") for e in errors), result
         assert result["cache"] == []
+
+
+def _blend_datasets(folder: str) -> dict:
+    """On every rank: the recipe with data.path a blend of a.jsonl and b.jsonl weighted 3 : 1
+    and data.valid_path c.jsonl, validated (the stores built) and its datasets built as the
+    launcher builds them; the text of every train and validation sample's documents."""
+    from mcore_ext.data.tokenizers import load_tokenizer
+    from mcore_ext.training.config import load_config
+    from mcore_ext.training.data import build_datasets
+
+    chat._FILES.clear()
+    cfg = load_config(str(RECIPE), [
+        f"data.path=[3, {folder}/a.jsonl, 1, {folder}/b.jsonl]",
+        f"data.valid_path={folder}/c.jsonl", f"data.cache_dir={folder}/cache",
+        "training.train_iters=10", "training.eval_iters=2"], world_size=2)
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    train, valid = build_datasets(cfg, tokenizer)
+
+    def texts(split):
+        return [tokenizer.hf.decode(sample["tokens"][sample["loss_mask"] > 0])
+                for sample in (split[i] for i in range(len(split)))]
+
+    return {"train": texts(train), "valid": texts(valid)}
+
+
+def test_a_blend_with_weights_and_a_validation_file_on_gloo(tmp_path, run_distributed):
+    """megatron's blend form in data.path ([3, a, 1, b]) and data.valid_path: the 80 training
+    samples (10 steps of 8) are rows of a and of b, 60 and 20 (megatron's BlendedDataset
+    follows the weights exactly at this size), none of c; the 16 validation samples are rows of
+    c only; both ranks see the same samples."""
+    import json
+
+    for name, answer in (("a", "AAAA"), ("b", "BBBB"), ("c", "CCCC")):
+        (tmp_path / f"{name}.jsonl").write_text("".join(
+            json.dumps({"prompt": f"Q{i}", "completion": answer}) + "\n" for i in range(40)))
+    first, second = run_distributed(_blend_datasets, str(tmp_path), world_size=2)
+    assert first == second
+    train, valid = first["train"], first["valid"]
+    assert len(train) == 80 and len(valid) == 16
+    kinds = [tuple(a in t for a in ("AAAA", "BBBB", "CCCC")) for t in train]
+    assert kinds.count((True, False, False)) == 60 and kinds.count((False, True, False)) == 20
+    assert all("CCCC" in t and "AAAA" not in t and "BBBB" not in t for t in valid)

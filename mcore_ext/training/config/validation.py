@@ -327,6 +327,9 @@ def _validate_experts(m, p, world_size: int) -> None:
 
 
 def _validate_data(d: DataConfig, t: TrainingConfig) -> None:
+    if d.valid_path is not None and d.source != "chat":
+        raise ConfigError(f"data.valid_path is read with data.source=chat only, got "
+                          f"data.source={d.source}")
     if d.source in ("files", "stdlib") and not d.prefix:
         raise ConfigError(f"data.source={d.source} needs data.prefix (path prefix of .bin/.idx)")
     if d.source == "files":
@@ -358,9 +361,6 @@ def _validate_data(d: DataConfig, t: TrainingConfig) -> None:
         )
     if d.build_workers is not None and d.build_workers < 1:
         raise ConfigError(f"data.build_workers={d.build_workers} must be at least 1 (or null)")
-    if d.valid_path is not None and d.source != "chat":
-        raise ConfigError(f"data.valid_path is read with data.source=chat only, got "
-                          f"data.source={d.source}")
     if d.source == "chat" and d.valid_path is not None:
         return  # the validation conversations are their own files: data.split is not used
     if t.eval_interval and t.eval_iters > 0 and (len(weights) < 2 or weights[1] == 0):
