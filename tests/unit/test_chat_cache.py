@@ -401,6 +401,38 @@ def test_the_preprocess_command_builds_the_store_a_run_then_reads(tokenizer, tmp
     assert not (tmp_path / "bad_cache").exists()
 
 
+def _with_images(record, hf_tokenizer, loss_on, where):
+    """A render that keeps a record's "images" as the conversation's side record (what a
+    vision-language render hands the store)."""
+    conversation = chat.conversation_of(record, hf_tokenizer, loss_on, where)
+    if "images" in record:
+        conversation.side = {"images": record["images"]}
+    return conversation
+
+
+def test_a_conversation_carries_its_side_record_through_the_store(tokenizer, tmp_path):
+    """A render that gives some conversations a side record: the store keeps them beside the
+    tokens (``side.bin`` / ``.idx``), None for the others, the tokens as without them; the
+    render is part of the key (another store than the default render's)."""
+    import json
+
+    path = tmp_path / "chat.jsonl"
+    records = [{"prompt": f"Q{i}", "completion": "A"} for i in range(5)]
+    records[1]["images"], records[3]["images"] = ["a.png"], ["b.png", "c.png"]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    chat._FILES.clear()
+    stored = chat.load_chat_file(str(path), tokenizer, SEQ, "assistant", "truncate",
+                                 cache_dir=str(tmp_path / "cache"), write_cache=True,
+                                 render=_with_images)
+    assert [stored.side(i) for i in range(5)] == [
+        None, {"images": ["a.png"]}, None, {"images": ["b.png", "c.png"]}, None]
+    assert stored.conversations[3].side == {"images": ["b.png", "c.png"]}
+    assert (Path(stored.store.directory) / "side.idx").is_file()
+    plain = _load(path, tokenizer, tmp_path / "cache", write_cache=True)
+    assert plain.store.directory != stored.store.directory and plain.store.side is None
+    _same_file(stored, plain)
+
+
 def _validate_twice(data: str, cache: str) -> dict:
     """On every rank: the recipe's config validated for 2 ranks as two starts in a row, the
     tokenizer calls of each (a start is a new process: the memo is cleared)."""
