@@ -92,7 +92,7 @@ def phase_build(args) -> dict:
 
     hf = load_tokenizer(TOKENIZER).hf
     start = time.monotonic()
-    kwargs = {"workers": args.workers} if args.workers else {}
+    kwargs = {"workers": int(args.build_workers)} if args.build_workers else {}
     source = chat.load_chat_file(args.path, hf, SEQ, "assistant", "truncate",
                                  cache_dir=args.cache, write_cache=True, **kwargs)
     seconds = time.monotonic() - start
@@ -233,12 +233,10 @@ def main(argv=None) -> None:
     parser.add_argument("--no-launcher", action="store_true", help="skip the launcher runs")
     parser.add_argument("--out", default=os.path.join(ROOT, "runs", "bench_chat_data"))
     parser.add_argument("--phase", choices=sorted(PHASES), help=argparse.SUPPRESS)
-    for name in ("path", "cache", "code", "port"):
+    for name in ("path", "cache", "code", "port", "build_workers"):
         parser.add_argument(f"--{name}", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.phase:
-        if args.phase == "build":
-            args.workers = int(args.workers) if args.workers else None
         print(json.dumps(PHASES[args.phase](args)))
         return
 
@@ -281,7 +279,7 @@ def main(argv=None) -> None:
         for w in workers:
             cache = fresh(f"{name}-build-{w or 1}")
             build = run_phase("build", code, path=files[largest], cache=cache,
-                              **({"workers": w} if w else {}))
+                              **({"build_workers": w} if w else {}))
             r["build"][str(w or 1)] = build
             print(f"[bench_chat_data] {name} build of {largest} with {w or 1} worker(s): "
                   f"{build['seconds']:.1f} s, {build['bytes'] / 2**20:.1f} MiB", flush=True)
@@ -292,7 +290,7 @@ def main(argv=None) -> None:
                 cache = os.path.join(out, f"{name}-build-{workers[-1] or 1}")
             elif not os.path.isdir(cache):
                 run_phase("build", code, path=files[size], cache=cache,
-                          **({"workers": workers[-1]} if workers[-1] else {}))
+                          **({"build_workers": workers[-1]} if workers[-1] else {}))
             first = run_phase("memory", code, path=files[size], cache=cache)
             warm = run_phase("memory", code, path=files[size], cache=cache) if (
                 name == "store") else first

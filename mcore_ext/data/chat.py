@@ -598,9 +598,8 @@ def load_chat_file(path: str, hf_tokenizer, seq_length: int, loss_on: str, overl
 def _said_built(path: str, store: chat_store.ChatStore) -> None:
     built = store.meta["built"]
     print(f"[data] {path}: tokenized conversations cached in {store.directory} "
-          f"({store.size_bytes() / 2**20:.1f} MiB, {len(store)} conversations, "
-          f"{built['seconds']:.0f} s with {built['workers']} "
-          f"worker{'s' if built['workers'] > 1 else ''})", flush=True)
+          f"({store.size_bytes() / 2**20:.1f} MiB, built in {built['seconds']:.0f} s by "
+          f"{built['workers']} worker{'s' if built['workers'] > 1 else ''})", flush=True)
     others = chat_store.other_caches(store.directory, store.meta["source"]["path"])
     if others:
         size = sum(chat_store.du(o) for o in others) / 2**20
