@@ -51,8 +51,8 @@ def write_conversations(path: str, count: int, seed: int = 0) -> None:
 
     rng = numpy.random.default_rng(seed)
     a, b = rng.integers(1, 1000, count), rng.integers(1, 1000, count)
-    extra = rng.integers(4, 10, count)
-    words = rng.integers(0, len(WORDS), (count, 10))
+    extra = rng.integers(7, 13, count)
+    words = rng.integers(0, len(WORDS), (count, 12))
     kind = rng.integers(0, 5, count)
     with open(path, "w") as f:
         for i in range(count):
@@ -86,16 +86,30 @@ def _status() -> dict:
     return fields
 
 
+def _forkserver_cpu() -> float:
+    """CPU seconds of this process's fork server and the workers it forked (they are not this
+    process's children, so its rusage does not count them); 0 without one."""
+    try:
+        from multiprocessing import forkserver
+
+        pid = forkserver._forkserver._forkserver_pid
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (ImportError, AttributeError, TypeError, OSError):
+        return 0.0
+    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
 def phase_build(args) -> dict:
     from mcore_ext.data import chat
     from mcore_ext.data.tokenizers import load_tokenizer
 
     hf = load_tokenizer(TOKENIZER).hf
-    start = time.monotonic()
+    start, cpu = time.monotonic(), time.process_time()
     kwargs = {"workers": int(args.build_workers)} if args.build_workers else {}
     source = chat.load_chat_file(args.path, hf, SEQ, "assistant", "truncate",
                                  cache_dir=args.cache, write_cache=True, **kwargs)
-    seconds = time.monotonic() - start
+    seconds, cpu = time.monotonic() - start, time.process_time() - cpu + _forkserver_cpu()
     store = getattr(source, "store", None)
     if store is not None:
         where, size = store.directory, store.size_bytes()
@@ -103,7 +117,8 @@ def phase_build(args) -> dict:
         (where,) = [os.path.join(args.cache, n) for n in os.listdir(args.cache)
                     if n.endswith(".npz")]
         size = os.path.getsize(where)
-    return {"seconds": seconds, "conversations": len(source), "bytes": size, "cache": where,
+    return {"seconds": seconds, "cpu_seconds": cpu, "conversations": len(source),
+            "bytes": size, "cache": where,
             "summary": source.summary(SEQ), "peak_rss_mib": _status()["VmHWM"]}
 
 
@@ -282,7 +297,8 @@ def main(argv=None) -> None:
                               **({"build_workers": w} if w else {}))
             r["build"][str(w or 1)] = build
             print(f"[bench_chat_data] {name} build of {largest} with {w or 1} worker(s): "
-                  f"{build['seconds']:.1f} s, {build['bytes'] / 2**20:.1f} MiB", flush=True)
+                  f"{build['seconds']:.1f} s ({build['cpu_seconds']:.1f} s of CPU), "
+                  f"{build['bytes'] / 2**20:.1f} MiB", flush=True)
         r["memory"], r["launcher"] = {}, {}
         for size in sizes:
             cache = os.path.join(out, f"{name}-{size}")
@@ -326,8 +342,9 @@ def report(results: dict) -> None:
         if not r:
             continue
         for w, build in r["build"].items():
-            print(f"  {name:5s} build, {w} worker(s): {build['seconds']:8.1f} s   "
-                  f"{build['bytes'] / 2**20:8.1f} MiB on disk")
+            print(f"  {name:5s} build, {w} worker(s): {build['seconds']:8.1f} s "
+                  f"({build['cpu_seconds']:8.1f} s of CPU)  {build['bytes'] / 2**20:8.1f} MiB on "
+                  "disk")
         for size, m in r["memory"].items():
             launcher = r["launcher"].get(size, {}).get("peak_rss_mib")
             print(f"  {name:5s} {int(size):>9,d}: data memory {m['data_rss_mib']:8.1f} MiB "
