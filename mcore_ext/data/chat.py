@@ -77,6 +77,9 @@ class Conversation:
     ids: numpy.ndarray
     loss: numpy.ndarray
     side: Optional[object] = None
+    where: str = ""
+    """FILE:LINE of the conversation (its line is kept in the store: errors found when a row is
+    read can name it)."""
 
 
 class ChatFile:
@@ -91,7 +94,8 @@ class ChatFile:
                  store: Optional[chat_store.ChatStore] = None):
         self.path, self.lines, self.truncated, self.dropped = path, lines, truncated, dropped
         self.store = store
-        self.conversations = conversations if store is None else _StoredConversations(store)
+        self.conversations = (conversations if store is None
+                              else _StoredConversations(store, path))
 
     @classmethod
     def from_store(cls, path: str, store: chat_store.ChatStore) -> "ChatFile":
@@ -126,6 +130,12 @@ class ChatFile:
             return self.store.side_record(i)
         return self.conversations[i].side
 
+    def where(self, i: int) -> str:
+        """FILE:LINE of conversation i."""
+        if self.store is not None:
+            return f"{self.path}:{int(self.store.line_numbers[i])}"
+        return self.conversations[i].where
+
     def summary(self, seq_length: int) -> str:
         """One line: conversations, loss tokens, and the over-long ones (said once per file)."""
         if self.store is not None:
@@ -144,8 +154,8 @@ class ChatFile:
 class _StoredConversations(Sequence):
     """A store's conversations as ``Conversation``s (int64 ids, bool flags), read when asked."""
 
-    def __init__(self, store: chat_store.ChatStore):
-        self.store = store
+    def __init__(self, store: chat_store.ChatStore, path: str):
+        self.store, self.path = store, path
 
     def __len__(self):
         return len(self.store)
@@ -158,7 +168,8 @@ class _StoredConversations(Sequence):
         if not 0 <= i < len(self):
             raise IndexError(i)
         return Conversation(self.store.ids(i).astype(numpy.int64),
-                            self.store.loss_flags(i).astype(bool), self.store.side_record(i))
+                            self.store.loss_flags(i).astype(bool), self.store.side_record(i),
+                            f"{self.path}:{int(self.store.line_numbers[i])}")
 
 
 def messages_of(record, where: str) -> list:
@@ -232,17 +243,22 @@ def conversation_of(record, hf_tokenizer, loss_on: str, where: str) -> Conversat
     return tokenize_conversation(messages_of(record, where), hf_tokenizer, loss_on, where)
 
 
+def truncate(conversation: Conversation, seq_length: int) -> Conversation:
+    """The first seq_length + 1 tokens (seq_length positions)."""
+    keep = seq_length + 1
+    return Conversation(conversation.ids[:keep], conversation.loss[:keep], conversation.side,
+                        conversation.where)
+
+
 def _fit(conversation: Conversation, seq_length: int, overlong: str):
     """(the conversation as kept or None, truncated 0/1, dropped 0/1): one longer than
-    seq_length positions cut to it (dropped if nothing of an answer is left) or dropped; one
-    without a target (e.g. an empty answer) left out without being counted."""
+    seq_length positions cut to it (``truncate``; dropped if nothing of an answer is left) or
+    dropped; one without a target (e.g. an empty answer) left out without being counted."""
     truncated = 0
     if len(conversation.ids) - 1 > seq_length:
         if overlong == "drop":
             return None, 0, 1
-        keep = seq_length + 1
-        conversation = Conversation(conversation.ids[:keep], conversation.loss[:keep],
-                                    conversation.side)
+        conversation = truncate(conversation, seq_length)
         if not conversation.loss[1:].any():  # nothing of the answer left
             return None, 0, 1
         truncated = 1
@@ -267,8 +283,9 @@ def read_chat_file(path: str, hf_tokenizer, seq_length: int, loss_on: str = "ass
             record = parse_json_line(raw, where, ChatDataError)
             if record is None:
                 continue
-            conversation, cut, drop = _fit(render(record, hf_tokenizer, loss_on, where),
-                                           seq_length, overlong)
+            conversation = render(record, hf_tokenizer, loss_on, where)
+            conversation.where = conversation.where or where
+            conversation, cut, drop = _fit(conversation, seq_length, overlong)
             truncated, dropped = truncated + cut, dropped + drop
             if conversation is not None:
                 conversations.append(conversation)
@@ -305,7 +322,7 @@ def _tokenize_chunk(first_line: int, data: bytes, *, path: str, hf_tokenizer, se
     chunk's ``lines`` / ``truncated`` / ``dropped``; ``error``: the first line that cannot be
     trained on (the chunk stops there)."""
     render = render or conversation_of
-    ids, loss, lengths, counts, sides = [], [], [], [], []
+    ids, loss, lengths, counts, sides, numbers = [], [], [], [], [], []
     truncated = dropped = 0
     error = None
     lines = data.split(b"\n")
@@ -322,6 +339,7 @@ def _tokenize_chunk(first_line: int, data: bytes, *, path: str, hf_tokenizer, se
             truncated, dropped = truncated + cut, dropped + drop
             if conversation is None:
                 continue
+            numbers.append(number)
             ids.append(conversation.ids)
             loss.append(conversation.loss)
             lengths.append(len(conversation.ids))
@@ -338,6 +356,7 @@ def _tokenize_chunk(first_line: int, data: bytes, *, path: str, hf_tokenizer, se
             "loss": (numpy.concatenate(loss) if loss else numpy.zeros(0, bool)).astype(
                 numpy.uint8),
             "loss_counts": numpy.asarray(counts, numpy.int32),
+            "line_numbers": numpy.asarray(numbers, numpy.int64),
             "sides": sides if any(s is not None for s in sides) else None,
             "lines": len(raws), "truncated": truncated, "dropped": dropped, "error": error}
 
@@ -418,7 +437,7 @@ def build_store(path: str, directory: str, hf_tokenizer, seq_length: int, loss_o
                 if result["error"]:
                     raise ChatDataError(result["error"])
                 writer.add_chunk(result["ids"], result["loss"], result["lengths"],
-                                 result["loss_counts"], result["sides"])
+                                 result["loss_counts"], result["sides"], result["line_numbers"])
                 lines += result["lines"]
                 truncated, dropped = truncated + result["truncated"], dropped + result["dropped"]
                 done += size
@@ -532,11 +551,14 @@ def chat_cache_path(path: str, hf_tokenizer, seq_length: int, loss_on: str, over
     """The store of ``path`` tokenized so: ``cache_dir/chat-<stem>-<key>``, the key a SHA-256
     over the store format, the file (``chat_store.file_fingerprint``: its bytes up to 64 MiB,
     else its size, mtime and samples), the tokenizer directory's files (not model weights) and
-    chat template, seq_length, loss_on, overlong and the render function."""
+    chat template, transformers' version (its tokenizers and templates render), seq_length,
+    loss_on, overlong and the render function."""
+    import transformers
+
     digest = hashlib.sha256()
     for part in (chat_store.STORE_FORMAT, type(hf_tokenizer).__name__,
-                 str(hf_tokenizer.chat_template), seq_length, loss_on, overlong,
-                 _render_name(render)):
+                 str(hf_tokenizer.chat_template), transformers.__version__, seq_length, loss_on,
+                 overlong, _render_name(render)):
         digest.update(repr(part).encode() + b"\0")
     try:
         digest.update(chat_store.file_fingerprint(path).encode())

@@ -12,6 +12,8 @@ A store is one directory, ``<cache_dir>/chat-<file stem>-<key>/``:
   carries besides its tokens (e.g. the images a vision-language conversation refers to);
 - ``loss_counts.npy``: int32, each conversation's tokens that carry loss after the first
   (what a document of it trains on), so packing and its loss share read no token;
+- ``line_numbers.npy``: int64, each conversation's line in the file (FILE:LINE in errors found
+  when a row is read);
 - ``meta.json``: the format, the source file (path, size, mtime, the SHA-256 of its bytes the
   writer computed while reading it), the settings, the file's counts (lines, truncated,
   dropped, conversations, tokens, loss tokens), how it was built (host, workers, seconds).
@@ -94,8 +96,11 @@ class ChatStore:
         self.loss = IndexedDataset(os.path.join(directory, "loss"))
         self.side = IndexedDataset(os.path.join(directory, "side")) if meta["side"] else None
         self.loss_counts = numpy.load(os.path.join(directory, "loss_counts.npy"), mmap_mode="r")
-        if not len(self.tokens) == len(self.loss) == len(self.loss_counts) == meta[
-                "conversations"] or (self.side is not None and len(self.side) != len(self.tokens)):
+        self.line_numbers = numpy.load(os.path.join(directory, "line_numbers.npy"),
+                                       mmap_mode="r")
+        if not len(self.tokens) == len(self.loss) == len(self.loss_counts) == len(
+                self.line_numbers) == meta["conversations"] or (
+                self.side is not None and len(self.side) != len(self.tokens)):
             raise ValueError(f"{directory}: its parts disagree on the number of conversations")
 
     @property
@@ -153,12 +158,14 @@ class StoreWriter:
         self.loss = IndexedDatasetBuilder(os.path.join(directory, "loss.bin"), numpy.uint8)
         self.side = None
         self.count = self.total_tokens = self.total_loss = 0
-        self.loss_counts = []
+        self.loss_counts, self.line_numbers = [], []
 
     def add_chunk(self, ids: numpy.ndarray, loss: numpy.ndarray, lengths: numpy.ndarray,
-                  loss_counts: numpy.ndarray, sides: Optional[list]) -> None:
+                  loss_counts: numpy.ndarray, sides: Optional[list],
+                  line_numbers: numpy.ndarray) -> None:
         """Conversations of one chunk: their ``ids`` and ``loss`` flags end to end, each's
-        token count (``lengths``) and loss count; ``sides``: each's side record or None."""
+        token count (``lengths``), loss count and line in the file; ``sides``: each's side
+        record or None (None: none has one)."""
         if len(ids) and (ids.min() < 0 or ids.max() > self.limit):
             raise ValueError(f"token id {int(ids.max())} does not fit {self.dtype.__name__}")
         ids = torch.from_numpy(numpy.ascontiguousarray(ids, dtype=self.dtype))
@@ -181,6 +188,7 @@ class StoreWriter:
         self.total_tokens += int(lengths.sum())
         self.total_loss += int(loss_counts.sum())
         self.loss_counts.append(numpy.asarray(loss_counts, dtype=numpy.int32))
+        self.line_numbers.append(numpy.asarray(line_numbers, dtype=numpy.int64))
 
     def _add_side(self, record) -> None:
         raw = b"" if record is None else json.dumps(record, separators=(",", ":")).encode()
@@ -199,9 +207,10 @@ class StoreWriter:
         for name, builder in (("tokens", self.tokens), ("loss", self.loss), ("side", self.side)):
             if builder is not None:
                 builder.finalize(os.path.join(self.directory, name + ".idx"))
-        counts = (numpy.concatenate(self.loss_counts) if self.loss_counts
-                  else numpy.zeros(0, numpy.int32))
-        numpy.save(os.path.join(self.directory, "loss_counts.npy"), counts)
+        for name, parts, dtype in (("loss_counts", self.loss_counts, numpy.int32),
+                                   ("line_numbers", self.line_numbers, numpy.int64)):
+            numpy.save(os.path.join(self.directory, f"{name}.npy"),
+                       numpy.concatenate(parts) if parts else numpy.zeros(0, dtype))
         meta = dict(meta, format=STORE_FORMAT, conversations=self.count, tokens=self.total_tokens,
                     loss_tokens=self.total_loss, dtype=self.dtype.__name__,
                     side=self.side is not None)

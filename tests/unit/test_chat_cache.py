@@ -78,6 +78,7 @@ def _same_file(a: chat.ChatFile, b: chat.ChatFile) -> None:
     for x, y in zip(a.conversations, b.conversations):
         assert x.ids.dtype == y.ids.dtype and numpy.array_equal(x.ids, y.ids)
         assert x.loss.dtype == y.loss.dtype and numpy.array_equal(x.loss, y.loss)
+        assert x.where == y.where and x.where.startswith(f"{a.path}:")
 
 
 def test_second_start_reads_the_cache_and_packs_the_same_rows(tokenizer, tmp_path, calls):
@@ -94,7 +95,8 @@ def test_second_start_reads_the_cache_and_packs_the_same_rows(tokenizer, tmp_pat
     (cached,) = os.listdir(tmp_path / "cache")  # one store, no lock or temporary left
     assert cached.startswith("chat-chat-")
     assert sorted(os.listdir(tmp_path / "cache" / cached)) == [
-        "loss.bin", "loss.idx", "loss_counts.npy", "meta.json", "tokens.bin", "tokens.idx"]
+        "line_numbers.npy", "loss.bin", "loss.idx", "loss_counts.npy", "meta.json",
+        "tokens.bin", "tokens.idx"]
     assert os.listdir(tmp_path / "data") == ["chat.jsonl"]  # nothing beside the user's file
     second = _load(path, tokenizer, tmp_path / "cache")
     assert calls["n"] == 24  # read from the store: the tokenizer is not called
@@ -346,7 +348,7 @@ def test_a_start_reads_the_index_only_its_memory_does_not_grow_with_conversation
         loss = rng.random(len(ids)) < 0.4
         starts = numpy.concatenate([[0], lengths.cumsum()[:-1]])
         counts = numpy.add.reduceat(loss.astype(numpy.int32), starts) - loss[starts]
-        writer.add_chunk(ids, loss, lengths, counts, None)
+        writer.add_chunk(ids, loss, lengths, counts, None, numpy.arange(1, count + 1))
         writer.finalize({"lines": count, "truncated": 0, "dropped": 0})
         writer.close()
         config = chat.ChatDatasetConfig(random_seed=1, sequence_length=SEQ, split="1,0,0",
