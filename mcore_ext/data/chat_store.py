@@ -168,33 +168,23 @@ class StoreWriter:
         record or None (None: none has one)."""
         if len(ids) and (ids.min() < 0 or ids.max() > self.limit):
             raise ValueError(f"token id {int(ids.max())} does not fit {self.dtype.__name__}")
-        ids = torch.from_numpy(numpy.ascontiguousarray(ids, dtype=self.dtype))
-        loss = torch.from_numpy(numpy.ascontiguousarray(loss, dtype=numpy.uint8))
-        at = 0
-        for k, n in enumerate(lengths.tolist()):
-            self.tokens.add_item(ids[at:at + n])
-            self.tokens.end_document()
-            self.loss.add_item(loss[at:at + n])
-            self.loss.end_document()
-            at += n
-            if sides is not None and sides[k] is not None and self.side is None:
-                self.side = IndexedDatasetBuilder(os.path.join(self.directory, "side.bin"),
-                                                  numpy.uint8)
-                for _ in range(self.count + k):  # those before it have none
-                    self._add_side(None)
-            if self.side is not None:
-                self._add_side(sides[k] if sides is not None else None)
-        self.count += len(lengths)
+        counts = lengths.tolist()
+        _add_documents(self.tokens, numpy.ascontiguousarray(ids, dtype=self.dtype), counts)
+        _add_documents(self.loss, numpy.ascontiguousarray(loss, dtype=numpy.uint8), counts)
+        if self.side is None and sides is not None:  # the first side record: those before have none
+            self.side = IndexedDatasetBuilder(os.path.join(self.directory, "side.bin"),
+                                              numpy.uint8)
+            _add_documents(self.side, numpy.zeros(0, numpy.uint8), [0] * self.count)
+        if self.side is not None:
+            raws = [b"" if record is None else json.dumps(record, separators=(",", ":")).encode()
+                    for record in (sides if sides is not None else [None] * len(counts))]
+            _add_documents(self.side, numpy.frombuffer(bytearray(b"".join(raws)), numpy.uint8),
+                           [len(raw) for raw in raws])
+        self.count += len(counts)
         self.total_tokens += int(lengths.sum())
         self.total_loss += int(loss_counts.sum())
         self.loss_counts.append(numpy.asarray(loss_counts, dtype=numpy.int32))
         self.line_numbers.append(numpy.asarray(line_numbers, dtype=numpy.int64))
-
-    def _add_side(self, record) -> None:
-        raw = b"" if record is None else json.dumps(record, separators=(",", ":")).encode()
-        self.side.add_item(torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw
-                           else torch.zeros(0, dtype=torch.uint8))
-        self.side.end_document()
 
     def close(self) -> None:
         """Closes the data files (after ``finalize``, or where the build stopped)."""
@@ -219,6 +209,15 @@ class StoreWriter:
         for name in os.listdir(self.directory):
             _fsync(os.path.join(self.directory, name))
         _fsync(self.directory)
+
+
+def _add_documents(builder: IndexedDatasetBuilder, values: numpy.ndarray, lengths: list) -> None:
+    """Each of ``lengths`` a sequence and a document of its own, as ``add_item`` and
+    ``end_document`` for each would add them, in one write: megatron's ``add_document`` adds the
+    sequences as one document, whose end is then replaced by each sequence's."""
+    first = len(builder.sequence_lengths)
+    builder.add_document(torch.from_numpy(values), lengths)
+    builder.document_indices[-1:] = range(first + 1, first + len(lengths) + 1)
 
 
 def _fsync(path: str) -> None:
