@@ -28,26 +28,27 @@ import os
 import statistics
 import sys
 import time
-import types
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import numpy  # noqa: E402
 import torch  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def rows_of(conversations, seq_length: int, pack: bool) -> list[dict]:
-    """Every row of the conversations as the launcher's ChatDataset yields it."""
-    from mcore_ext.data.chat import ChatDataset, pack_documents
+    """Every row of the conversations as the launcher's ChatDataset yields it, in packing order
+    (no splits, no shuffle)."""
+    from megatron.core.datasets.utils import Split
 
-    rows = [[conversations[i] for i in row] for row in pack_documents(
-        [len(c.ids) - 1 for c in conversations], seq_length, pack)]
-    # The dataset's rows without megatron's index building around them (no splits, no shuffle).
-    dataset = ChatDataset.__new__(ChatDataset)
-    dataset.config = types.SimpleNamespace(sequence_length=seq_length, pad_to_multiple=1)
-    dataset.rows, dataset.order = rows, list(range(len(rows)))
-    return [dataset[i] for i in range(len(rows))]
+    from mcore_ext.data.chat import ChatDataset, ChatDatasetConfig, ChatFile
+
+    config = ChatDatasetConfig(random_seed=1, sequence_length=seq_length, split="1,0,0",
+                               tokenizer=None, hf_tokenizer=None, pack=pack)
+    dataset = ChatDataset(ChatFile("bench", list(conversations), len(conversations), 0, 0),
+                          "bench", numpy.arange(len(conversations)), None, Split.train, config)
+    return [dataset.row(r) for r in range(dataset.num_rows)]
 
 
 def batches_of(rows, micro_batch: int) -> list[dict]:

@@ -91,6 +91,9 @@ _KNOWN_WARNINGS = (
     # torch's distributed checkpoint, loading in one process as mcore_ext.hf does
     (r"torch\.distributed is disabled, unavailable or uninitialized", UserWarning),
     (r"The argument order of load has been changed", UserWarning),
+    # megatron's IndexedDataset logs on rank 0 only, asking for the rank before any process
+    # group (the chat data's stores are opened while the config is validated)
+    (r"Could not determine rank from torch\.distributed", UserWarning),
     # torch's, for the ShardedTensor that megatron's MoE experts' sharded state builds (hf export
     # of a MoE checkpoint); megatron-core chooses the type, a user cannot act on it
     (r"Please use DTensor instead and we are deprecating ShardedTensor", FutureWarning),

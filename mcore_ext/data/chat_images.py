@@ -223,11 +223,11 @@ def encode(text: str, sources: list, base_dir: str, processor, where: str, error
     return ids, starts, tuple(images)
 
 
-def check_unchanged(conversations, error) -> None:
-    """Every image of cached ``conversations`` is still there at the size it was tokenized at
-    (a stat each; its bytes are checked when read: ``row_images``)."""
-    for conversation in conversations:
-        for image in conversation.images:
+def check_unchanged(chat, error) -> None:
+    """Every image of a stored ``chat`` (``data.chat.ChatFile``) is still there at the size it
+    was tokenized at (a stat each; its bytes are checked when read: ``row_images``)."""
+    for i in chat.with_images():
+        for image in chat.images(int(i)):
             try:
                 size = os.stat(image.path).st_size
             except OSError as err:
@@ -240,13 +240,14 @@ def check_unchanged(conversations, error) -> None:
                             "tokenize the file again")
 
 
-def stray_placeholders(conversations, image_token_id: int, error) -> None:
-    """A conversation without images whose tokens hold the image token (its text writes the
-    placeholder): nothing would fill it, so it is an error naming its line."""
-    for conversation in conversations:
-        if not conversation.images and (conversation.ids == image_token_id).any():
-            raise error(f"{conversation.where}: the conversation has no image but its text "
-                        f"holds the image placeholder (token {image_token_id})")
+def stray_placeholders(chat, image_token_id: int, error) -> None:
+    """A conversation of ``chat`` (``data.chat.ChatFile``) without images whose tokens hold the
+    image token (its text writes the placeholder): nothing would fill it, so it is an error
+    naming its line."""
+    stray = numpy.setdiff1d(chat.holding(image_token_id), chat.with_images())
+    if len(stray):
+        raise error(f"{chat.where(int(stray[0]))}: the conversation has no image but its text "
+                    f"holds the image placeholder (token {image_token_id})")
 
 
 def row_images(images: list, tokens: numpy.ndarray, processor, error) -> dict:
@@ -292,34 +293,17 @@ def collate(samples: list) -> dict:
 
 # ------------------------------------------------------------------------------------- cache
 
-def cache_arrays(conversations) -> dict:
-    """The images of ``conversations`` as arrays for the chat cache (none when no image)."""
-    images = [image for c in conversations for image in c.images]
-    if not images:
-        return {}
-    return {"image_counts": numpy.asarray([len(c.images) for c in conversations], numpy.int64),
-            "image_sources": numpy.asarray([i.source for i in images], dtype=str),
-            "image_sha256": numpy.asarray([i.sha256 for i in images], dtype=str),
-            "image_layout": numpy.asarray(
-                [(i.nbytes, i.num_local_patches, i.start, i.end, i.placeholders)
-                 for i in images], numpy.int64).reshape(-1, 5)}
+def image_records(images) -> list:
+    """A conversation's ``ImageRef``s as the JSON its store keeps (its side record): per image
+    the source as written, size, SHA-256, crops and token span; never pixels or the resolved
+    path (the store may be read from another mount of the data)."""
+    return [[i.source, i.nbytes, i.sha256, i.num_local_patches, i.start, i.end, i.placeholders]
+            for i in images]
 
 
-def images_from_cache(cached, wheres: list, base_dir: str) -> list:
-    """Each conversation's ``ImageRef``s from ``cache_arrays``' arrays in ``cached`` (an open
-    npz); ``wheres`` each conversation's FILE:LINE, sources resolved against ``base_dir``."""
-    if "image_counts" not in cached:
-        return [()] * len(wheres)
-    counts, sources = cached["image_counts"], cached["image_sources"]
-    digests, layout = cached["image_sha256"], cached["image_layout"]
-    if len(counts) != len(wheres) or counts.sum() != len(sources):
-        raise ValueError("the cached image arrays do not match the conversations")
-    result, at = [], 0
-    for count, where in zip(counts, wheres):
-        result.append(tuple(
-            ImageRef(str(sources[k]), os.path.normpath(os.path.join(base_dir, str(sources[k]))),
-                     int(layout[k, 0]), str(digests[k]), int(layout[k, 1]), int(layout[k, 2]),
-                     int(layout[k, 3]), int(layout[k, 4]), where)
-            for k in range(at, at + int(count))))
-        at += int(count)
-    return result
+def images_from_record(record: list, base_dir: str, where: str) -> tuple:
+    """``image_records``' JSON back as ``ImageRef``s, sources resolved against ``base_dir``."""
+    return tuple(ImageRef(str(source), os.path.normpath(os.path.join(base_dir, str(source))),
+                          int(nbytes), str(sha256), int(crops), int(start), int(end),
+                          int(placeholders), where)
+                 for source, nbytes, sha256, crops, start, end, placeholders in record)

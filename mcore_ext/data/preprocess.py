@@ -1,4 +1,5 @@
-"""Turn text into megatron's indexed dataset (<prefix>.bin + <prefix>.idx) for GPT pretraining.
+"""Turn text into megatron's indexed dataset (<prefix>.bin + <prefix>.idx) for GPT pretraining,
+or chat data into the launcher's stores of tokenized conversations.
 
     python -m mcore_ext.data.preprocess --input a.jsonl b.txt ... --output-prefix data/mytext \
         [--tokenizer byte|/path/to/hf_tokenizer_dir] [--json-key text]
@@ -8,6 +9,16 @@ is one document. Every document ends with the tokenizer's end-of-document id. A 
 ``<prefix>.json`` records the tokenizer so the launcher can check it matches its config. The files
 are written under temporary names and renamed at the end, the ``.idx`` last: a prefix whose
 ``.idx`` exists is complete.
+
+    python -m mcore_ext.data.preprocess --chat conversations.jsonl ... --tokenizer DIR \
+        --seq-length N [--loss-on assistant] [--overlong truncate] [--cache-dir runs/data/cache] \
+        [--workers N]
+
+builds the store of each chat file (``mcore_ext.data.chat``: megatron indexed datasets of the
+tokens and loss flags, memory-mapped) in the cache directory, as a run with the same
+``data.tokenizer``, ``model.seq_length``, ``data.loss_on``, ``data.overlong`` and
+``data.cache_dir`` would build it on its first start, which then finds it: prepare a large set
+once, with as many worker processes as the machine has, before the job starts.
 """
 
 import argparse
@@ -89,17 +100,41 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m mcore_ext.data.preprocess", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument(
-        "--input", nargs="+", required=True,
+    inputs = parser.add_mutually_exclusive_group(required=True)
+    inputs.add_argument(
+        "--input", nargs="+",
         help="JSONL files (one document per line) or text files (one document each)",
     )
-    parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
+    inputs.add_argument(
+        "--chat", nargs="+", metavar="FILE",
+        help="chat JSONL files (one conversation per line, data.source=chat): build their stores",
+    )
+    parser.add_argument("--output-prefix", help="--input: writes PREFIX.bin and PREFIX.idx")
     parser.add_argument(
         "--tokenizer", default="byte",
-        help="'byte' (default: 256 bytes + EOD) or a local Hugging Face tokenizer directory",
+        help="'byte' (default: 256 bytes + EOD) or a local Hugging Face tokenizer directory "
+             "(--chat: the model's, with its chat template; the run's data.tokenizer)",
     )
     parser.add_argument("--json-key", default="text", help="field holding the text in JSONL inputs")
+    parser.add_argument("--seq-length", type=int, help="--chat: the run's model.seq_length")
+    parser.add_argument("--loss-on", default="assistant", choices=("assistant", "last_turn", "all"),
+                        help="--chat: the run's data.loss_on (default assistant)")
+    parser.add_argument("--overlong", default="truncate", choices=("truncate", "drop"),
+                        help="--chat: the run's data.overlong (default truncate)")
+    parser.add_argument("--cache-dir", default=os.path.join("runs", "data", "cache"),
+                        help="--chat: the run's data.cache_dir (default runs/data/cache)")
+    parser.add_argument("--workers", type=int,
+                        help="--chat: tokenizing processes (default: 1 for a file up to 16 MiB, "
+                             "else the CPUs this process may use, up to 8)")
     args = parser.parse_args(argv)
+    from mcore_ext.cli import quiet_known_noise
+
+    quiet_known_noise()
+    if args.chat:
+        return _main_chat(args)
+    if not args.output_prefix:
+        print("error: --input needs --output-prefix", file=sys.stderr)
+        return 2
 
     missing = [p for p in args.input if not os.path.isfile(p)]
     if missing:
@@ -120,6 +155,46 @@ def main(argv=None) -> int:
         f"wrote {args.output_prefix}.bin/.idx: {meta['documents']} documents, {meta['tokens']} "
         f"tokens (tokenizer {args.tokenizer}, vocab {meta['vocab_size']})"
     )
+    return 0
+
+
+def _main_chat(args) -> int:
+    """--chat: each file's store, built (or found) as the launcher builds it."""
+    from mcore_ext.data.chat import ChatDataError, load_chat_file
+
+    for flag, value in (("--seq-length", args.seq_length), ("--workers", args.workers)):
+        if value is not None and value < 1 or (flag == "--seq-length" and value is None):
+            print(f"error: --chat needs {flag} of at least 1, got {value}", file=sys.stderr)
+            return 2
+    missing = [p for p in args.chat if not os.path.isfile(p)]
+    if missing:
+        print(f"error: chat file(s) not found: {', '.join(missing)}", file=sys.stderr)
+        return 2
+    if args.tokenizer == "byte" or not os.path.isdir(args.tokenizer):
+        print(f"error: --chat needs --tokenizer, a Hugging Face tokenizer directory with a chat "
+              f"template, got {args.tokenizer!r}", file=sys.stderr)
+        return 2
+    try:
+        hf = load_tokenizer(args.tokenizer).hf
+    except (OSError, ValueError, ImportError) as err:
+        print(f"error: --tokenizer {args.tokenizer!r} cannot be loaded: {err}", file=sys.stderr)
+        return 2
+    if not getattr(hf, "chat_template", None):
+        print(f"error: --tokenizer {args.tokenizer!r} has no chat template", file=sys.stderr)
+        return 2
+    for path in args.chat:
+        try:
+            chat = load_chat_file(path, hf, args.seq_length, args.loss_on, args.overlong,
+                                  cache_dir=args.cache_dir, write_cache=True,
+                                  workers=args.workers)
+        except ChatDataError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        if chat.store is None:  # said why (the cache directory cannot be written)
+            print(f"error: {path}: no store written in {args.cache_dir}", file=sys.stderr)
+            return 1
+        print(chat.summary(args.seq_length))
+        print(f"store {chat.store.directory}: {chat.store.size_bytes() / 2**20:.1f} MiB")
     return 0
 
 

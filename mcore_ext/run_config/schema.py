@@ -366,9 +366,15 @@ class DataConfig:
     prefix: Optional[str] = None
     """Path prefix of <prefix>.bin / <prefix>.idx (from python -m mcore_ext.data.preprocess)."""
 
-    path: Optional[str] = None
+    path: Optional[Union[str, list[str]]] = None
     """source=chat: the JSONL file, one conversation a line: {"messages": [{"role", "content"},
-    ...]} (system / user / assistant / tool) or {"prompt", "completion"}."""
+    ...]} (system / user / assistant / tool) or {"prompt", "completion"}; or several, blended as
+    megatron blends text (its blend form): [weight, file, weight, file, ...] samples each file in
+    proportion to its weight, a list of files alone in proportion to their conversations."""
+
+    valid_path: Optional[Union[str, list[str]]] = None
+    """source=chat: validation conversations of their own (a file, or a blend as path); then
+    every conversation of path trains and data.split is not used."""
 
     loss_on: Literal["assistant", "last_turn", "all"] = "assistant"
     """source=chat: the tokens that carry loss: every assistant answer (with the template's
@@ -400,6 +406,11 @@ class DataConfig:
 
     num_workers: int = 0
     """DataLoader worker processes per rank."""
+
+    build_workers: Optional[int] = None
+    """source=chat: processes that tokenize a file the first time it is used (its store is then
+    built once for every node of the filesystem and memory-mapped); null: 1 for a file up to
+    16 MiB, else as many as the CPUs this process may use, up to 8."""
 
 
 @dataclass

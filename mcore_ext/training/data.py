@@ -34,6 +34,7 @@ import numpy
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.datasets.blended_dataset import BlendedDataset
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -47,7 +48,7 @@ from mcore_ext.data.chat import ChatDataset, ChatDatasetConfig
 from mcore_ext.data.preprocess import preprocess, stdlib_sources
 from mcore_ext.data.tokenizers import load_tokenizer
 from mcore_ext.runtime import device, raise_unless_all_ok
-from mcore_ext.training.config.validation import chat_cache_dir
+from mcore_ext.training.config.validation import chat_blend, chat_cache_dir
 from mcore_ext.training.faults import fault_point
 
 
@@ -115,13 +116,20 @@ def build_datasets(cfg, tokenizer):
 
 
 def _build_chat_datasets(cfg, tokenizer, sizes):
-    """(train, valid) ``ChatDataset``s: megatron's builder splits the file's conversations."""
+    """(train, valid) ``ChatDataset``s (or megatron ``BlendedDataset``s of them, for a blend):
+    megatron's builder splits each file's conversations by data.split, or takes data.valid_path
+    for validation."""
     d, t, cp = cfg.data, cfg.training, cfg.parallelism.context_parallel_size
+    train_blend = chat_blend(d.path, "data.path")
+    if d.valid_path is None:
+        blends = dict(blend=train_blend, split=d.split)
+    else:
+        blends = dict(blend_per_split=[train_blend, chat_blend(d.valid_path, "data.valid_path"),
+                                       None])
     config = ChatDatasetConfig(
         random_seed=t.seed,
         sequence_length=cfg.model.seq_length,
-        blend=([d.path], None),
-        split=d.split,
+        **blends,
         tokenizer=tokenizer,
         hf_tokenizer=tokenizer.hf,
         loss_on=d.loss_on,
@@ -129,22 +137,41 @@ def _build_chat_datasets(cfg, tokenizer, sizes):
         pack=d.pack,
         # megatron's THD convention under CP: every document a multiple of 2 x CP (cp_shard)
         pad_to_multiple=2 * cp if cp > 1 else 1,
-        # only the first pipeline stage runs the vision tower
-        images=parallel_state.is_pipeline_first_stage(),
-        # the tokenized conversations, which each node's first rank cached during validation
+        # only the first pipeline stage runs the vision tower (every rank does without model
+        # parallel groups: a caller that set up no pipeline)
+        images=(not parallel_state.model_parallel_is_initialized()
+                or parallel_state.is_pipeline_first_stage()),
+        # the stores of the tokenized conversations (built during validation) and the rows
         path_to_cache=chat_cache_dir(d),
     )
-    dist.barrier()  # the cache is written (validation); every rank reads it
+    dist.barrier()  # the stores are built (validation); every rank reads them
     train, valid, _ = BlendedMegatronDatasetBuilder(ChatDataset, sizes, lambda: True,
                                                     config).build()
     if dist.get_rank() == 0:
-        print(train.dataset.summary(cfg.model.seq_length), flush=True)
+        files = {}
+        for split in (train, valid):
+            for part in _chat_parts(split):
+                files.setdefault(part.dataset.path, part.dataset)
+        for chat in files.values():
+            print(chat.summary(cfg.model.seq_length), flush=True)
         for name, split in (("train", train), ("valid", valid)):
-            if split is not None:
-                print(f"[data] {name}: {len(split.rows)} rows of {cfg.model.seq_length} "
-                      f"({'packed' if d.pack else 'one conversation each'}), "
-                      f"{split.loss_token_share():.1%} of the slots carry loss", flush=True)
+            parts = _chat_parts(split)
+            if parts:
+                rows = sum(part.num_rows for part in parts)
+                share = sum(part.loss_token_share() * part.num_rows for part in parts) / max(
+                    1, rows)
+                print(f"[data] {name}: {rows} rows of {cfg.model.seq_length} "
+                      f"({'packed' if d.pack else 'one conversation each'}"
+                      f"{f', {len(parts)} files blended' if len(parts) > 1 else ''}), "
+                      f"{share:.1%} of the slots carry loss", flush=True)
     return train, valid
+
+
+def _chat_parts(split) -> list:
+    """The ``ChatDataset``s of a split: itself, or a ``BlendedDataset``'s."""
+    if split is None:
+        return []
+    return list(split.datasets) if isinstance(split, BlendedDataset) else [split]
 
 
 def collate_packed(samples: list, total_multiple: int = 1) -> dict:

@@ -96,6 +96,42 @@ def test_packing_is_best_fit_deterministic_and_complete():
     assert chat.pack_documents(lengths, 8, pack=False) == [[i] for i in range(len(lengths))]
 
 
+def test_packing_and_order_follow_the_rule_written_out_so_a_resumed_run_reads_the_same_rows():
+    """The bucketed best fit (``pack_rows``) against the rule written out here (every open row
+    scanned: the least room that holds the document, the first such row; a new row if none) on
+    1,500 documents of random lengths at seq_length 64, unpadded and padded to 4; and a split's
+    sample order against RandomState(seed)'s permutation of the rows for each epoch, cut at
+    num_samples: what the .npz-era code computed, so a checkpoint's consumed samples name the
+    same rows after the change."""
+    from megatron.core.datasets.utils import Split
+
+    rng = numpy.random.default_rng(3)
+    for multiple in (1, 4):
+        lengths = -(-rng.integers(1, 65, 1500) // multiple) * multiple
+        rows, free = [], []
+        for i, n in enumerate(lengths.tolist()):
+            fits = [r for r, f in enumerate(free) if f >= n]
+            if not fits:
+                rows.append([i])
+                free.append(64 - n)
+                continue
+            best = min(fits, key=lambda r: (free[r], r))
+            rows[best].append(i)
+            free[best] -= n
+        assert chat.pack_documents(lengths, 64) == rows
+        assert max(len(row) for row in rows) >= 3  # packed: the rule had choices to make
+    docs = [chat.Conversation(numpy.arange(n + 1), numpy.ones(n + 1, dtype=bool))
+            for n in rng.integers(1, 40, 300).tolist()]
+    config = chat.ChatDatasetConfig(random_seed=7, sequence_length=64, split="1,0,0",
+                                    tokenizer=None, hf_tokenizer=None)
+    dataset = chat.ChatDataset(chat.ChatFile("mem", docs, 300, 0, 0), "mem", numpy.arange(300),
+                               1000, Split.train, config)
+    permutations = numpy.random.RandomState(7)
+    expected = numpy.concatenate([permutations.permutation(dataset.num_rows)
+                                  for _ in range(-(-1000 // dataset.num_rows))])[:1000]
+    assert dataset.order.tolist() == expected.tolist()
+
+
 def test_rows_restart_positions_and_shift_labels_within_each_document():
     from megatron.core.datasets.utils import Split
 
@@ -221,6 +257,27 @@ def test_a_split_left_without_conversations_is_one_error_at_validation(tmp_path,
            "conversation (3 conversations)" in err, err
     assert not (tmp_path / "ckpt").exists()
     assert path.read_text().count("\n") == 3
+
+
+@pytest.mark.parametrize("change, expected", [
+    (["data.path=[0.5, {missing}, 0.5, {data}]"], "data.path='{missing}' is not a file"),
+    (["data.path=[0, {data}, 1, {data}]"], "data.path: the weight of '{data}' must be above 0, got 0.0"),
+    (["data.valid_path={missing}"], "data.valid_path='{missing}' is not a file"),
+    (["data.source=files", "data.prefix={data}", "data.valid_path={data}"],
+     "data.valid_path is read with data.source=chat only, got data.source=files"),
+], ids=["missing-file", "zero-weight", "missing-valid", "valid-not-chat"])
+def test_bad_blends_are_one_error_at_check(tmp_path, capsys, change, expected):
+    from mcore_ext.training import main
+
+    data = tmp_path / "chat.jsonl"
+    data.write_text(GOOD + "\n")
+    names = {"missing": tmp_path / "missing.jsonl", "data": data}
+    code = main(["--config", str(RECIPE), "--check", "--world-size", "2",
+                 *[c.format(**names) for c in change], f"checkpoint.save={tmp_path / 'ckpt'}",
+                 f"checkpoint.load={tmp_path / 'ckpt'}", f"data.cache_dir={tmp_path / 'cache'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and err == f"error: {expected.format(**names)}\n", err
+    assert not (tmp_path / "cache").exists()
 
 
 def test_context_parallel_pads_every_document_to_a_multiple_of_2_cp():

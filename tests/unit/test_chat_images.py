@@ -298,6 +298,14 @@ def test_bad_images_are_one_error_naming_file_and_line(folder, tokenizer, tmp_pa
     message = _error(path, tokenizer)
     assert message.startswith(f"{path}:{line}: "), message
     assert expected in message, message
+    if case == "stray_placeholder":  # the store's build refuses it too and leaves no store
+        chat._FILES.clear()
+        with pytest.raises(chat.ChatDataError) as raised:
+            chat.load_chat_file(str(path), tokenizer, 512, "assistant", "truncate",
+                                cache_dir=str(tmp_path / "cache"), write_cache=True)
+        assert str(raised.value) == message
+        cache = tmp_path / "cache"
+        assert not cache.exists() or not [p for p in cache.iterdir() if p.suffix != ".lock"]
 
 
 def test_launcher_refuses_a_truncated_image_in_one_line_and_writes_nothing(folder, tmp_path,
@@ -336,7 +344,8 @@ def test_the_cache_keeps_the_images_and_their_bytes_are_checked_at_start_and_at_
 
     first = load(write_cache=True)
     second = load(tokenize=False)  # None unless read from the cache
-    assert second is not None
+    assert second is not None and second.store is not None  # the memory-mapped store
+    assert second.with_images().tolist() == [0, 1] and second.image_count() == 2
     for a, b in zip(first.conversations, second.conversations):
         assert a.ids.tolist() == b.ids.tolist() and a.loss.tolist() == b.loss.tolist()
         assert a.images == b.images and a.where == b.where

@@ -88,8 +88,6 @@ DECISIONS = {
     "bash scripts/test.sh": Skip(SUITE),
     "source .venv/bin/activate": Run(
         tiny="source .venv/bin/activate && python -c 'import sys; assert sys.version_info >= (3, 12)'"),
-    "python --version": Run(tiny="source .venv/bin/activate && python --version",
-                            expect="Python 3.1"),
     # the launcher
     "torchrun --nproc_per_node=2 launch/pretrain.py --config configs/tiny_cpu.yaml "
     "training.train_iters=200": Check(),
@@ -107,6 +105,10 @@ DECISIONS = {
     "torchrun --nproc_per_node=2 launch/pretrain.py --config configs/tiny_cpu.yaml "
     "checkpoint.load=runs/pretrained/checkpoints checkpoint.finetune=true "
     "checkpoint.save=runs/ft": Covered(FINE_TUNE),
+    "python -m mcore_ext.data.preprocess --chat data/sft.jsonl --tokenizer "
+    "configs/sft_tiny/tokenizer --seq-length 128 --cache-dir runs/data/cache --workers 8": Covered(
+        "tests/unit/test_chat_cache.py::"
+        "test_the_preprocess_command_builds_the_store_a_run_then_reads"),
     "python -m mcore_ext.data.preprocess --input a.jsonl b.txt --output-prefix data/mytext": Covered(
         "tests/functional/test_pretrain.py::test_preprocess_jsonl_and_text"),
     "torchrun --nproc_per_node=2 launch/pretrain.py --config configs/tiny_cpu.yaml "

@@ -352,6 +352,9 @@ def _validate_experts(m, p, world_size: int) -> None:
 
 
 def _validate_data(d: DataConfig, t: TrainingConfig) -> None:
+    if d.valid_path is not None and d.source != "chat":
+        raise ConfigError(f"data.valid_path is read with data.source=chat only, got "
+                          f"data.source={d.source}")
     if d.source in ("files", "stdlib") and not d.prefix:
         raise ConfigError(f"data.source={d.source} needs data.prefix (path prefix of .bin/.idx)")
     if d.source == "files":
@@ -388,6 +391,10 @@ def _validate_data(d: DataConfig, t: TrainingConfig) -> None:
         raise ConfigError(
             f"data.split={d.split!r} must be up to 3 comma-separated weights, e.g. 98,2,0"
         )
+    if d.build_workers is not None and d.build_workers < 1:
+        raise ConfigError(f"data.build_workers={d.build_workers} must be at least 1 (or null)")
+    if d.source == "chat" and d.valid_path is not None:
+        return  # the validation conversations are their own files: data.split is not used
     if t.eval_interval and t.eval_iters > 0 and (len(weights) < 2 or weights[1] == 0):
         raise ConfigError(
             f"evaluation is on (training.eval_interval={t.eval_interval}) but "
@@ -412,19 +419,49 @@ def chat_cache_dir(d: DataConfig) -> str:
     return d.cache_dir or os.path.join("runs", "data", "cache")
 
 
+def chat_blend(value, key: str):
+    """megatron's blend (files, weights or None) of data.path / data.valid_path: a file, a list
+    of files, or megatron's blend form [weight, file, weight, file, ...]."""
+    if value is None:
+        return None
+    items = [value] if isinstance(value, str) else list(value)
+    if not items:
+        raise ConfigError(f"{key}=[] names no file")
+    weights = None
+    if len(items) % 2 == 0:
+        try:
+            weights = [float(w) for w in items[0::2]]
+        except ValueError:
+            weights = None
+    if weights is None:
+        return items, None
+    files = items[1::2]
+    for weight, path in zip(weights, files):
+        if not weight > 0:
+            raise ConfigError(f"{key}: the weight of {path!r} must be above 0, got {weight}")
+    return files, weights
+
+
 def _validate_chat(cfg: PretrainConfig) -> None:
-    """Chat data: the layouts packed batches run at here, then every conversation of the file
-    tokenized, before training (a bad line is one error naming file:line). The first rank of
-    each node (LOCAL_RANK 0) reads the cache or tokenizes the file and writes it; the others read
-    the cache if it is there and otherwise leave the file to it: under torchrun they wait in the
-    process group's rendezvous, which it joins only after it has checked and cached the file;
-    where the process group already exists (the launcher in process) the ranks agree on the
-    first's result before going on."""
+    """Chat data: the layouts packed batches run at here, then every conversation of every file
+    (data.path, data.valid_path) tokenized, before training (a bad line is one error naming
+    file:line). The first rank of each node (LOCAL_RANK 0) reads each file's store or builds it
+    (``load_chat_file``: one writer for every node of a shared filesystem, the others wait for it
+    and read); the other ranks read the store if it is there and otherwise leave the file to
+    their first rank: under torchrun they wait in the process group's rendezvous, which it joins
+    only after it has checked and stored the files; where the process group already exists (the
+    launcher in process) the ranks agree on the first's result before going on."""
     d, p, m = cfg.data, cfg.parallelism, cfg.model
     if not d.path:
         raise ConfigError("data.source=chat needs data.path (a JSONL file of conversations)")
-    if not os.path.isfile(d.path):
-        raise ConfigError(f"data.path={d.path!r} is not a file")
+    blends = [("data.path", chat_blend(d.path, "data.path")),
+              ("data.valid_path", chat_blend(d.valid_path, "data.valid_path"))]
+    files = []
+    for key, blend in blends:
+        for path in (blend[0] if blend else []):
+            if not os.path.isfile(path):
+                raise ConfigError(f"{key}={path!r} is not a file")
+            files.append((key, path))
     if d.tokenizer == "byte":
         raise ConfigError(
             "data.source=chat needs data.tokenizer: a Hugging Face tokenizer directory with a "
@@ -450,11 +487,14 @@ def _validate_chat(cfg: PretrainConfig) -> None:
     writer = os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")) == "0"
     failure = None
     try:
-        chat = load_chat_file(d.path, tokenizer.hf, m.seq_length, d.loss_on, d.overlong,
-                              cache_dir=chat_cache_dir(d), write_cache=writer, tokenize=writer)
-        if chat is not None:
-            _refuse_empty_splits(cfg, len(chat))
-            _check_images(cfg, chat, tokenizer.hf)
+        for key, path in files:
+            chat = load_chat_file(path, tokenizer.hf, m.seq_length, d.loss_on, d.overlong,
+                                  cache_dir=chat_cache_dir(d), write_cache=writer,
+                                  tokenize=writer, workers=d.build_workers)
+            if chat is not None:
+                if key == "data.path" and d.valid_path is None:
+                    _refuse_empty_splits(cfg, len(chat), path)
+                _check_images(cfg, chat, tokenizer.hf)
     except (ChatDataError, ConfigError) as err:
         failure = str(err)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -473,15 +513,15 @@ def _check_images(cfg: PretrainConfig, chat, hf_tokenizer) -> None:
     from mcore_ext.data.chat import ChatDataError
 
     d, vision = cfg.data, cfg.model.vision
-    first = next((c for c in chat.conversations if c.images), None)
-    if first is not None and vision is None:
+    with_images = chat.with_images()
+    where = chat.where(int(with_images[0])) if len(with_images) else None
+    if where is not None and vision is None:
         raise ConfigError(
-            f"{first.where}: the conversation has images, but the model has no vision tower "
+            f"{where}: the conversation has images, but the model has no vision tower "
             "(model.vision is not set): fine-tune a vision-language model (hf import --vision "
             "of a Step-3.7 folder writes model.vision), or give text-only conversations")
-    if first is not None:
-        processor = chat_images.processor_for(hf_tokenizer.name_or_path, first.where,
-                                              ChatDataError)
+    if where is not None:
+        processor = chat_images.processor_for(hf_tokenizer.name_or_path, where, ChatDataError)
         if processor.image_token_id != vision.image_token_id:
             raise ConfigError(
                 f"model.vision.image_token_id={vision.image_token_id}, but the processor of "
@@ -489,10 +529,10 @@ def _check_images(cfg: PretrainConfig, chat, hf_tokenizer) -> None:
                 f"{processor.image_token!r} as token {processor.image_token_id}: the model and "
                 "the tokenizer are not the same model's")
     if vision is not None:
-        chat_images.stray_placeholders(chat.conversations, vision.image_token_id, ChatDataError)
+        chat_images.stray_placeholders(chat, vision.image_token_id, ChatDataError)
 
 
-def _refuse_empty_splits(cfg: PretrainConfig, count: int) -> None:
+def _refuse_empty_splits(cfg: PretrainConfig, count: int, path: str) -> None:
     """A split the run reads (training; validation when evaluation or the attention probe is
     on) that megatron's
     builder would leave without a conversation: it gives split i the conversations
@@ -509,7 +549,7 @@ def _refuse_empty_splits(cfg: PretrainConfig, count: int) -> None:
         begin, end = ((int(round(x * count)) for x in bookends) if bookends else (0, 0))
         if begin >= end:
             raise ConfigError(
-                f"data.split={d.split!r} leaves the {name} split of data.path={d.path!r} no "
+                f"data.split={d.split!r} leaves the {name} split of data.path={path!r} no "
                 f"conversation ({count} conversations); give it a larger share or more data")
 
 
