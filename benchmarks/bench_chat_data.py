@@ -207,7 +207,8 @@ def run_phase(phase: str, code: str, **kwargs) -> dict:
     command = [sys.executable, os.path.abspath(__file__), "--phase", phase, "--code", code]
     for key, value in kwargs.items():
         command += [f"--{key}", str(value)]
-    env = dict(os.environ, PYTHONPATH=code, TOKENIZERS_PARALLELISM="false")
+    path = os.pathsep.join(p for p in (code, os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, PYTHONPATH=path, TOKENIZERS_PARALLELISM="false")
     start = time.monotonic()
     result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=code)
     if result.returncode:
