@@ -342,13 +342,17 @@ def test_the_cache_keeps_the_images_and_their_bytes_are_checked_at_start_and_at_
         return chat.load_chat_file(str(path), tokenizer, 256, "assistant", "truncate",
                                    cache_dir=str(cache), **kwargs)
 
-    first = load(write_cache=True)
+    # built by 2 worker processes, a line a chunk: the one-process path's conversations, images
+    # included (their records are the store's side records)
+    first = load(write_cache=True, workers=2, chunk_bytes=64)
     second = load(tokenize=False)  # None unless read from the cache
     assert second is not None and second.store is not None  # the memory-mapped store
     assert second.with_images().tolist() == [0, 1] and second.image_count() == 2
-    for a, b in zip(first.conversations, second.conversations):
-        assert a.ids.tolist() == b.ids.tolist() and a.loss.tolist() == b.loss.tolist()
-        assert a.images == b.images and a.where == b.where
+    reference = chat.read_chat_file(str(path), tokenizer, 256)
+    for a, b, c in zip(reference.conversations, first.conversations, second.conversations):
+        for x in (b, c):
+            assert a.ids.tolist() == x.ids.tolist() and a.loss.tolist() == x.loss.tolist()
+            assert a.images == x.images and a.where == x.where
     # the same size, other bytes: a start passes, the row that reads it does not
     original = (tmp_path / "square.png").read_bytes()
     other = bytearray(original)
