@@ -47,6 +47,13 @@ def report_error(message: str, seen_by_every_rank: bool = True) -> int:
     else on this rank, naming it) and return USAGE_ERROR."""
     if seen_by_every_rank and not is_first_rank():
         if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun's agent
+            # Its SIGTERM must end this rank at once: a handler that holds the stop signals
+            # (ExitSignalHandler, entered from an entry's first line) would keep it waiting here
+            # until the agent's SIGKILL, which torchrun reports as a warning of its own.
+            signals = [getattr(signal, name) for name in STOP_SIGNALS]
+            for number in signals:
+                signal.signal(number, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
             time.sleep(AGENT_STOPS_THE_OTHERS_S)
         return USAGE_ERROR
     where = "" if seen_by_every_rank or os.environ.get("WORLD_SIZE", "1") == "1" else \

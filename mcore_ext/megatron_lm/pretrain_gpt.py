@@ -47,7 +47,6 @@ import contextlib
 import copy
 import functools
 import os
-import signal
 import sys
 import traceback
 import types
@@ -58,7 +57,6 @@ import torch
 import mcore_ext  # noqa: F401  (refuses a megatron-core with a native gate first)
 from mcore_ext import _cpu_compat, _mcore_compat
 from mcore_ext.cli import (
-    STOP_SIGNALS,
     ExitSignalHandler,
     gpt_deprecation_notice,
     is_first_rank,
@@ -354,13 +352,10 @@ def _main(argv, signals) -> int:
     from megatron.training.arguments import parse_and_validate_args
 
     def usage_error(message) -> int:
-        # The ranks but the first wait there for the agent to stop them (report_error): a stop
-        # signal ends this rank again (megatron's handler, once installed, would record it),
-        # one recorded here already now.
+        # The ranks but the first wait there for the agent to stop them (report_error, which
+        # lets a stop signal end them again); a signal recorded here already ends this rank now.
         if not is_first_rank():
             signals.release()
-            for name in STOP_SIGNALS:
-                signal.signal(getattr(signal, name), signal.SIG_DFL)
         return report_error(message)
 
     if argv is not None:
