@@ -110,7 +110,7 @@ class ChatFile:
         self.path, self.lines, self.truncated, self.dropped = path, lines, truncated, dropped
         self.store = store
         self.conversations = (conversations if store is None
-                              else _StoredConversations(store, path))
+                              else _StoredConversations(self))
 
     @classmethod
     def from_store(cls, path: str, store: chat_store.ChatStore) -> "ChatFile":
@@ -143,7 +143,9 @@ class ChatFile:
     def images(self, i: int) -> tuple:
         """Conversation i's images (``chat_images.ImageRef``, in placeholder order)."""
         if self.store is not None:
-            return _stored_images(self.store, self.path, i)
+            record = self.store.side_record(i)  # resolved against the file's folder
+            return chat_images.images_from_record(record, os.path.dirname(self.path),
+                                                  self.where(i)) if record else ()
         return self.conversations[i].images
 
     def with_images(self) -> numpy.ndarray:
@@ -195,11 +197,11 @@ class ChatFile:
 class _StoredConversations(Sequence):
     """A store's conversations as ``Conversation``s (int64 ids, bool flags), read when asked."""
 
-    def __init__(self, store: chat_store.ChatStore, path: str):
-        self.store, self.path = store, path
+    def __init__(self, chat: ChatFile):
+        self.chat = chat
 
     def __len__(self):
-        return len(self.store)
+        return len(self.chat.store)
 
     def __getitem__(self, i):
         if isinstance(i, slice):
@@ -208,19 +210,9 @@ class _StoredConversations(Sequence):
             i += len(self)
         if not 0 <= i < len(self):
             raise IndexError(i)
-        return Conversation(self.store.ids(i).astype(numpy.int64),
-                            self.store.loss_flags(i).astype(bool),
-                            _stored_images(self.store, self.path, i),
-                            f"{self.path}:{int(self.store.line_numbers[i])}")
-
-
-def _stored_images(store: chat_store.ChatStore, path: str, i: int) -> tuple:
-    """Conversation i's images from its side record, resolved against the file's folder."""
-    record = store.side_record(i)
-    if not record:
-        return ()
-    return chat_images.images_from_record(record, os.path.dirname(path),
-                                          f"{path}:{int(store.line_numbers[i])}")
+        chat = self.chat
+        return Conversation(chat.ids(i).astype(numpy.int64), chat.loss(i).astype(bool),
+                            chat.images(i), chat.where(i))
 
 
 def messages_of(record, where: str) -> list:
@@ -692,6 +684,7 @@ def load_chat_file(path: str, hf_tokenizer, seq_length: int, loss_on: str, overl
     directory = (chat_cache_path(path, hf_tokenizer, seq_length, loss_on, overlong, cache_dir,
                                  render) if cache_dir else None)
     store = chat_store.open_store(directory) if directory else None
+    built = False
     if store is None and directory and write_cache:
         workers = workers or default_workers(path)
         try:
@@ -706,8 +699,8 @@ def load_chat_file(path: str, hf_tokenizer, seq_length: int, loss_on: str, overl
                   "tries again", flush=True)
     if store is not None:
         chat = ChatFile.from_store(path, store)
-        # its images still there as they were tokenized (a stat each; bytes checked at use)
-        chat_images.check_unchanged(chat, ChatDataError)
+        if not built:  # its images as tokenized (a stat each; one built here just read them)
+            chat_images.check_unchanged(chat, ChatDataError)
     elif directory and not tokenize:
         return None
     else:

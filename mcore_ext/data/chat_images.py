@@ -19,13 +19,14 @@ truncated (decoded in full when the file is tokenized), a template that renders 
 placeholders than the conversation has images (a text part that writes ``<im_patch>`` itself, a
 template that leaves an image out), a placeholder the tokenizer does not keep whole.
 
-What is cached and what is read at use: the tokenized conversations (``chat.load_chat_file``'s
-``.npz``) keep, per image, the path as written, its size in bytes, the SHA-256 of its bytes and its
-layout (local crops, token span, placeholders), never pixels: a row's images are read, hashed and
+What is stored and what is read at use: the tokenized conversations (``chat.load_chat_file``'s
+store, a conversation's images its side record: ``image_records``) keep, per image, the path as
+written, its size in bytes, the SHA-256 of its bytes and its layout (local crops, token span,
+placeholders), never pixels: a row's images are read, hashed and
 decoded when the row is built (``row_images``), so the bytes a step trains on are the bytes that
 were checked, and an image changed since it was tokenized is an error there
 (``FILE:LINE: image ... changed``), not other pixels under the old tokens. A start that reads the
-cache checks every image's size on disk (a ``stat``, not a read: ``check_unchanged``), so a
+store checks every image's size on disk (a ``stat``, not a read: ``check_unchanged``), so a
 missing or resized image stops the run before training; an image rewritten to the same size is
 found when its row is first built.
 """
@@ -291,7 +292,7 @@ def collate(samples: list) -> dict:
     return batch
 
 
-# ------------------------------------------------------------------------------------- cache
+# ------------------------------------------------------------------------- the store's records
 
 def image_records(images) -> list:
     """A conversation's ``ImageRef``s as the JSON its store keeps (its side record): per image
