@@ -454,6 +454,21 @@ def _tail(path: Path, lines: int = 30) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
+def write_outputs(result: dict, json_path, png_path, plot) -> None:
+    """``result`` as JSON to ``json_path`` and drawn by ``plot`` to ``png_path`` (each if given;
+    without matplotlib the plot is skipped with a note): bench_convergence's and bench_sinks'."""
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {json_path}")
+    if png_path:
+        try:
+            plot(result, png_path)
+            print(f"wrote {png_path}")
+        except ImportError:
+            print("note: no plot: matplotlib is not installed (pip install matplotlib)",
+                  file=sys.stderr)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
@@ -672,16 +687,7 @@ def _run(args, preset, variants, alias, conditions, workers, seeds, workdir, own
     print(f"identical at step 0 (every shared weight, every seed): {result['identical_at_step0']}"
           + (f" ({'; '.join(result['step0_differences'])})" if result["step0_differences"] else ""))
     print(f"wall {result['wall_seconds']} s")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-        print(f"wrote {args.json}")
-    if args.png:
-        try:
-            plot(result, args.png)
-            print(f"wrote {args.png}")
-        except ImportError:
-            print("note: no plot: matplotlib is not installed (pip install matplotlib)",
-                  file=sys.stderr)
+    write_outputs(result, args.json, args.png, plot)
     return 0 if result["identical_at_step0"] else 1
 
 

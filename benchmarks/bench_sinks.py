@@ -321,9 +321,7 @@ def cost(args) -> int:
                   environment=convergence._environment("cpu"))
     print(f"probe {probe_time * 1e3:.1f} ms, step {step_time * 1e3:.1f} ms: "
           f"{result['fraction_at_interval_100']:.2%} of training time at an interval of 100 steps")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-        print(f"wrote {args.json}")
+    convergence.write_outputs(result, args.json, None, None)
     return 0
 
 
@@ -418,16 +416,7 @@ def main(argv=None) -> int:
     print(table(result["variants"]))
     print(f"identical at step 0 (every shared weight, every seed): {result['identical_at_step0']}")
     print(f"wall {result['wall_seconds']} s")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-        print(f"wrote {args.json}")
-    if args.png:
-        try:
-            plot(result, args.png)
-            print(f"wrote {args.png}")
-        except ImportError:
-            print("note: no plot: matplotlib is not installed (pip install matplotlib)",
-                  file=sys.stderr)
+    convergence.write_outputs(result, args.json, args.png, plot)
     return 0 if result["identical_at_step0"] else 1
 
 

@@ -23,17 +23,22 @@ TEMPLATE = (
 )
 
 
-def make_tokenizer(folder: str) -> None:
+def byte_level_tokenizer(special: list, **kwargs) -> PreTrainedTokenizerFast:
+    """256 byte tokens (no merges) and ``special`` after them, ChatML's end and pad tokens;
+    ``kwargs`` go to ``PreTrainedTokenizerFast`` (the chat template)."""
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {token: i for i, token in enumerate(sorted(alphabet))}
     core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     core.decoder = decoders.ByteLevel()
-    core.add_special_tokens(SPECIAL)
-    tokenizer = PreTrainedTokenizerFast(
+    core.add_special_tokens(special)
+    return PreTrainedTokenizerFast(
         tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        bos_token=None, unk_token=None, chat_template=TEMPLATE)
-    tokenizer.save_pretrained(folder)
+        bos_token=None, unk_token=None, **kwargs)
+
+
+def make_tokenizer(folder: str) -> None:
+    byte_level_tokenizer(SPECIAL, chat_template=TEMPLATE).save_pretrained(folder)
 
 
 def conversations(count: int, seed: int = 0):

@@ -24,10 +24,9 @@ import argparse
 import os
 import sys
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from make_tiny_chat_data import byte_level_tokenizer  # noqa: E402  (this script's folder)
 from mcore_ext.data import shapes  # noqa: E402
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<im_patch>", "<patch_start>",
@@ -47,17 +46,9 @@ GLOBAL_SIZE, CROP_SIZE = 112, 56
 
 
 def make_processor(folder: str) -> None:
-    from transformers import PreTrainedTokenizerFast, Step3p7ImageProcessor, Step3p7Processor
+    from transformers import Step3p7ImageProcessor, Step3p7Processor
 
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {token: i for i, token in enumerate(sorted(alphabet))}
-    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    core.decoder = decoders.ByteLevel()
-    core.add_special_tokens(SPECIAL)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        bos_token=None, unk_token=None)
+    tokenizer = byte_level_tokenizer(SPECIAL)
     images = Step3p7ImageProcessor(size={"height": GLOBAL_SIZE, "width": GLOBAL_SIZE},
                                    patch_size=CROP_SIZE)
     Step3p7Processor(image_processor=images, tokenizer=tokenizer,
